@@ -1,0 +1,82 @@
+"""Shared benchmark plumbing: CLI flags, timing, the JSON result format of DESIGN.md, plots."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def parse_args(description: str, argv=None) -> argparse.Namespace:
+    """``--quick`` (≤ 60 s on 2 cores) and ``--out`` (results folder)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--quick", action="store_true", help="small configuration that finishes in under 60 s")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for <name>.json and <name>.png")
+    return parser.parse_args(argv)
+
+
+def block(tree):
+    """Wait for every array in ``tree`` (for honest wall-clock timings)."""
+    return jax.block_until_ready(tree)
+
+
+class Timer:
+    """``with Timer() as t: ...; t.seconds``."""
+
+    def __enter__(self):
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.seconds = time.perf_counter() - self.start
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, (np.ndarray, jax.Array)):
+        return _jsonable(np.asarray(x).tolist())
+    if isinstance(x, (np.floating, float)):
+        return None if not np.isfinite(x) else float(x)
+    if isinstance(x, (np.integer,)):
+        return int(x)
+    if isinstance(x, (np.bool_,)):
+        return bool(x)
+    return x
+
+
+def write_result(name: str, quick: bool, config: dict, methods: dict, claims: dict, out: Path = RESULTS,
+                 extra: dict | None = None) -> Path:
+    """Write ``<out>/<name>.json`` in the DESIGN.md format; claims must be computed from ``methods``."""
+    out.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "benchmark": name,
+        "quick": bool(quick),
+        "config": config,
+        "methods": methods,
+        "claims": {k: bool(v) for k, v in claims.items()},
+        "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
+                    "jax_backend": jax.default_backend(), "jax": jax.__version__},
+    }
+    if extra:
+        payload.update(extra)
+    path = out / f"{name}.json"
+    path.write_text(json.dumps(_jsonable(payload), indent=1))
+    return path
+
+
+def save_figure(fig, name: str, out: Path = RESULTS) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.png"
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    return path

@@ -1,0 +1,21 @@
+"""numpyro_fedvi: variational-inference engines for NumPyro models (PD-VI / P²D-VI, ...).
+
+Use them where you use ``numpyro.infer.SVI``: same model, same guide, same ``init/update/run/get_params``.
+"""
+
+from .pdvi import PDVI, PDVIState
+from .runner import EarlyStopping, RunResult
+from .structure import ModelStructure, Partitions, inspect_model, make_partitions
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "PDVI",
+    "EarlyStopping",
+    "ModelStructure",
+    "PDVIState",
+    "Partitions",
+    "RunResult",
+    "inspect_model",
+    "make_partitions",
+]

@@ -1,0 +1,1 @@
+"""Reference models (NumPyro model/guide pairs plus closed-form references) used by examples, tests and benchmarks."""

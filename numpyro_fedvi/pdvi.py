@@ -1,0 +1,348 @@
+"""PD-VI and P²D-VI: mini-batch primal–dual mean-field VI (Lyu, Yu, Ma, Shi 2026, Algorithms 1–3).
+
+Functional core (``pdvi_init`` / ``pdvi_step``) on a ``PDVIState`` pytree, generic over the oracle, and the
+``PDVI`` front-end with NumPyro's SVI surface whose oracle minimises the augmented Lagrangian of a block's
+negative ELBO (built from the user's NumPyro ELBO) with an optax optimizer.
+
+Algorithm 1 (specs/pdvi.md §1), with ``n`` dual owners ("units": fixed blocks of the data, or data points):
+
+    for each selected unit i ∈ S_t, in parallel, against the same frozen λ_0:
+        (φ_i, λ_i) = argmin f_i(φ_i, λ_i) + ⟨μ_i, λ_i − λ_0⟩ + ½‖λ_i − λ_0‖²_{D_η}      (Oracle I / II)
+        μ_i ← μ_i + D_η (λ_i − λ_0)
+    h   ← h + (1/n) Σ_{i∈S_t} (λ_i − λ_0)
+    λ_0 ← (1/|S_t|) Σ_{i∈S_t} λ_i + h
+
+``D_η = blkdiag(1/η_j)``: one scalar η is PD-VI (Oracle I), one η_j per global param site (or per
+coordinate) is P²D-VI (Oracle II).  The invariant ``h = D_η^{-1} mean(μ)`` holds exactly (Remark 3.1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import random
+from numpyro.infer import Trace_ELBO
+
+from .curvature import diag_hessian
+from .objectives import block_loss_fn, full_loss_fn
+from .runner import EarlyStopping, RunResult, run_loop, tree_all_finite
+from .structure import ModelStructure, Partitions, check_finite_data, inspect_model, make_partitions
+
+__all__ = ["PDVI", "PDVIState", "pdvi_init", "pdvi_step", "prox_solve"]
+
+
+class PDVIState(NamedTuple):
+    """State of Algorithm 1.
+
+    ``lam0``: the consensus global params λ_0 (unconstrained); ``h``: the correction h; ``mu``: duals with
+    a leading unit axis; ``local``: the engine's local state (PDVI: canonical unconstrained local params,
+    full size); ``eta``: the penalties η_j (pytree like λ_0, fixed during a run); ``step``: iterations
+    done; ``rng_key``: base key (step keys are ``fold_in(rng_key, step)``).
+    """
+
+    lam0: Any
+    h: Any
+    mu: Any
+    local: Any
+    eta: Any
+    step: jax.Array
+    rng_key: jax.Array
+
+
+def _accum(x):
+    """Accumulators (λ_0, h, μ) in the widest enabled float (float64 under ``numpyro.enable_x64()``)."""
+    return jnp.asarray(x, jnp.result_type(float))
+
+
+def pdvi_init(lam0, num_units: int, local, eta, rng_key) -> PDVIState:
+    """``λ_i^0 = λ_0^0``, ``μ^0 = 0``, ``h^0 = 0`` (Algorithm 1, Initialize).
+
+    ``eta``: pytree like λ_0 of positive penalties η_j (scalars or arrays broadcastable to each leaf).
+    """
+    lam0 = jax.tree.map(_accum, lam0)
+    zeros = jax.tree.map(jnp.zeros_like, lam0)
+    mu = jax.tree.map(lambda x: jnp.zeros((num_units,) + x.shape, x.dtype), lam0)
+    eta = jax.tree.map(_accum, eta)
+    return PDVIState(lam0, zeros, mu, local, eta, jnp.asarray(0, jnp.int32), rng_key)
+
+
+def pdvi_step(state: PDVIState, oracle: Callable, select: Callable) -> tuple[PDVIState, jax.Array]:
+    """One iteration of Algorithm 1.
+
+    :param oracle: ``oracle(units, mask, lam0, mu_sel, eta, local, key) -> (lam_sel, local, unit_losses)``:
+        solves the (preconditioned) augmented-Lagrangian subproblem of every selected unit against the same
+        ``lam0``; ``lam_sel`` has a leading axis over the selected units.
+    :param select: ``select(key, step) -> (units, mask)``: the indices of S_t (``mask`` False on padding).
+    :return: the new state and the loss estimate ``(n/|S_t|) Σ_{i∈S_t} f_i(φ_i, λ_i)``.
+    """
+    num_units = jax.tree.leaves(state.mu)[0].shape[0]
+    key = random.fold_in(state.rng_key, state.step)
+    select_key, oracle_key = random.split(key)
+    units, mask = select(select_key, state.step)
+    mu_sel = jax.tree.map(lambda m: m[units], state.mu)
+    lam_sel, local, unit_losses = oracle(units, mask, state.lam0, mu_sel, state.eta, state.local, oracle_key)
+
+    def bcast(x):  # mask over the unit axis of a (S, ...) leaf
+        return mask.reshape((-1,) + (1,) * (x.ndim - 1))
+
+    delta = jax.tree.map(lambda l, l0: jnp.where(bcast(l), _accum(l) - l0, 0.0), lam_sel, state.lam0)
+    target = jnp.where(mask, units, num_units)  # padded selections are dropped by the scatter
+    mu = jax.tree.map(lambda m, d, e: m.at[target].add(d / e, mode="drop"), state.mu, delta, state.eta)
+    h = jax.tree.map(lambda hh, d: hh + jnp.sum(d, 0) / num_units, state.h, delta)
+    count = jnp.sum(mask)
+    lam0 = jax.tree.map(lambda l, hh: jnp.sum(jnp.where(bcast(l), _accum(l), 0.0), 0) / count + hh, lam_sel, h)
+    loss = num_units / count * jnp.sum(jnp.where(mask, unit_losses, 0.0))
+    new = PDVIState(lam0, h, mu, local, state.eta, state.step + 1, state.rng_key)
+    return new, loss
+
+
+def prox_solve(f: Callable, lam0, mu, eta, phi, optimizer: optax.GradientTransformation, num_steps: int,
+               alternating: bool = True):
+    """Approximately solve ``min_{φ,λ} f(λ, φ) + ⟨μ, λ − λ_0⟩ + ½‖λ − λ_0‖²_{D_η}`` (Algorithms 2–3).
+
+    ``num_steps`` optax steps warm-started at ``λ = λ_0`` and the given ``φ``.  ``alternating=True`` updates
+    φ first and the global copy λ last in each step (so the dual update sees λ-stationarity w.r.t. the final
+    φ); ``False`` updates both jointly from one gradient.  Returns ``(λ, φ, f(λ, φ))``.
+    """
+    optimizer = optax.with_extra_args_support(optimizer)
+    lam_start = lam0
+
+    def lagrangian(lam, phi_):
+        penalty = sum(jnp.sum(m * (l - l0)) + 0.5 * jnp.sum((l - l0) ** 2 / e)
+                      for l, l0, m, e in zip(*map(jax.tree.leaves, (lam, lam0, mu, eta))))
+        return f(lam, phi_) + penalty
+
+    def opt_step(params, opt_state, value_fn):
+        value, grad = jax.value_and_grad(value_fn)(params)
+        updates, opt_state = optimizer.update(grad, opt_state, params, value=value, grad=grad, value_fn=value_fn)
+        return optax.apply_updates(params, updates), opt_state
+
+    has_local = bool(jax.tree.leaves(phi))
+
+    def body(carry, _):
+        lam, phi_, s_lam, s_phi = carry
+        if alternating:
+            if has_local:
+                phi_, s_phi = opt_step(phi_, s_phi, lambda p: lagrangian(lam, p))
+            lam, s_lam = opt_step(lam, s_lam, lambda l: lagrangian(l, phi_))
+        else:
+            (lam, phi_), s_lam = opt_step((lam, phi_), s_lam, lambda lp: lagrangian(*lp))
+        return (lam, phi_, s_lam, s_phi), None
+
+    s_lam = optimizer.init(lam_start) if alternating else optimizer.init((lam_start, phi))
+    s_phi = optimizer.init(phi) if alternating else None
+    (lam, phi, _, _), _ = jax.lax.scan(body, (lam_start, phi, s_lam, s_phi), None, length=num_steps)
+    return lam, phi, f(lam, phi)
+
+
+def _check_eta(eta, global_names):
+    if isinstance(eta, dict):
+        unknown = set(eta) - set(global_names)
+        missing = set(global_names) - set(eta)
+        if unknown or missing:
+            raise ValueError(f"eta dict must give one entry per global param site {sorted(global_names)}; "
+                             f"unknown: {sorted(unknown)}, missing: {sorted(missing)}.")
+        out = {k: jnp.asarray(eta[k], jnp.result_type(float)) for k in global_names}
+    else:
+        out = {k: jnp.asarray(eta, jnp.result_type(float)) for k in global_names}
+    for k, v in out.items():
+        if not bool(jnp.all(v > 0)) or not bool(jnp.all(jnp.isfinite(v))):
+            raise ValueError(f"eta for {k!r} must be positive and finite, got {v}.")
+    return out
+
+
+class PDVI:
+    """Primal–dual mean-field VI (PD-VI / P²D-VI) with NumPyro's SVI surface.
+
+    ``PDVI(model, guide, loss=Trace_ELBO(), num_partitions=30, eta=1.0)`` is PD-VI (Oracle I);
+    ``eta={"m": 1e-2, "s": 1.0}`` (one η per global param site, or arrays per coordinate) or ``eta="auto"``
+    is P²D-VI (Oracle II).  The model needs a subsampled data plate (``numpyro.plate("data", N,
+    subsample_size=...)``; the subsample size itself is ignored); guide params inside it
+    (``numpyro.param(..., event_dim=...)``) are local φ, every other param is global λ.
+
+    :param loss: any NumPyro ELBO (``Trace_ELBO``, ``TraceMeanField_ELBO``, ``TraceGraph_ELBO``,
+        ``TraceEnum_ELBO``).
+    :param num_partitions: split the data plate into this many contiguous fixed blocks (data order).
+    :param partitions: or give the blocks: a list of index arrays or a length-N array of block ids.
+    :param partitions_per_step: blocks visited per iteration (``|S_t|``; oracles run in parallel).
+    :param eta: float (PD-VI), dict ``{site: η_j}`` (P²D-VI), or ``"auto"``: ``η_j = eta_scale / L̂_j``
+        with ``L̂_j`` the largest diagonal second derivative of block ``j`` of a block loss at the initial
+        state (max over up to 8 evenly spaced blocks; specs/pdvi.md §4 suggests c ∈ [0.3, 10]).
+    :param eta_scale: the constant ``c`` of ``eta="auto"`` (default 1.0).
+    :param local_optimizer: optax optimizer of the oracle (default ``optax.lbfgs()``); re-initialised on
+        every oracle call.
+    :param local_steps: optimizer steps per oracle call.
+    :param dual_granularity: ``"partition"`` (one dual per block; ``n`` = number of blocks) or ``"datum"``
+        (one dual and one oracle per data point, ``n = N``; the points of the selected blocks form S_t).
+    :param selection: ``"random"`` (uniform without replacement, as in the theory) or ``"cyclic"``.
+    :param alternating: update local params first and the global copy last in each oracle step.
+    :param data_plate: name of the data plate when the model has several subsampled plates.
+    """
+
+    def __init__(self, model, guide, loss=None, *, num_partitions: int | None = None, partitions=None,
+                 partitions_per_step: int = 1, eta: float | dict | str = 1.0, eta_scale: float = 1.0,
+                 local_optimizer: optax.GradientTransformation | None = None, local_steps: int = 10,
+                 dual_granularity: str = "partition", selection: str = "random", alternating: bool = True,
+                 data_plate: str | None = None, **static_kwargs):
+        if dual_granularity not in ("partition", "datum"):
+            raise ValueError(f"dual_granularity must be 'partition' or 'datum', got {dual_granularity!r}.")
+        if selection not in ("random", "cyclic"):
+            raise ValueError(f"selection must be 'random' or 'cyclic', got {selection!r}.")
+        if num_partitions is None and partitions is None:
+            raise ValueError("PDVI needs fixed blocks of the data: pass num_partitions=B or partitions=[...].")
+        if not isinstance(local_steps, (int, np.integer)) or local_steps < 1:
+            raise ValueError(f"local_steps must be a positive integer, got {local_steps!r}.")
+        if isinstance(eta, str) and eta != "auto":
+            raise ValueError(f"eta must be a positive float, a dict of them, or 'auto'; got {eta!r}.")
+        if not eta_scale > 0:
+            raise ValueError(f"eta_scale must be positive, got {eta_scale!r}.")
+        self.model, self.guide = model, guide
+        self.loss = Trace_ELBO() if loss is None else loss
+        self.num_partitions, self.partitions = num_partitions, partitions
+        self.partitions_per_step = int(partitions_per_step)
+        self.eta_spec, self.eta_scale = eta, float(eta_scale)
+        self.local_optimizer = optax.lbfgs() if local_optimizer is None else local_optimizer
+        self.local_steps = int(local_steps)
+        self.dual_granularity, self.selection, self.alternating = dual_granularity, selection, alternating
+        self.data_plate = data_plate
+        self.static_kwargs = static_kwargs
+        self.structure: ModelStructure | None = None
+        self.blocks: Partitions | None = None
+
+    # ---------------------------------------------------------------------------------------------
+    @property
+    def num_units(self) -> int:
+        return self.structure.data_plate.size if self.dual_granularity == "datum" else self.blocks.num_blocks
+
+    def _setup(self, rng_key, args, kwargs, init_params):
+        check_finite_data(args, kwargs)
+        structure = inspect_model(self.model, self.guide, rng_key, args, {**kwargs, **self.static_kwargs},
+                                  data_plate=self.data_plate, init_params=init_params)
+        blocks = make_partitions(structure.data_plate.size, self.num_partitions, self.partitions)
+        if not 1 <= self.partitions_per_step <= blocks.num_blocks:
+            raise ValueError(f"partitions_per_step must be in [1, {blocks.num_blocks}], "
+                             f"got {self.partitions_per_step}.")
+        self.structure, self.blocks = structure, blocks
+        self._block_loss = block_loss_fn(self.loss, self.model, self.guide, structure, self.static_kwargs)
+
+    def _unit_data(self, unit):
+        """(data indices, mask, global weight) of one dual owner."""
+        n = self.structure.data_plate.size
+        if self.dual_granularity == "datum":
+            return unit[None], jnp.ones((1,), bool), 1.0 / n
+        return self.blocks.indices[unit], self.blocks.mask[unit], self.blocks.sizes[unit] / n
+
+    def _select(self, key, step):
+        num_blocks, m = self.blocks.num_blocks, self.partitions_per_step
+        if self.selection == "random":
+            chosen = random.choice(key, num_blocks, (m,), replace=False)
+        else:
+            chosen = (step * m + jnp.arange(m)) % num_blocks
+        if self.dual_granularity == "datum":
+            return self.blocks.indices[chosen].reshape(-1), self.blocks.mask[chosen].reshape(-1)
+        return chosen, jnp.ones((m,), bool)
+
+    def _oracle(self, args, kwargs):
+        size = self.structure.data_plate.size
+
+        def solve_one(unit, lam0, mu, eta, local, key):
+            idx, mask, weight = self._unit_data(unit)
+            rows = {k: v[idx] for k, v in local.items()}
+            unit_key = random.fold_in(key, unit)  # fixed during the solve: common random numbers
+
+            def f(lam, rows_):
+                return self._block_loss(unit_key, lam, rows_, idx, mask, weight, args, kwargs)
+
+            lam, rows, value = prox_solve(f, lam0, mu, eta, rows, self.local_optimizer, self.local_steps,
+                                          self.alternating)
+            return lam, rows, value, idx, mask
+
+        def oracle(units, mask, lam0, mu_sel, eta, local, key):
+            lam, rows, values, idx, row_mask = jax.vmap(solve_one, in_axes=(0, None, 0, None, None, None))(
+                units, lam0, mu_sel, eta, local, key)
+            keep = row_mask & mask[:, None]
+            target = jnp.where(keep, idx, size).reshape(-1)
+            local = {k: v.at[target].set(rows[k].reshape((-1,) + v.shape[1:]).astype(v.dtype), mode="drop")
+                     for k, v in local.items()}
+            return lam, local, values
+
+        return oracle
+
+    def _auto_eta(self, lam0, local, rng_key, args, kwargs):
+        n_probe = min(8, self.num_units)
+        units = np.unique(np.linspace(0, self.num_units - 1, n_probe).astype(int))
+        curv = None
+        for u in units:
+            idx, mask, weight = self._unit_data(jnp.asarray(u))
+            rows = {k: v[idx] for k, v in local.items()}
+            key = random.fold_in(rng_key, int(u))
+            d = diag_hessian(lambda l: self._block_loss(key, l, rows, idx, mask, weight, args, kwargs), lam0,
+                             key=key)
+            m = {k: float(jnp.max(jnp.abs(v))) for k, v in d.items()}
+            curv = m if curv is None else {k: max(curv[k], m[k]) for k in m}
+        return {k: self.eta_scale / max(c, 1e-8) for k, c in curv.items()}
+
+    # SVI surface -----------------------------------------------------------------------------------
+    def init(self, rng_key, *args, init_params: dict | None = None, **kwargs) -> PDVIState:
+        """Trace model and guide, build the blocks and the duals; returns the initial ``PDVIState``."""
+        rng_key, setup_key, eta_key = random.split(rng_key, 3)
+        self._setup(setup_key, args, kwargs, init_params)
+        lam0, local = self.structure.init_global, self.structure.init_local
+        eta = self._auto_eta(lam0, local, eta_key, args, kwargs) if self.eta_spec == "auto" else self.eta_spec
+        return pdvi_init(lam0, self.num_units, local, _check_eta(eta, self.structure.global_names), rng_key)
+
+    def _require_init(self):
+        if self.structure is None:
+            raise RuntimeError("Call PDVI.init(rng_key, *args, **kwargs) (or run) before update/evaluate.")
+
+    def update(self, state: PDVIState, *args, **kwargs) -> tuple[PDVIState, jax.Array]:
+        """One PD-VI iteration; returns ``(state, loss)`` with loss the scaled negative ELBO of S_t."""
+        self._require_init()
+        return pdvi_step(state, self._oracle(args, kwargs), self._select)
+
+    def stable_update(self, state: PDVIState, *args, **kwargs) -> tuple[PDVIState, jax.Array]:
+        """Like ``update`` but keeps the old state when the loss or the new state is not finite."""
+        new_state, loss = self.update(state, *args, **kwargs)
+        finite = jnp.isfinite(loss) & tree_all_finite(new_state)
+        return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_state, state), loss
+
+    def evaluate(self, state: PDVIState, *args, **kwargs) -> jax.Array:
+        """Full-data negative ELBO at λ_0 and the stored local params: ``Σ_b f_b(φ_b, λ_0)``."""
+        self._require_init()
+        loss = full_loss_fn(self._block_loss, self.structure, self.blocks)
+        key = random.split(state.rng_key)[1]
+        return loss(key, self._global_params(state), state.local, args, kwargs)
+
+    def _global_params(self, state):
+        dtypes = {k: v.dtype for k, v in self.structure.init_global.items()}
+        return {k: v.astype(dtypes[k]) for k, v in state.lam0.items()}
+
+    def get_params(self, state: PDVIState) -> dict[str, jax.Array]:
+        """Constrained params (global = λ_0, local = stored φ), usable with ``Predictive(guide, params=...)``."""
+        self._require_init()
+        return self.structure.constrained_params(self._global_params(state), state.local)
+
+    def run(self, rng_key, num_steps: int, *args, progress_bar: bool = True, stable_update: bool = False,
+            init_state: PDVIState | None = None, init_params: dict | None = None, callbacks=(),
+            early_stopping: EarlyStopping | None = None, chunk_size: int | None = None, **kwargs) -> RunResult:
+        """Run ``num_steps`` iterations in a compiled loop (see ``numpyro_fedvi.runner.run_loop``).
+
+        ``init_state`` resumes a previous run (its model args must be the same); ``init_params`` overrides
+        the guide's init values (constrained).  Returns a ``RunResult`` (``params``, ``state``, ``losses``,
+        ``diagnostics``).
+        """
+        if init_state is None:
+            state = self.init(rng_key, *args, init_params=init_params, **kwargs)
+        else:
+            if self.structure is None:
+                self._setup(random.split(rng_key, 3)[1], args, kwargs, init_params)
+            state = init_state
+        return run_loop(lambda s: self.update(s, *args, **kwargs), state, num_steps,
+                        get_params=self.get_params, progress_bar=progress_bar, callbacks=callbacks,
+                        early_stopping=early_stopping, stable_update=stable_update, chunk_size=chunk_size,
+                        desc=type(self).__name__)

@@ -1,0 +1,299 @@
+"""Model structure: trace a NumPyro model + guide once and describe its params and data plate.
+
+A guide param is LOCAL when its ``cond_indep_stack`` holds the data plate, a plate that is subsampled
+(``subsample_size < size``); NumPyro stores such a param at full size ``N`` along the plate axis and slices
+it to the minibatch.  Every other param (guide or model) is GLOBAL.  Params are stored unconstrained, as in
+``numpyro.infer.SVI``.  Local params are kept in a canonical layout with the data axis first, so that rows
+of a block of data can be gathered and scattered along axis 0.
+
+Also here: the fixed partitions of the data plate used by the block engines (padded to a common size and
+masked, never dropped).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import random
+from numpyro import handlers
+from numpyro.distributions import constraints
+from numpyro.distributions.transforms import Transform, biject_to
+
+__all__ = [
+    "DataPlate",
+    "ModelStructure",
+    "ParamInfo",
+    "Partitions",
+    "check_finite_data",
+    "inspect_model",
+    "make_partitions",
+]
+
+
+@dataclass(frozen=True)
+class DataPlate:
+    """The subsampled plate that indexes the data: its name, full size ``N`` and batch dim (negative)."""
+
+    name: str
+    size: int
+    dim: int
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """One ``numpyro.param`` site."""
+
+    name: str
+    shape: tuple[int, ...]           # full (stored) shape in the natural layout
+    transform: Transform             # unconstrained -> constrained
+    event_dim: int | None
+    local_axis: int | None = None    # axis of the data plate in the natural layout; None for global params
+
+    @property
+    def is_local(self) -> bool:
+        return self.local_axis is not None
+
+
+@dataclass(frozen=True)
+class ModelStructure:
+    """Params of a model + guide split into GLOBAL and LOCAL, with the data plate and init values.
+
+    ``init_global`` holds unconstrained global params; ``init_local`` unconstrained local params in the
+    canonical layout (data axis first).
+    """
+
+    params: dict[str, ParamInfo]
+    data_plate: DataPlate | None
+    init_global: dict[str, jax.Array] = field(repr=False)
+    init_local: dict[str, jax.Array] = field(repr=False)
+
+    @property
+    def global_names(self) -> tuple[str, ...]:
+        return tuple(n for n, p in self.params.items() if not p.is_local)
+
+    @property
+    def local_names(self) -> tuple[str, ...]:
+        return tuple(n for n, p in self.params.items() if p.is_local)
+
+    # layouts ---------------------------------------------------------------------------------------
+    def to_natural(self, name: str, rows: jax.Array) -> jax.Array:
+        """Canonical (data axis first) -> natural layout of a local param (or a block of its rows)."""
+        return jnp.moveaxis(rows, 0, self.params[name].local_axis)
+
+    def to_canonical(self, name: str, value: jax.Array) -> jax.Array:
+        return jnp.moveaxis(value, self.params[name].local_axis, 0)
+
+    # constraints -----------------------------------------------------------------------------------
+    def constrain_global(self, unconstrained: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        return {k: self.params[k].transform(v) for k, v in unconstrained.items()}
+
+    def constrain_local(self, rows: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        """Constrain canonical local rows and return them in the natural layout."""
+        return {k: self.params[k].transform(self.to_natural(k, v)) for k, v in rows.items()}
+
+    def constrained_params(self, global_unc: dict, local_unc: dict) -> dict[str, jax.Array]:
+        """The full constrained param dict (natural layouts), as ``SVI.get_params`` returns it."""
+        out = self.constrain_global(global_unc)
+        out.update(self.constrain_local(local_unc))
+        return out
+
+    def unconstrain(self, params: dict[str, Any]) -> tuple[dict, dict]:
+        """Constrained params (natural layout) -> (unconstrained global, canonical unconstrained local)."""
+        unknown = set(params) - set(self.params)
+        if unknown:
+            raise ValueError(f"init_params names unknown param sites {sorted(unknown)}; "
+                             f"known sites: {sorted(self.params)}.")
+        glob, loc = {}, {}
+        for name, value in params.items():
+            info = self.params[name]
+            value = jnp.asarray(value)
+            if value.shape != info.shape:
+                raise ValueError(f"init_params[{name!r}] has shape {value.shape}, expected {info.shape}.")
+            unc = info.transform.inv(value)
+            if info.is_local:
+                loc[name] = self.to_canonical(name, unc)
+            else:
+                glob[name] = unc
+        return glob, loc
+
+
+class Partitions(NamedTuple):
+    """Fixed blocks of the data plate, padded to a common size.
+
+    ``indices[b, j]`` is the j-th data index of block b (padding repeats the block's first index);
+    ``mask[b, j]`` is False on padding; ``sizes[b]`` is the number of real indices.
+    """
+
+    indices: jax.Array  # (B, P) int32
+    mask: jax.Array     # (B, P) bool
+    sizes: jax.Array    # (B,) int32
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.indices.shape[0])
+
+
+def make_partitions(size: int, num_partitions: int | None = None, partitions=None) -> Partitions:
+    """Build fixed partitions of ``range(size)``.
+
+    - ``num_partitions=B``: contiguous chunks in data order (non-iid by design when the data are ordered),
+      sizes differing by at most one;
+    - ``partitions``: a list of index arrays (a partition of ``range(size)``), or a length-``size`` array of
+      block ids (ids ``0..B-1``, each used at least once).
+    """
+    if (num_partitions is None) == (partitions is None):
+        raise ValueError("Give exactly one of num_partitions=B or partitions=[...] / partition ids.")
+    if num_partitions is not None:
+        if not isinstance(num_partitions, (int, np.integer)) or not 1 <= num_partitions <= size:
+            raise ValueError(f"num_partitions must be an integer in [1, {size}], got {num_partitions!r}.")
+        blocks = np.array_split(np.arange(size), int(num_partitions))
+    elif isinstance(partitions, (list, tuple)):
+        blocks = [np.asarray(b).reshape(-1) for b in partitions]
+        if any(b.size == 0 for b in blocks):
+            raise ValueError("partitions contains an empty block.")
+        flat = np.concatenate(blocks)
+        if not np.issubdtype(flat.dtype, np.integer):
+            raise TypeError("partitions must hold integer index arrays.")
+        if flat.size != size or not np.array_equal(np.sort(flat), np.arange(size)):
+            raise ValueError(f"partitions must cover every index of the data plate (size {size}) exactly once.")
+    else:
+        ids = np.asarray(partitions).reshape(-1)
+        if ids.size != size or not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"a partition-id array must hold {size} integers (one block id per datum).")
+        uniq = np.unique(ids)
+        if uniq[0] < 0 or not np.array_equal(uniq, np.arange(uniq.size)):
+            raise ValueError("partition ids must be 0..B-1 with every id used.")
+        blocks = [np.flatnonzero(ids == b) for b in uniq]
+    width = max(b.size for b in blocks)
+    indices = np.stack([np.concatenate([b, np.full(width - b.size, b[0])]) for b in blocks]).astype(np.int32)
+    mask = np.stack([np.arange(width) < b.size for b in blocks])
+    sizes = np.array([b.size for b in blocks], np.int32)
+    return Partitions(jnp.asarray(indices), jnp.asarray(mask), jnp.asarray(sizes))
+
+
+def check_finite_data(args: Sequence, kwargs: dict) -> None:
+    """Raise ``ValueError`` naming the argument when a floating array argument holds NaN or inf."""
+    named = [(f"positional argument {i}", a) for i, a in enumerate(args)] + [(f"argument {k!r}", v)
+                                                                          for k, v in kwargs.items()]
+    for where, value in named:
+        for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
+            if isinstance(leaf, (np.ndarray, jax.Array)) and jnp.issubdtype(leaf.dtype, jnp.inexact):
+                if isinstance(leaf, jax.core.Tracer):
+                    continue
+                if not bool(np.all(np.isfinite(np.asarray(leaf)))):
+                    loc = where + (jax.tree_util.keystr(path) if path else "")
+                    raise ValueError(f"{loc} holds NaN or inf values; remove or impute them (or mask them in "
+                                     "the model) before inference.")
+
+
+def _subsampled_plates(*traces) -> dict[str, tuple[int, int]]:
+    found = {}
+    for tr in traces:
+        for name, site in tr.items():
+            if site["type"] == "plate":
+                size, sub = site["args"]
+                if sub is not None and sub < size:
+                    found[name] = (size, sub)
+    return found
+
+
+def _plate_dims(*traces) -> dict[str, int]:
+    dims = {}
+    for tr in traces:
+        for site in tr.values():
+            for frame in site.get("cond_indep_stack", ()):
+                dims.setdefault(frame.name, frame.dim)
+    return dims
+
+
+def inspect_model(
+    model,
+    guide,
+    rng_key,
+    args: Sequence = (),
+    kwargs: dict | None = None,
+    *,
+    data_plate: str | None = None,
+    init_params: dict | None = None,
+    require_data_plate: bool = True,
+) -> ModelStructure:
+    """Trace ``guide`` and ``model`` (replayed against the guide) once and describe their params.
+
+    :param data_plate: name of the data plate when the model has several subsampled plates.
+    :param init_params: constrained values overriding the guide's ``numpyro.param`` init values.
+    :param require_data_plate: raise when no subsampled plate exists (engines with local latents need one).
+    """
+    kwargs = dict(kwargs or {})
+    model_key, guide_key = random.split(rng_key)
+    guide_init = handlers.seed(guide, guide_key)
+    if init_params:
+        guide_init = handlers.substitute(guide_init, data=init_params)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="subsample_size does not match")
+        guide_trace = handlers.trace(guide_init).get_trace(*args, **kwargs)
+        guide_params = {n: s["value"] for n, s in guide_trace.items() if s["type"] == "param"}
+        model_run = handlers.substitute(handlers.replay(handlers.seed(model, model_key), guide_trace), guide_params)
+        model_trace = handlers.trace(model_run).get_trace(*args, **kwargs)
+
+    plates = _subsampled_plates(guide_trace, model_trace)
+    if data_plate is not None:
+        if data_plate not in plates:
+            raise ValueError(f"data_plate={data_plate!r} is not a subsampled plate of the model/guide; "
+                             f"subsampled plates found: {sorted(plates) or 'none'}.")
+        plate_name = data_plate
+    elif len(plates) == 1:
+        plate_name = next(iter(plates))
+    elif len(plates) > 1:
+        raise ValueError(f"The model has several subsampled plates {sorted(plates)}; name the one that "
+                         "indexes the data with data_plate='...'.")
+    else:
+        plate_name = None
+        if require_data_plate:
+            raise ValueError(
+                "The model has no subsampled plate. Declare the data plate with a subsample size, e.g. "
+                "`with numpyro.plate('data', N, subsample_size=100): ...`, and slice the observations with "
+                "the plate's indices (or numpyro.subsample); local (per-datum) params go inside it with "
+                "`numpyro.param(..., event_dim=...)`.")
+    plate = None
+    if plate_name is not None:
+        plate = DataPlate(plate_name, int(plates[plate_name][0]), int(_plate_dims(guide_trace, model_trace)[plate_name]))
+
+    infos: dict[str, ParamInfo] = {}
+    init_global: dict[str, jax.Array] = {}
+    init_local: dict[str, jax.Array] = {}
+    # guide params override model params of the same name (as in SVI.init)
+    sites = [s for s in list(model_trace.values()) + list(guide_trace.values()) if s["type"] == "param"]
+    for site in sites:
+        name = site["name"]
+        value = jnp.asarray(site["value"])
+        constraint = site["kwargs"].get("constraint", constraints.real)
+        transform = biject_to(constraint)
+        event_dim = site["kwargs"].get("event_dim")
+        in_plate = plate is not None and any(f.name == plate.name for f in site["cond_indep_stack"])
+        local_axis = None
+        if in_plate:
+            if event_dim is None:
+                raise ValueError(
+                    f"numpyro.param({name!r}) is inside the subsampled data plate {plate.name!r} but has no "
+                    "event_dim, so NumPyro does not slice it; pass event_dim=<number of dims right of the data "
+                    "axis> (e.g. event_dim=1 for an (N, K) param) to make it a local param.")
+            local_axis = value.ndim + plate.dim - event_dim
+            if local_axis < 0 or value.shape[local_axis] != plate.size:
+                raise ValueError(
+                    f"local param {name!r} has shape {value.shape}; its data axis {local_axis} (plate "
+                    f"{plate.name!r}, event_dim={event_dim}) must have size N={plate.size}.")
+        infos[name] = ParamInfo(name, tuple(value.shape), transform, event_dim, local_axis)
+        unc = transform.inv(value)
+        if local_axis is None:
+            init_global[name] = unc
+            init_local.pop(name, None)
+        else:
+            init_local[name] = jnp.moveaxis(unc, local_axis, 0)
+            init_global.pop(name, None)
+    return ModelStructure(infos, plate, init_global, init_local)
