@@ -181,6 +181,10 @@ class PDVI:
         (one dual and one oracle per data point, ``n = N``; the points of the selected blocks form S_t).
     :param selection: ``"random"`` (uniform without replacement, as in the theory) or ``"cyclic"``.
     :param alternating: update local params first and the global copy last in each oracle step.
+    :param crn: common random numbers of Monte-Carlo ELBOs: ``"oracle"`` fixes the key during each oracle
+        solve and draws a new one per visit (specs/pdvi.md §3); ``"run"`` uses one key per unit for the
+        whole run, so every f_i is a deterministic sample-average objective and Algorithm 1 converges to its
+        optimum without the dual drift that fresh noise causes (use several ``num_particles``).
     :param data_plate: name of the data plate when the model has several subsampled plates.
     """
 
@@ -188,6 +192,7 @@ class PDVI:
                  partitions_per_step: int = 1, eta: float | dict | str = 1.0, eta_scale: float = 1.0,
                  local_optimizer: optax.GradientTransformation | None = None, local_steps: int = 10,
                  dual_granularity: str = "partition", selection: str = "random", alternating: bool = True,
+                 crn: str = "oracle",
                  data_plate: str | None = None, **static_kwargs):
         if dual_granularity not in ("partition", "datum"):
             raise ValueError(f"dual_granularity must be 'partition' or 'datum', got {dual_granularity!r}.")
@@ -208,7 +213,10 @@ class PDVI:
         self.eta_spec, self.eta_scale = eta, float(eta_scale)
         self.local_optimizer = optax.lbfgs() if local_optimizer is None else local_optimizer
         self.local_steps = int(local_steps)
+        if crn not in ("oracle", "run"):
+            raise ValueError(f"crn must be 'oracle' or 'run', got {crn!r}.")
         self.dual_granularity, self.selection, self.alternating = dual_granularity, selection, alternating
+        self.crn = crn
         self.data_plate = data_plate
         self.static_kwargs = static_kwargs
         self.structure: ModelStructure | None = None
@@ -247,13 +255,15 @@ class PDVI:
             return self.blocks.indices[chosen].reshape(-1), self.blocks.mask[chosen].reshape(-1)
         return chosen, jnp.ones((m,), bool)
 
-    def _oracle(self, args, kwargs):
+    def _oracle(self, args, kwargs, base_key):
         size = self.structure.data_plate.size
 
         def solve_one(unit, lam0, mu, eta, local, key):
             idx, mask, weight = self._unit_data(unit)
             rows = {k: v[idx] for k, v in local.items()}
-            unit_key = random.fold_in(key, unit)  # fixed during the solve: common random numbers
+            # the Monte-Carlo key is fixed during one solve (common random numbers); with crn="run" it is
+            # also the same at every visit, which makes each f_i a deterministic sample-average objective
+            unit_key = random.fold_in(base_key if self.crn == "run" else key, unit)
 
             def f(lam, rows_):
                 return self._block_loss(unit_key, lam, rows_, idx, mask, weight, args, kwargs)
@@ -303,7 +313,7 @@ class PDVI:
     def update(self, state: PDVIState, *args, **kwargs) -> tuple[PDVIState, jax.Array]:
         """One PD-VI iteration; returns ``(state, loss)`` with loss the scaled negative ELBO of S_t."""
         self._require_init()
-        return pdvi_step(state, self._oracle(args, kwargs), self._select)
+        return pdvi_step(state, self._oracle(args, kwargs, state.rng_key), self._select)
 
     def stable_update(self, state: PDVIState, *args, **kwargs) -> tuple[PDVIState, jax.Array]:
         """Like ``update`` but keeps the old state when the loss or the new state is not finite."""

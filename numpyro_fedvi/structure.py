@@ -192,14 +192,13 @@ def check_finite_data(args: Sequence, kwargs: dict) -> None:
                                      "the model) before inference.")
 
 
-def _subsampled_plates(*traces) -> dict[str, tuple[int, int]]:
+def _plates(*traces) -> dict[str, tuple[int, int | None]]:
+    """All plates of the traces: name -> (size, subsample_size)."""
     found = {}
     for tr in traces:
         for name, site in tr.items():
             if site["type"] == "plate":
-                size, sub = site["args"]
-                if sub is not None and sub < size:
-                    found[name] = (size, sub)
+                found[name] = site["args"]
     return found
 
 
@@ -225,7 +224,10 @@ def inspect_model(
 ) -> ModelStructure:
     """Trace ``guide`` and ``model`` (replayed against the guide) once and describe their params.
 
-    :param data_plate: name of the data plate when the model has several subsampled plates.
+    The data plate is the model's only subsampled plate, or the plate named by ``data_plate`` (which may be
+    declared without a subsample size: the engines pin its indices themselves).
+
+    :param data_plate: name of the data plate (needed when there is no or more than one subsampled plate).
     :param init_params: constrained values overriding the guide's ``numpyro.param`` init values.
     :param require_data_plate: raise when no subsampled plate exists (engines with local latents need one).
     """
@@ -241,24 +243,26 @@ def inspect_model(
         model_run = handlers.substitute(handlers.replay(handlers.seed(model, model_key), guide_trace), guide_params)
         model_trace = handlers.trace(model_run).get_trace(*args, **kwargs)
 
-    plates = _subsampled_plates(guide_trace, model_trace)
+    plates = _plates(guide_trace, model_trace)
+    subsampled = sorted(n for n, (size, sub) in plates.items() if sub is not None and sub < size)
     if data_plate is not None:
         if data_plate not in plates:
-            raise ValueError(f"data_plate={data_plate!r} is not a subsampled plate of the model/guide; "
-                             f"subsampled plates found: {sorted(plates) or 'none'}.")
+            raise ValueError(f"data_plate={data_plate!r} is not a plate of the model/guide; plates found: "
+                             f"{sorted(plates) or 'none'}.")
         plate_name = data_plate
-    elif len(plates) == 1:
-        plate_name = next(iter(plates))
-    elif len(plates) > 1:
-        raise ValueError(f"The model has several subsampled plates {sorted(plates)}; name the one that "
-                         "indexes the data with data_plate='...'.")
+    elif len(subsampled) == 1:
+        plate_name = subsampled[0]
+    elif len(subsampled) > 1:
+        raise ValueError(f"The model has several subsampled plates {subsampled}; name the one that indexes the "
+                         "data with data_plate='...'.")
     else:
         plate_name = None
         if require_data_plate:
             raise ValueError(
-                "The model has no subsampled plate. Declare the data plate with a subsample size, e.g. "
-                "`with numpyro.plate('data', N, subsample_size=100): ...`, and slice the observations with "
-                "the plate's indices (or numpyro.subsample); local (per-datum) params go inside it with "
+                "The model has no subsampled plate, so the data plate is unknown. Either name it with "
+                "data_plate='...' or declare it with a subsample size, e.g. `with numpyro.plate('data', N, "
+                "subsample_size=100): ...`; slice the observations with the plate's indices (or "
+                "numpyro.subsample) and put local (per-datum) params inside it with "
                 "`numpyro.param(..., event_dim=...)`.")
     plate = None
     if plate_name is not None:

@@ -40,6 +40,7 @@ from jax.scipy.special import logsumexp, xlogy
 
 import numpyro
 import numpyro.distributions as dist
+from numpyro import handlers
 from numpyro.distributions import constraints
 
 __all__ = [
@@ -68,7 +69,7 @@ __all__ = [
     "ari",
 ]
 
-_LOG_2PI = float(np.log(2.0 * np.pi))
+_PHI_FLOOR = 1e-6
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -119,6 +120,11 @@ def make_biased_gmm(
         )
     if prior_scale <= 0 or noise_scale <= 0:
         raise ValueError("make_biased_gmm: prior_scale and noise_scale must be > 0")
+    return _sample_biased_gmm(key, n, K, d, float(prior_scale), float(noise_scale))
+
+
+@partial(jax.jit, static_argnums=(1, 2, 3, 4, 5))
+def _sample_biased_gmm(key, n, K, d, prior_scale, noise_scale):
     k_c, k_z, k_x = random.split(key, 3)
     means = prior_scale * random.normal(k_c, (K, d))
     z = random.categorical(k_z, jnp.zeros(K), shape=(n,))
@@ -134,7 +140,7 @@ def make_biased_gmm(
 
 
 def contiguous_batches(n: int, batch_size: int) -> jax.Array:
-    """Index array (B, batch_size) of the contiguous chunks ``[0, b), [b, 2b), ...`` (requires ``n % batch_size == 0``)."""
+    """Index array (B, batch_size) of the contiguous chunks ``[0, b), [b, 2b), ...`` (needs ``n % batch_size == 0``)."""
     if batch_size < 1 or n % batch_size != 0:
         raise ValueError(f"contiguous_batches: n={n} must be a positive multiple of batch_size={batch_size}")
     return jnp.arange(n).reshape(n // batch_size, batch_size)
@@ -205,18 +211,42 @@ def empirical_bayes(x, K: int, seed: int = 0) -> tuple[GMMHyper, jax.Array, jax.
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def gmm_model(x, hyper: GMMHyper, subsample_size: int | None = None):
+def _data_plate(N: int, subsample_size, subsample_idx):
+    """``plate("data", N)``: random subsample of ``subsample_size`` rows, or the rows ``subsample_idx`` pinned with
+    ``handlers.substitute`` (the same mechanism an engine uses from outside)."""
+    if subsample_idx is None:
+        return numpyro.plate("data", N, subsample_size=subsample_size)
+    subsample_idx = jnp.asarray(subsample_idx)
+    if subsample_idx.ndim != 1:
+        raise ValueError(f"subsample_idx must be a 1-d array of row indices, got shape {subsample_idx.shape}")
+    if subsample_size is not None and subsample_size != subsample_idx.shape[0]:
+        raise ValueError(
+            f"subsample_size={subsample_size} disagrees with len(subsample_idx)={subsample_idx.shape[0]}; pass only one"
+        )
+    with handlers.substitute(data={"data": subsample_idx}):
+        return numpyro.plate("data", N, subsample_size=subsample_idx.shape[0])
+
+
+def gmm_model(x, hyper: GMMHyper, subsample_size: int | None = None, subsample_idx=None):
     """NumPyro model of App. C.2: ``c ~ N(xi, Sigma1)`` per component, ``z_i ~ Cat(1/K)``, ``x_i ~ N(c_{z_i}, Sigma0)``.
 
     Sites: ``"c"`` (K, d) under ``plate("components", K)`` with ``.to_event(1)`` on d; ``"z"`` and ``"obs"`` under
     ``plate("data", N, subsample_size=subsample_size)``. ``"z"`` is not enumerated in the model: use it with
-    :func:`make_gmm_guide` (guide-side enumeration) and ``TraceEnum_ELBO``; the model's ``z`` is replayed from the guide.
+    :func:`make_gmm_guide` (guide-side enumeration) and ``TraceEnum_ELBO``; the model's ``z`` is replayed from the
+    guide.
+
+    ``subsample_idx`` (optional, (b,) int array) pins the rows of the mini-batch (e.g. one biased contiguous chunk).
+    GOTCHA: under ``TraceEnum_ELBO`` give the model and the guide the SAME pinned indices (``subsample_idx`` via the
+    SVI args, or ``handlers.substitute(fn, data={"data": idx})`` on both). With ``subsample_size`` alone the model and
+    the guide draw INDEPENDENT random subsamples there, because ``numpyro.contrib.funsor.trace`` records no plate
+    sites and so the model's plate is not replayed from the guide (numpyro 0.22): the loss then pairs ``x_i`` with
+    another row's ``phi`` and is wrong (it still runs and decreases). ``Trace_ELBO`` does replay plates.
     """
     N, _ = jnp.shape(x)
     K = hyper.K
     with numpyro.plate("components", K):
         c = numpyro.sample("c", dist.Normal(hyper.xi, hyper.sigma1).to_event(1))
-    with numpyro.plate("data", N, subsample_size=subsample_size):
+    with _data_plate(N, subsample_size, subsample_idx):
         xb = numpyro.subsample(x, event_dim=1)
         z = numpyro.sample("z", dist.Categorical(probs=jnp.full((K,), 1.0 / K)))
         numpyro.sample("obs", dist.Normal(c[z], hyper.sigma0).to_event(1), obs=xb)
@@ -225,7 +255,8 @@ def gmm_model(x, hyper: GMMHyper, subsample_size: int | None = None):
 def make_gmm_guide(init_means, init_scale=0.1, init_phi=None):
     """Mean-field guide factory: ``q(c_kj) = N(m_kj, s_kj^2)``, ``q(z_i) = Cat(phi_i)`` (App. C.2).
 
-    Returns ``guide(x, hyper, subsample_size=None)`` with params
+    Returns ``guide(x, hyper, subsample_size=None, subsample_idx=None)`` (same data-plate arguments as
+    :func:`gmm_model`; see its GOTCHA on pinning indices under ``TraceEnum_ELBO``) with params
 
     * ``"m"`` (K, d), initialised at ``init_means`` (e.g. the k-means centers of :func:`empirical_bayes`);
     * ``"s"`` (K, d), ``constraints.positive`` (NumPyro optimises ``log s``), initialised at ``init_scale`` (scalar or
@@ -233,7 +264,8 @@ def make_gmm_guide(init_means, init_scale=0.1, init_phi=None):
     * ``"phi"`` (N, K), ``constraints.simplex``, a LOCAL param declared inside the subsampled ``plate("data", N)`` with
       ``event_dim=1`` (NumPyro hands the guide the rows of the current subsample). Default ``init_phi=None`` is the
       uniform ``1/K`` for every row (uninformative, symmetric); pass ``local_update(x, init_m, init_s2, sigma0)`` for
-      k-means-informed responsibilities.
+      k-means-informed responsibilities (entries are floored at 1e-6 and renormalised: an exact 0 is ``-inf`` in
+      NumPyro's unconstrained simplex coordinates).
 
     ``"z"`` is sampled from ``Categorical(phi)`` with ``infer={"enumerate": "parallel"}``: under ``TraceEnum_ELBO`` the
     expectation over ``z`` is exact and only ``c`` is Monte-Carlo sampled.
@@ -246,11 +278,16 @@ def make_gmm_guide(init_means, init_scale=0.1, init_phi=None):
     if not bool(jnp.all(init_s > 0)):
         raise ValueError("make_gmm_guide: init_scale must be > 0")
     if init_phi is not None:
-        init_phi = jnp.asarray(init_phi)
+        init_phi = jnp.asarray(init_phi, dtype=init_means.dtype)
         if init_phi.ndim != 2 or init_phi.shape[1] != K:
             raise ValueError(f"make_gmm_guide: init_phi must be (N, K={K}), got shape {init_phi.shape}")
+        if not bool(jnp.all(jnp.isfinite(init_phi))) or bool(jnp.any(init_phi < 0)):
+            raise ValueError("make_gmm_guide: init_phi must be finite and non-negative")
+        # exact zeros (softmax underflow) map to -inf under the simplex (stick-breaking) bijection -> NaN losses
+        init_phi = jnp.clip(init_phi, _PHI_FLOOR)
+        init_phi = init_phi / init_phi.sum(axis=1, keepdims=True)
 
-    def guide(x, hyper: GMMHyper, subsample_size: int | None = None):
+    def guide(x, hyper: GMMHyper, subsample_size: int | None = None, subsample_idx=None):
         N = jnp.shape(x)[0]
         if hyper.K != K:
             raise ValueError(f"gmm guide: hyper.K={hyper.K} differs from the {K} rows of init_means")
@@ -260,7 +297,7 @@ def make_gmm_guide(init_means, init_scale=0.1, init_phi=None):
         s = numpyro.param("s", init_s, constraint=constraints.positive)
         with numpyro.plate("components", K):
             numpyro.sample("c", dist.Normal(m, s).to_event(1))
-        with numpyro.plate("data", N, subsample_size=subsample_size):
+        with _data_plate(N, subsample_size, subsample_idx):
             phi0 = init_phi if init_phi is not None else jnp.full((N, K), 1.0 / K, dtype=init_means.dtype)
             phi = numpyro.param("phi", phi0, constraint=constraints.simplex, event_dim=1)
             numpyro.sample("z", dist.Categorical(probs=phi), infer={"enumerate": "parallel"})
@@ -284,8 +321,10 @@ def from_natural(eta1, eta2):
     return eta1 * s2, s2
 
 
+@jax.jit
 def expected_loglik(x, m, s2, sigma0):
-    """``(N, K)`` matrix ``E_q[log N(x_i | c_k, Sigma0)] = -1/2 sum_j [log(2 pi sigma0_j^2) + ((x_ij - m_kj)^2 + s2_kj) / sigma0_j^2]``.
+    """``(N, K)`` matrix ``E_q[log N(x_i | c_k, Sigma0)]``
+    ``= -1/2 sum_j [log(2 pi sigma0_j^2) + ((x_ij - m_kj)^2 + s2_kj) / sigma0_j^2]``.
 
     Term (A) of App. C.1's negative ELBO per (i, k), sign flipped.
     """
@@ -294,12 +333,14 @@ def expected_loglik(x, m, s2, sigma0):
     return -0.5 * (jnp.sum(jnp.log(2.0 * jnp.pi * var0)) + jnp.sum(sq / var0, axis=-1))
 
 
+@jax.jit
 def local_update(x, m, s2, sigma0):
     """CAVI update of ``q(z_i)``: ``phi_ik ∝ exp(E_q[log N(x_i | c_k, Sigma0)] + log(1/K))`` (softmax over k)."""
     K = m.shape[0]
     return jax.nn.softmax(expected_loglik(x, m, s2, sigma0) - jnp.log(K), axis=-1)
 
 
+@jax.jit
 def global_natural(x, phi, hyper: GMMHyper, scale=1.0):
     """Natural parameters ``(eta1, eta2)`` of the CAVI update of ``q(c)`` given responsibilities ``phi``.
 
@@ -315,8 +356,9 @@ def global_natural(x, phi, hyper: GMMHyper, scale=1.0):
     return eta1, -0.5 * prec
 
 
+@jax.jit
 def global_update(x, phi, hyper: GMMHyper, scale=1.0):
-    """CAVI update of ``q(c)``: returns ``(m, s2)`` from :func:`global_natural` (sufficient statistics times ``scale``)."""
+    """CAVI update of ``q(c)``: ``(m, s2)`` from :func:`global_natural` (sufficient statistics times ``scale``)."""
     return from_natural(*global_natural(x, phi, hyper, scale))
 
 
@@ -328,6 +370,7 @@ def _prior_and_entropy(m, s2, hyper: GMMHyper):
     return prior + neg_entropy
 
 
+@jax.jit
 def neg_elbo(x, m, s2, phi, hyper: GMMHyper):
     """Exact negative ELBO of App. C.2's GMM (App. C.1's -ELBO with the Potts term (C) replaced by ``Cat(1/K)``).
 
@@ -341,6 +384,7 @@ def neg_elbo(x, m, s2, phi, hyper: GMMHyper):
     return local + _prior_and_entropy(m, s2, hyper)
 
 
+@jax.jit
 def profile_neg_elbo(x, m, s2, hyper: GMMHyper):
     """Profile objective ``min_phi neg_elbo(x, m, s2, phi)`` (attained at ``phi = local_update``), spec §6.
 
@@ -406,7 +450,7 @@ def natural_gradient_svi(
     key=None,
     record_every: int = 1,
 ) -> SVITrajectory:
-    """Stochastic variational inference of Hoffman et al. (2013) — the natural-gradient SVI baseline of the PD-VI paper.
+    """Stochastic variational inference of Hoffman et al. (2013): the natural-gradient SVI baseline of the PD-VI paper.
 
     Per step ``t`` (0-based): take batch ``b_t`` (``order="cyclic"``: ``t mod B``; ``"random"``: uniform, keyed by
     ``fold_in(key, t)``), ``phi_b = local_update(x_b, m, s2)``, intermediate global natural parameters

@@ -1,0 +1,189 @@
+"""The shared run loop (numpyro_fedvi.runner.run_loop) on toy step functions: chunking does not change the
+result, early stopping, the NaN guard, stable updates, callbacks, and the SVIRunResult surface."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import random
+from numpyro.infer.svi import SVIRunResult
+
+from numpyro_fedvi import EarlyStopping, RunResult
+from numpyro_fedvi.runner import run_loop
+
+A = jnp.array([1.0, 3.0, 10.0])  # diagonal quadratic f(x) = ½ Σ a_j (x_j - 1)² + 1 (minimum 1 at x = 1)
+LR = 0.05
+
+
+def init_state():
+    return {"x": jnp.array([1.0, -2.0, 0.5]), "t": jnp.asarray(0, jnp.int32)}
+
+
+def gd_step(state, nan_steps=(), nan_in_state=False):
+    """One gradient step on the quadratic; the loss (or the state) is NaN at the steps in ``nan_steps``."""
+    x, t = state["x"], state["t"]
+    loss = 0.5 * jnp.sum(A * (x - 1.0) ** 2) + 1.0
+    x_new = x - LR * A * (x - 1.0)
+    bad = jnp.isin(t, jnp.asarray(nan_steps, jnp.int32)) if nan_steps else jnp.asarray(False)
+    if nan_in_state:
+        x_new = jnp.where(bad, jnp.nan, x_new)
+    else:
+        loss = jnp.where(bad, jnp.nan, loss)
+    return {"x": x_new, "t": t + 1}, loss
+
+
+def reference(num_steps, skip=()):
+    """Plain Python loop: (losses, final x) with the steps in ``skip`` being no-ops."""
+    x = np.array([1.0, -2.0, 0.5], np.float32)
+    a = np.asarray(A)
+    losses = []
+    for t in range(num_steps):
+        if t in skip:
+            losses.append(np.nan)
+            continue
+        losses.append(0.5 * np.sum(a * (x - 1) ** 2) + 1)
+        x = x - np.float32(LR) * a * (x - 1)
+    return np.array(losses), x
+
+
+def ident(s):
+    return s
+
+
+@pytest.mark.parametrize("progress_bar,chunk_size", [(False, None), (True, None), (True, 7), (False, 1), (True, 40)])
+def test_chunked_equals_single_scan(progress_bar, chunk_size):
+    single = run_loop(gd_step, init_state(), 37, get_params=ident, progress_bar=False)
+    res = run_loop(gd_step, init_state(), 37, get_params=ident, progress_bar=progress_bar, chunk_size=chunk_size)
+    np.testing.assert_array_equal(np.asarray(res.state["x"]), np.asarray(single.state["x"]))
+    if chunk_size == 1 or (progress_bar and chunk_size is None):
+        # a length-1 scan is inlined by XLA and the LOSS (not the state) may differ in the last bit
+        np.testing.assert_allclose(np.asarray(res.losses), np.asarray(single.losses), rtol=3e-7)
+    else:
+        np.testing.assert_array_equal(np.asarray(res.losses), np.asarray(single.losses))
+    assert int(res.state["t"]) == 37 and res.losses.shape == (37,)
+    assert res.diagnostics["stop_reason"] == "completed" and res.diagnostics["num_steps"] == 37
+    assert res.diagnostics["non_finite_step"] is None
+    ref_losses, ref_x = reference(37)
+    np.testing.assert_allclose(np.asarray(res.losses), ref_losses, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(res.state["x"]), ref_x, rtol=1e-4, atol=1e-7)
+    # losses decrease monotonically for gradient descent with a small step
+    assert np.all(np.diff(np.asarray(res.losses)) < 0)
+
+
+def test_result_surface_like_svi_run_result():
+    res = run_loop(gd_step, init_state(), 5, get_params=lambda s: {"x": 2 * s["x"]}, progress_bar=False)
+    assert isinstance(res, SVIRunResult) and isinstance(res, RunResult)
+    params, state, losses = res
+    assert params is res.params and state is res.state and losses is res.losses
+    np.testing.assert_array_equal(np.asarray(params["x"]), 2 * np.asarray(state["x"]))
+    assert len(res) == 3 and res._fields == ("params", "state", "losses")
+    assert set(res.diagnostics) >= {"num_steps", "stop_reason", "non_finite_step"}
+
+
+@pytest.mark.parametrize("num_steps", [0, -3, 2.5, "10"])
+def test_num_steps_must_be_positive_integer(num_steps):
+    with pytest.raises(ValueError, match="num_steps"):
+        run_loop(gd_step, init_state(), num_steps, get_params=ident, progress_bar=False)
+
+
+def test_early_stopping_triggers_with_rule_as_documented():
+    es = EarlyStopping(rtol=1e-3, patience=5, decay=0.9, min_steps=20)
+    res = run_loop(gd_step, init_state(), 2000, get_params=ident, progress_bar=True, early_stopping=es)
+    n = res.diagnostics["num_steps"]
+    assert res.diagnostics["stop_reason"] == "early_stopping"
+    assert 20 <= n < 2000 and res.losses.shape == (n,) and int(res.state["t"]) == n
+    # recompute the rule from the losses: the run stops at the FIRST step where it holds
+    losses = np.asarray(res.losses, np.float32)
+    ema, calm, first = None, 0, None
+    d = np.float32(es.decay)
+    for t, loss in enumerate(losses):
+        new = loss if t == 0 else d * ema + (np.float32(1) - d) * loss
+        calm = calm + 1 if t > 0 and abs(new - ema) <= es.rtol * abs(ema) else 0
+        ema = new
+        if calm >= es.patience and t + 1 >= es.min_steps:
+            first = t
+            break
+    assert first == n - 1
+    # the state is the one after n steps of the plain loop
+    ref_losses, ref_x = reference(n)
+    np.testing.assert_allclose(np.asarray(res.state["x"]), ref_x, rtol=1e-4, atol=1e-7)
+    # min_steps is respected even when the rule holds earlier
+    late = run_loop(gd_step, init_state(), 2000, get_params=ident, progress_bar=False,
+                    early_stopping=es._replace(min_steps=n + 30))
+    assert late.diagnostics["num_steps"] == n + 30
+
+
+@pytest.mark.parametrize("nan_in_state", [False, True])
+@pytest.mark.parametrize("k,chunk_size", [(6, 4), (8, 4), (0, 3)])
+def test_nan_guard_stops_and_keeps_last_finite_state(k, chunk_size, nan_in_state):
+    with pytest.warns(RuntimeWarning, match=f"step {k}"):
+        res = run_loop(lambda s: gd_step(s, (k,), nan_in_state), init_state(), 20, get_params=ident,
+                       progress_bar=True, chunk_size=chunk_size)
+    assert res.diagnostics["stop_reason"] == "non_finite"
+    assert res.diagnostics["non_finite_step"] == k
+    assert res.diagnostics["num_steps"] == k and res.losses.shape == (k,)
+    assert np.all(np.isfinite(np.asarray(res.losses)))
+    assert int(res.state["t"]) == k  # the state after steps 0..k-1
+    ref_losses, ref_x = reference(k)
+    np.testing.assert_allclose(np.asarray(res.state["x"]), ref_x, rtol=1e-4, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(res.params["x"]), ref_x, rtol=1e-4, atol=1e-7)
+
+
+def test_stable_update_skips_non_finite_steps_and_keeps_going():
+    """Like numpyro's SVI.stable_update: a non-finite step is skipped (its loss is NaN, the params stay), the
+    run goes on with the NEXT step.  Counters in the state must move on, or a pure step function would
+    repeat the same failing step forever."""
+    res = run_loop(lambda s: gd_step(s, (3, 7)), init_state(), 20, get_params=ident, progress_bar=True,
+                   chunk_size=6, stable_update=True)
+    assert res.diagnostics["stop_reason"] == "completed" and res.diagnostics["num_steps"] == 20
+    assert res.diagnostics["non_finite_step"] == 3
+    losses = np.asarray(res.losses)
+    np.testing.assert_array_equal(np.flatnonzero(~np.isfinite(losses)), [3, 7])
+    ref_losses, ref_x = reference(20, skip=(3, 7))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(res.state["x"]), ref_x, rtol=1e-4, atol=1e-7)
+
+
+def test_stable_update_with_random_failures_makes_progress():
+    """A step that fails at random (its randomness drawn from a PRNG key in the state): skipped steps must not
+    freeze the key, otherwise every later step fails too."""
+
+    def step(state):
+        key, sub = random.split(state["key"])
+        x = state["x"]
+        loss = jnp.where(random.uniform(sub) < 0.3, jnp.nan, 0.5 * jnp.sum(A * x**2))
+        return {"x": x - LR * A * x, "key": key}, loss
+
+    res = run_loop(step, {"x": jnp.ones(3), "key": random.key(0)}, 100, get_params=ident, progress_bar=False,
+                   stable_update=True)
+    bad = ~np.isfinite(np.asarray(res.losses))
+    assert 0 < bad.sum() < 60  # ~30 of 100 steps fail, not all after the first failure
+    assert np.all(np.isfinite(np.asarray(res.state["x"])))
+
+
+def test_callbacks_receive_growing_losses_and_can_stop():
+    calls = []
+
+    def cb(step, state, losses):
+        calls.append((step, int(state["t"]), np.array(losses)))
+        return step >= 8
+
+    res = run_loop(gd_step, init_state(), 20, get_params=ident, progress_bar=False, callbacks=[cb], chunk_size=4)
+    assert [c[0] for c in calls] == [4, 8]
+    assert [c[1] for c in calls] == [4, 8]  # the state passed is the state after `step` steps
+    assert [len(c[2]) for c in calls] == [4, 8]
+    np.testing.assert_array_equal(calls[1][2][:4], calls[0][2])  # history grows, earlier entries unchanged
+    assert res.diagnostics["stop_reason"] == "callback"
+    assert res.diagnostics["num_steps"] == 8 and res.losses.shape == (8,) and int(res.state["t"]) == 8
+
+    # callbacks that never stop see every chunk, the last one with all losses
+    seen = []
+    res = run_loop(gd_step, init_state(), 10, get_params=ident, progress_bar=False,
+                   callbacks=[lambda s, st, l: seen.append((s, len(l)))], chunk_size=4)
+    assert seen == [(4, 4), (8, 8), (10, 10)]
+    assert res.diagnostics["stop_reason"] == "completed"
+
+
+def test_early_stopping_type_checked():
+    with pytest.raises(TypeError, match="EarlyStopping"):
+        run_loop(gd_step, init_state(), 5, get_params=ident, progress_bar=False, early_stopping={"rtol": 1e-3})

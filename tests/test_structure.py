@@ -1,0 +1,283 @@
+"""Model structure: global/local classification of guide params, data plate detection, fixed partitions,
+finite-data checks (numpyro_fedvi.structure)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+import pytest
+from jax import random
+from numpyro.distributions import constraints
+from numpyro.infer.autoguide import AutoNormal
+
+from numpyro_fedvi.structure import check_finite_data, inspect_model, make_partitions
+
+N = 12
+X = jnp.linspace(-1.0, 1.0, N)
+
+
+def hier_model(x):
+    """A global latent ``mu`` and a local latent ``theta`` (with an event dim) inside the data plate."""
+    mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+    with numpyro.plate("data", N, subsample_size=4) as idx:
+        theta = numpyro.sample("theta", dist.Normal(mu, 1.0))
+        eps = numpyro.sample("eps", dist.Normal(jnp.zeros(3), 1.0).to_event(1))
+        numpyro.sample("y", dist.Normal(theta + eps.sum(-1), 1.0), obs=x[idx])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# global / local classification
+# ----------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("create_plates", [False, True])
+def test_autonormal_local_and_global(create_plates):
+    kw = {"create_plates": lambda x: numpyro.plate("data", N, subsample_size=4)} if create_plates else {}
+    guide = AutoNormal(hier_model, **kw)
+    s = inspect_model(hier_model, guide, random.key(0), (X,))
+    assert (s.data_plate.name, s.data_plate.size, s.data_plate.dim) == ("data", N, -1)
+    assert set(s.global_names) == {"mu_auto_loc", "mu_auto_scale"}
+    assert set(s.local_names) == {"theta_auto_loc", "theta_auto_scale", "eps_auto_loc", "eps_auto_scale"}
+    p = s.params
+    assert p["theta_auto_loc"].shape == (N,) and p["theta_auto_loc"].local_axis == 0
+    assert p["eps_auto_loc"].shape == (N, 3) and p["eps_auto_loc"].local_axis == 0
+    assert p["eps_auto_scale"].event_dim == 1
+    # init values: full size, stored unconstrained, data axis first
+    assert s.init_local["eps_auto_scale"].shape == (N, 3)
+    scale = s.params["theta_auto_scale"].transform(s.init_local["theta_auto_scale"])
+    np.testing.assert_allclose(scale, 0.1, rtol=1e-5)  # AutoNormal's init_scale, through its own bijection
+    assert not np.allclose(s.init_local["theta_auto_scale"], 0.1)  # stored unconstrained
+    assert s.init_global["mu_auto_loc"].shape == ()
+
+
+def test_hand_written_guide_event_dim_param():
+    K = 3
+
+    def model(x):
+        c = numpyro.sample("c", dist.Normal(jnp.zeros(K), 1.0).to_event(1))
+        with numpyro.plate("data", N, subsample_size=5) as idx:
+            z = numpyro.sample("z", dist.Categorical(jnp.ones(K) / K))
+            numpyro.sample("x", dist.Normal(c[z], 1.0), obs=x[idx])
+
+    def guide(x):
+        m = numpyro.param("m", jnp.zeros(K))
+        numpyro.sample("c", dist.Normal(m, 1.0).to_event(1))
+        with numpyro.plate("data", N, subsample_size=5):
+            phi = numpyro.param("phi", jnp.full((N, K), 1.0 / K), constraint=constraints.simplex, event_dim=1)
+            assert phi.shape == (5, K)  # numpyro slices it to the batch
+            numpyro.sample("z", dist.Categorical(phi))
+
+    s = inspect_model(model, guide, random.key(1), (X,))
+    assert s.global_names == ("m",)
+    assert s.local_names == ("phi",)
+    info = s.params["phi"]
+    assert info.shape == (N, K) and info.local_axis == 0 and info.event_dim == 1
+    # simplex params are stored unconstrained (K-1 coordinates per row), one row per datum
+    assert s.init_local["phi"].shape == (N, K - 1)
+    np.testing.assert_allclose(s.constrain_local(s.init_local)["phi"], jnp.full((N, K), 1.0 / K), rtol=1e-6)
+
+
+def test_local_axis_for_plate_dim_minus_2():
+    def model(x):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+        with numpyro.plate("data", N, subsample_size=4, dim=-2) as idx:
+            with numpyro.plate("feat", 2, dim=-1):
+                theta = numpyro.sample("theta", dist.Normal(mu, 1.0))
+                numpyro.sample("y", dist.Normal(theta, 1.0), obs=jnp.stack([x[idx], x[idx]], -1))
+
+    def guide2(x):
+        numpyro.sample("mu", dist.Normal(numpyro.param("a", 0.0), 1.0))
+        with numpyro.plate("data", N, subsample_size=4, dim=-2):
+            numpyro.param("p", jnp.zeros((N, 1)), event_dim=0)
+            # leading axis is a batch axis left of the data axis; trailing event dim of size 2
+            numpyro.param("q", jnp.arange(5 * N * 2.0).reshape(5, N, 1, 2), event_dim=1)
+            with numpyro.plate("feat", 2, dim=-1):
+                numpyro.sample("theta", dist.Normal(0.0, 1.0))
+
+    s2 = inspect_model(model, guide2, random.key(0), (X,))
+    assert s2.data_plate.dim == -2
+    assert s2.params["p"].local_axis == 0
+    assert s2.params["q"].local_axis == 1
+    # canonical layout: data axis first; round trip to the natural layout
+    assert s2.init_local["q"].shape == (N, 5, 1, 2)
+    q = jnp.arange(5 * N * 2.0).reshape(5, N, 1, 2)
+    np.testing.assert_array_equal(s2.init_local["q"][3], q[:, 3])
+    np.testing.assert_array_equal(s2.to_natural("q", s2.init_local["q"]), q)
+    assert s2.global_names == ("a",)
+
+
+def test_init_params_override_and_unconstrain_round_trip():
+    guide = AutoNormal(hier_model)
+    init = {"theta_auto_loc": jnp.arange(N, dtype=jnp.float32), "mu_auto_scale": jnp.asarray(0.3)}
+    s = inspect_model(hier_model, guide, random.key(0), (X,), init_params=init)
+    np.testing.assert_allclose(s.init_local["theta_auto_loc"], np.arange(N))
+    np.testing.assert_allclose(s.params["mu_auto_scale"].transform(s.init_global["mu_auto_scale"]), 0.3, rtol=1e-6)
+    full = s.constrained_params(s.init_global, s.init_local)
+    g, loc = s.unconstrain(full)
+    for k in g:
+        np.testing.assert_allclose(g[k], s.init_global[k], rtol=1e-5, atol=1e-6)
+    for k in loc:
+        np.testing.assert_allclose(loc[k], s.init_local[k], rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="nope"):
+        s.unconstrain({"nope": 1.0})
+    with pytest.raises(ValueError, match="theta_auto_loc"):
+        s.unconstrain({"theta_auto_loc": jnp.zeros(N + 1)})
+
+
+# ----------------------------------------------------------------------------------------------------------
+# data plate errors
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _global_guide(x):
+    numpyro.sample("mu", dist.Normal(numpyro.param("loc", 0.0), 1.0))
+
+
+def test_error_no_subsampled_plate():
+    def model(x):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+        with numpyro.plate("data", N):
+            numpyro.sample("y", dist.Normal(mu, 1.0), obs=x)
+
+    with pytest.raises(ValueError, match="subsample") as e:
+        inspect_model(model, _global_guide, random.key(0), (X,))
+    assert "data_plate" in str(e.value)
+    # engines without local latents may opt out
+    s = inspect_model(model, _global_guide, random.key(0), (X,), require_data_plate=False)
+    assert s.data_plate is None and s.global_names == ("loc",)
+
+
+def _two_plate_model(x):
+    mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+    with numpyro.plate("rows", N, subsample_size=3) as i:
+        numpyro.sample("y", dist.Normal(mu, 1.0), obs=x[i])
+    with numpyro.plate("cols", N, subsample_size=4) as j:
+        numpyro.sample("y2", dist.Normal(mu, 1.0), obs=x[j])
+
+
+def test_error_two_subsampled_plates_and_data_plate_choice():
+    with pytest.raises(ValueError, match="data_plate") as e:
+        inspect_model(_two_plate_model, _global_guide, random.key(0), (X,))
+    assert "rows" in str(e.value) and "cols" in str(e.value)
+    s = inspect_model(_two_plate_model, _global_guide, random.key(0), (X,), data_plate="cols")
+    assert s.data_plate.name == "cols" and s.data_plate.size == N
+
+
+def test_error_unknown_data_plate():
+    with pytest.raises(ValueError, match="nonexistent") as e:
+        inspect_model(_two_plate_model, _global_guide, random.key(0), (X,), data_plate="nonexistent")
+    assert "rows" in str(e.value)  # lists the plates it knows
+
+
+def _plate_model(x):
+    mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+    with numpyro.plate("data", N, subsample_size=3) as idx:
+        numpyro.sample("y", dist.Normal(mu, 1.0), obs=x[idx])
+
+
+def test_error_local_param_without_event_dim():
+    def guide(x):
+        with numpyro.plate("data", N, subsample_size=3):
+            numpyro.param("phi", jnp.zeros(N))
+        numpyro.sample("mu", dist.Normal(0.0, 1.0))
+
+    with pytest.raises(ValueError, match="phi") as e:
+        inspect_model(_plate_model, guide, random.key(0), (X,))
+    assert "event_dim" in str(e.value)
+
+
+@pytest.mark.parametrize("shape", [(N + 1, 2), (1, 2), (2,)])
+def test_error_local_param_wrong_data_axis_size(shape):
+    def guide(x):
+        with numpyro.plate("data", N, subsample_size=3):
+            numpyro.param("phi", jnp.zeros(shape), event_dim=1)
+        numpyro.sample("mu", dist.Normal(0.0, 1.0))
+
+    # (N+1, 2) is caught by numpyro's own plate, the others by inspect_model; both name the site
+    with pytest.raises(ValueError, match="phi") as e:
+        inspect_model(_plate_model, guide, random.key(0), (X,))
+    assert str(e.value).count(str(shape)) == 1 or "N=12" in str(e.value)
+
+
+def test_check_finite_data_names_argument():
+    check_finite_data((X, 3, "text", None), {"n": 5, "ids": jnp.arange(3)})  # fine
+    with pytest.raises(ValueError, match="positional argument 1"):
+        check_finite_data((X, X.at[2].set(jnp.nan)), {})
+    with pytest.raises(ValueError, match="'y'"):
+        check_finite_data((X,), {"y": np.array([1.0, np.inf])})
+    with pytest.raises(ValueError, match="'data'.*'obs'"):
+        check_finite_data((), {"data": {"obs": np.array([[1.0, -np.inf]]), "ok": np.zeros(2)}})
+    # integers are never NaN
+    check_finite_data((np.array([1, 2]),), {})
+
+
+# ----------------------------------------------------------------------------------------------------------
+# partitions
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _blocks(p):
+    return [np.asarray(i)[np.asarray(m)] for i, m in zip(p.indices, p.mask)]
+
+
+@pytest.mark.parametrize("size,num", [(10, 3), (12, 4), (7, 7), (5, 1), (100, 30)])
+def test_contiguous_partitions(size, num):
+    p = make_partitions(size, num_partitions=num)
+    blocks = _blocks(p)
+    assert len(blocks) == num == p.num_blocks
+    # cover range(N) exactly once, in data order (concatenation is arange), contiguous chunks
+    np.testing.assert_array_equal(np.concatenate(blocks), np.arange(size))
+    sizes = np.array([b.size for b in blocks])
+    np.testing.assert_array_equal(np.asarray(p.sizes), sizes)
+    assert sizes.max() - sizes.min() <= 1
+    assert p.indices.shape == (num, sizes.max()) and p.mask.shape == p.indices.shape
+    assert p.indices.dtype == jnp.int32 and p.mask.dtype == jnp.bool_
+    assert int(p.mask.sum()) == size
+
+
+def test_list_partitions_unequal_sizes_padded_with_mask():
+    blocks = [np.array([7, 0, 3]), np.array([1]), np.array([2, 4, 5, 6, 8, 9])]
+    p = make_partitions(10, partitions=blocks)
+    assert p.indices.shape == (3, 6)
+    np.testing.assert_array_equal(np.asarray(p.sizes), [3, 1, 6])
+    for got, want in zip(_blocks(p), blocks):
+        np.testing.assert_array_equal(got, want)  # block order and within-block order kept, nothing dropped
+    np.testing.assert_array_equal(np.asarray(p.mask[1]), [True] + [False] * 5)
+    # padding entries are valid indices of the same block (safe to gather)
+    np.testing.assert_array_equal(np.asarray(p.indices[1]), [1] * 6)
+    assert set(np.asarray(p.indices[0]).tolist()) <= {7, 0, 3}
+
+
+def test_id_array_partitions():
+    ids = np.array([2, 0, 0, 1, 2, 2, 1])
+    p = make_partitions(7, partitions=ids)
+    assert p.num_blocks == 3
+    blocks = _blocks(p)
+    for b in range(3):
+        np.testing.assert_array_equal(blocks[b], np.flatnonzero(ids == b))
+    p2 = make_partitions(7, partitions=jnp.asarray(ids))
+    np.testing.assert_array_equal(np.asarray(p2.indices), np.asarray(p.indices))
+
+
+@pytest.mark.parametrize(
+    "kwargs,err",
+    [
+        ({"partitions": [[0, 1], [2, 3], [4, 1]]}, ValueError),  # overlap (and 1 twice)
+        ({"partitions": [[0, 1], [2, 3]]}, ValueError),  # missing 4
+        ({"partitions": [[0, 1], [], [2, 3, 4]]}, ValueError),  # empty block
+        ({"partitions": [[0, 1, 2], [3, 4, 5]]}, ValueError),  # out of range
+        ({"partitions": [[0, 1.0], [2, 3, 4]]}, TypeError),  # not integers
+        ({"partitions": np.array([0, 0, 2, 2, 2])}, ValueError),  # id 1 unused (empty block)
+        ({"partitions": np.array([0, 0, 1, 1])}, ValueError),  # wrong length
+        ({"partitions": np.array([0, -1, 1, 1, 0])}, ValueError),
+        ({"num_partitions": 6}, ValueError),
+        ({"num_partitions": 0}, ValueError),
+        ({"num_partitions": 2.0}, ValueError),
+        ({}, ValueError),
+        ({"num_partitions": 2, "partitions": [[0, 1, 2, 3, 4]]}, ValueError),
+    ],
+)
+def test_partition_errors(kwargs, err):
+    with pytest.raises(err):
+        make_partitions(5, **kwargs)
