@@ -30,7 +30,7 @@ from numpyro.infer import Trace_ELBO
 
 from .curvature import diag_hessian
 from .objectives import block_loss_fn, full_loss_fn
-from .runner import EarlyStopping, RunResult, run_loop, tree_all_finite
+from .runner import EarlyStopping, RunResult, revert_non_finite, run_loop, tree_all_finite
 from .structure import ModelStructure, Partitions, check_finite_data, inspect_model, make_partitions
 
 __all__ = ["PDVI", "PDVIState", "pdvi_init", "pdvi_step", "prox_solve"]
@@ -318,8 +318,7 @@ class PDVI:
     def stable_update(self, state: PDVIState, *args, **kwargs) -> tuple[PDVIState, jax.Array]:
         """Like ``update`` but keeps the old state when the loss or the new state is not finite."""
         new_state, loss = self.update(state, *args, **kwargs)
-        finite = jnp.isfinite(loss) & tree_all_finite(new_state)
-        return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_state, state), loss
+        return revert_non_finite(new_state, state, jnp.isfinite(loss) & tree_all_finite(new_state)), loss
 
     def evaluate(self, state: PDVIState, *args, **kwargs) -> jax.Array:
         """Full-data negative ELBO at λ_0 and the stored local params: ``Σ_b f_b(φ_b, λ_0)``."""

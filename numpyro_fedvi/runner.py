@@ -21,7 +21,7 @@ from jax import lax
 from numpyro.infer.svi import SVIRunResult
 from tqdm.auto import tqdm
 
-__all__ = ["EarlyStopping", "RunResult", "run_loop", "tree_all_finite"]
+__all__ = ["EarlyStopping", "RunResult", "revert_non_finite", "run_loop", "tree_all_finite"]
 
 # reasons a run ended
 COMPLETED, EARLY_STOPPED, NON_FINITE, CALLBACK = "completed", "early_stopping", "non_finite", "callback"
@@ -63,6 +63,16 @@ def tree_all_finite(tree) -> jax.Array:
     return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
 
 
+def revert_non_finite(new_state, old_state, finite):
+    """``stable_update`` semantics: where ``finite`` is False keep the old floating-point leaves (params,
+    duals, optimizer moments) but let integer and key leaves (step counters, PRNG keys) move on, so the next
+    step draws new randomness instead of repeating the failing one."""
+    def pick(new, old):
+        return jnp.where(finite, new, old) if jnp.issubdtype(jnp.result_type(new), jnp.inexact) else new
+
+    return jax.tree.map(pick, new_state, old_state)
+
+
 class _Carry(NamedTuple):
     state: Any
     t: jax.Array        # steps taken so far
@@ -80,7 +90,7 @@ def _make_chunk(step_fn, chunk_size, num_steps, early_stopping, stable_update):
             loss = jnp.asarray(loss, jnp.result_type(float))
             finite = jnp.isfinite(loss) & tree_all_finite(new_state)
             if stable_update:  # skip the step, keep going (numpyro's stable_update semantics)
-                state = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_state, c.state)
+                state = revert_non_finite(new_state, c.state, finite)
                 reason = c.reason
             else:
                 state = lax.cond(finite, lambda: new_state, lambda: c.state)
