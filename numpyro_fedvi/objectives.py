@@ -73,7 +73,8 @@ def block_loss_fn(elbo, model, guide, structure: ModelStructure, static_kwargs: 
         local = structure.constrain_local(local_rows_unc)
         pin = {plate.name: idx}
         local_scale = idx.shape[0] / plate.size
-        m = _BlockScale(handlers.substitute(model, data=pin), plate.name, mask, local_scale, weight)
+        m = _BlockScale(_PinLocal(handlers.substitute(model, data=pin), local), plate.name, mask, local_scale,
+                        weight)
         g = _BlockScale(_PinLocal(handlers.substitute(guide, data=pin), local), plate.name, mask, local_scale,
                         weight)
         with warnings.catch_warnings():

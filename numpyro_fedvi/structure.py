@@ -144,8 +144,8 @@ def make_partitions(size: int, num_partitions: int | None = None, partitions=Non
 
     - ``num_partitions=B``: contiguous chunks in data order (non-iid by design when the data are ordered),
       sizes differing by at most one;
-    - ``partitions``: a list of index arrays (a partition of ``range(size)``), or a length-``size`` array of
-      block ids (ids ``0..B-1``, each used at least once).
+    - ``partitions``: a list of index arrays or a 2-D ``(B, P)`` index array (a partition of
+      ``range(size)``), or a length-``size`` array of block ids (ids ``0..B-1``, each used at least once).
     """
     if (num_partitions is None) == (partitions is None):
         raise ValueError("Give exactly one of num_partitions=B or partitions=[...] / partition ids.")
@@ -153,8 +153,10 @@ def make_partitions(size: int, num_partitions: int | None = None, partitions=Non
         if not isinstance(num_partitions, (int, np.integer)) or not 1 <= num_partitions <= size:
             raise ValueError(f"num_partitions must be an integer in [1, {size}], got {num_partitions!r}.")
         blocks = np.array_split(np.arange(size), int(num_partitions))
-    elif isinstance(partitions, (list, tuple)):
+    elif isinstance(partitions, (list, tuple)) or np.ndim(partitions) == 2:
         blocks = [np.asarray(b).reshape(-1) for b in partitions]
+        if not blocks:
+            raise ValueError("partitions is empty; give at least one block of data indices.")
         if any(b.size == 0 for b in blocks):
             raise ValueError("partitions contains an empty block.")
         flat = np.concatenate(blocks)

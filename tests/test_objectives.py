@@ -257,3 +257,31 @@ def test_normal_local_guide_sum_in_expectation(elbo_cls):
         assert abs(vals.mean() - exact) < 5 * se + 1e-4 * abs(exact), (vals.mean(), exact, se)
     # not exactly equal per key (the local draws differ between a block and the full plate), unlike above
     assert np.max(np.abs(ours - ref)) > 1e-3
+
+
+def model_with_local_param(y, sub=3):
+    """A model-side LOCAL param (a per-datum offset b, learned like any numpyro.param)."""
+    mu = numpyro.sample("mu", dist.Normal(0.0, S0))
+    with numpyro.plate("data", M, subsample_size=sub) as idx:
+        b = numpyro.param("b", jnp.zeros(M), event_dim=0)
+        numpyro.sample("y", dist.Normal(mu + b, SIG), obs=y[idx])
+
+
+def guide_global_only(y, sub=3):
+    numpyro.sample("mu", dist.Normal(numpyro.param("m", 0.3), numpyro.param("v", 0.8, constraint=constraints.positive)))
+
+
+def test_model_side_local_param_is_used():
+    """Model params inside the data plate are classified LOCAL, so the block loss must use the given rows."""
+    elbo = Trace_ELBO()
+    params = {"m": 0.3, "v": 0.8, "b": jnp.linspace(-1.0, 1.0, M)}
+    st, g, loc = _setup(model_with_local_param, guide_global_only, Y, params)
+    assert st.local_names == ("b",)
+    parts = make_partitions(M, partitions=RE_UNEQUAL)
+    bl = block_loss_fn(elbo, model_with_local_param, guide_global_only, st)
+    key = random.key(0)
+    ref = numpyro_full_loss(elbo, key, params, model_with_local_param, guide_global_only, Y, M)
+    np.testing.assert_allclose(full_loss_fn(bl, st, parts)(key, g, loc, (Y,), {}), ref, rtol=2e-6)
+    idx, mask = parts.indices[1], parts.mask[1]
+    grad = jax.grad(lambda r: bl(key, g, r, idx, mask, 0.5, (Y,), {}))({"b": loc["b"][idx]})["b"]
+    assert np.all(np.abs(np.asarray(grad)) > 0)

@@ -7,6 +7,8 @@ import numpy as np
 import numpyro
 import numpyro.distributions as dist
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jax import random
 from numpyro.distributions import constraints
 from numpyro.infer.autoguide import AutoNormal
@@ -218,7 +220,7 @@ def test_check_finite_data_names_argument():
 
 
 def _blocks(p):
-    return [np.asarray(i)[np.asarray(m)] for i, m in zip(p.indices, p.mask)]
+    return [i[m] for i, m in zip(np.asarray(p.indices), np.asarray(p.mask))]
 
 
 @pytest.mark.parametrize("size,num", [(10, 3), (12, 4), (7, 7), (5, 1), (100, 30)])
@@ -260,6 +262,28 @@ def test_id_array_partitions():
     np.testing.assert_array_equal(np.asarray(p2.indices), np.asarray(p.indices))
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 40).flatmap(lambda n: st.tuples(st.just(n), st.lists(st.integers(0, n - 1), min_size=n,
+                                                                             max_size=n))))
+def test_id_array_partitions_property(n_and_ids):
+    """Any id array (relabelled to 0..B-1): blocks cover range(N) exactly once, each block holds exactly the
+    data with its id in data order, padding is masked and points at the block's own data."""
+    n, raw = n_and_ids
+    _, ids = np.unique(np.asarray(raw), return_inverse=True)
+    p = make_partitions(n, partitions=ids)
+    assert p.num_blocks == ids.max() + 1
+    blocks = _blocks(p)
+    np.testing.assert_array_equal(np.sort(np.concatenate(blocks)), np.arange(n))
+    for b, blk in enumerate(blocks):
+        np.testing.assert_array_equal(blk, np.flatnonzero(ids == b))
+        assert set(np.asarray(p.indices)[b].tolist()) == set(blk.tolist())
+    assert np.asarray(p.mask).sum() == n and np.asarray(p.sizes).sum() == n
+    # the same blocks given as a list of index arrays give the same partition
+    q = make_partitions(n, partitions=blocks)
+    np.testing.assert_array_equal(np.asarray(q.indices), np.asarray(p.indices))
+    np.testing.assert_array_equal(np.asarray(q.mask), np.asarray(p.mask))
+
+
 @pytest.mark.parametrize(
     "kwargs,err",
     [
@@ -281,3 +305,18 @@ def test_id_array_partitions():
 def test_partition_errors(kwargs, err):
     with pytest.raises(err):
         make_partitions(5, **kwargs)
+
+
+def test_partitions_as_2d_index_array_or_empty_list():
+    """A rectangular (B, P) array of indices is B blocks (like a list of its rows), never N singleton blocks
+    read as block ids; an empty list is rejected with a message about partitions."""
+    blocks = np.arange(6).reshape(2, 3)
+    try:
+        p = make_partitions(6, partitions=blocks)
+    except ValueError:
+        pass  # rejecting the ambiguous input is acceptable too
+    else:
+        assert p.num_blocks == 2
+        np.testing.assert_array_equal(np.asarray(p.indices), blocks)
+    with pytest.raises(ValueError, match="partition"):
+        make_partitions(6, partitions=[])
