@@ -137,7 +137,7 @@ def _steps_to(records, target, key="w2"):
 def main(argv=None):
     args = parse_args(__doc__.splitlines()[0], argv)
     quick = args.quick
-    cfg = dict(n=10_000, block=500, iters=120, local_steps=20, record_every=10, particles=1, local_lr=0.05) if quick \
+    cfg = dict(n=10_000, block=500, iters=100, local_steps=20, record_every=10, particles=1, local_lr=0.05) if quick \
         else dict(n=100_000, block=1_000, iters=400, local_steps=20, record_every=20, particles=1, local_lr=0.05)
     cfg.update(K=5, d=10, seed=0)
     cfg["num_blocks"] = cfg["n"] // cfg["block"]
