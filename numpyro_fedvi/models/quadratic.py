@@ -49,6 +49,7 @@ float.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import NamedTuple
 
 import jax
@@ -76,6 +77,7 @@ __all__ = [
     "make_select",
     "pdvi_start",
     "pdvi_run",
+    "sgd_step",
     "sgd_run",
 ]
 
@@ -141,7 +143,7 @@ def _profile(Q, v, p):
 
 
 def make_quadratic(key, num_units: int = 10_000, dim: int = 5, *, kind: str = "heterogeneous",
-                   cond: float = 1000.0, noise: float = 0.05, v_scale: float = 0.0) -> QuadraticProblem:
+                   cond: float = 1000.0, noise: float = 0.02, v_scale: float = 0.0) -> QuadraticProblem:
     """Build a quadratic consensus problem (see the module docstring).
 
     :param kind: ``"heterogeneous"`` (fixed per-coordinate eigen-scales, rotations within ``noise``) or
@@ -158,9 +160,14 @@ def make_quadratic(key, num_units: int = 10_000, dim: int = 5, *, kind: str = "h
         raise ValueError(f"cond must be >= 1, got {cond}.")
     if not noise >= 0 or not v_scale >= 0:
         raise ValueError(f"noise and v_scale must be >= 0, got {noise}, {v_scale}.")
+    return _build(key, int(num_units), int(dim), kind, cond, noise, v_scale)
+
+
+@partial(jax.jit, static_argnums=(1, 2, 3))
+def _build(key, num_units, dim, kind, cond, noise, v_scale):
     dtype, d = _float(), 2 * dim
     k_rot, k_v, k_init = random.split(key, 3)
-    e = jnp.logspace(0.0, jnp.log10(cond), d, dtype=dtype)
+    e = jnp.logspace(0.0, jnp.log10(jnp.asarray(cond, dtype)), d, dtype=dtype)
     e = jnp.concatenate([e[0::2], e[1::2]])  # φ-coordinates get e[0::2], λ-coordinates e[1::2]
     if kind == "heterogeneous":
         U = _small_rotations(k_rot, num_units, d, noise, dtype)
@@ -177,7 +184,7 @@ def make_quadratic(key, num_units: int = 10_000, dim: int = 5, *, kind: str = "h
     return QuadraticProblem(Q, v, S, g, c, S_bar, g_bar, c_bar, lam_star, f_star, lam_init)
 
 
-def heterogeneous(key, num_units: int = 10_000, dim: int = 5, *, cond: float = 1000.0, noise: float = 0.05,
+def heterogeneous(key, num_units: int = 10_000, dim: int = 5, *, cond: float = 1000.0, noise: float = 0.02,
                   v_scale: float = 0.0) -> QuadraticProblem:
     """Per-coordinate curvature scales fixed across units (P²D-VI helps); see :func:`make_quadratic`."""
     return make_quadratic(key, num_units, dim, kind="heterogeneous", cond=cond, noise=noise, v_scale=v_scale)
@@ -276,7 +283,7 @@ def make_oracle(problem: QuadraticProblem) -> Callable:
         M = 2.0 * Q + jnp.zeros_like(Q).at[:, p:, p:].set(jnp.diag(dinv))
         zeros = jnp.zeros_like(mu_sel)
         rhs = -problem.v[units] - jnp.concatenate([zeros, mu_sel - dinv * lam0], -1)
-        z = jnp.linalg.solve(M, rhs[..., None])[..., 0]
+        z = jax.scipy.linalg.cho_solve(jax.scipy.linalg.cho_factor(M), rhs[..., None])[..., 0]  # M is SPD
         phi, lam = z[:, :p], z[:, p:]
         losses = jnp.einsum("si,sij,sj->s", z, Q, z) + jnp.einsum("si,si->s", problem.v[units], z)
         target = jnp.where(mask, units, n)
@@ -337,19 +344,26 @@ def _lam0(problem, lam0):
     return problem.lam_init if lam0 is None else jnp.asarray(lam0)
 
 
-def sgd_run(problem: QuadraticProblem, step_size, num_steps: int, num_selected: int, rng_key, lam0=None):
-    """Minibatch SGD on the profile objective (φ minimised exactly per selected unit), constant step.
+def sgd_step(problem: QuadraticProblem, lam, step, step_size, select: Callable, rng_key):
+    """One minibatch SGD step on the profile objective (φ minimised exactly for each selected unit).
 
-    ``λ ← λ − γ (1/|S_t|) Σ_{i∈S_t} (2 S_i λ + g_i)``; ``step_size`` scalar or (p,) (diagonal preconditioning).
-    Units are drawn as in :func:`make_select` with keys ``fold_in(rng_key, t)``.  Returns the gaps for
-    ``t = 0..num_steps``.
+    ``λ ← λ − γ (1/|S_t|) Σ_{i∈S_t} (2 S_i λ + g_i)`` with ``S_t = select(split(fold_in(rng_key, step))[0], step)``
+    — the same key path as :func:`numpyro_fedvi.pdvi.pdvi_step`, so SGD and PD-VI with the same ``rng_key`` visit
+    the same units.  ``step_size`` scalar or (p,) (diagonal preconditioning).
     """
+    units, mask = select(random.split(random.fold_in(rng_key, step))[0], step)
+    grads = jnp.where(mask[:, None], profile_grad(problem, units, lam), 0.0)
+    return lam - step_size * jnp.sum(grads, 0) / jnp.sum(mask)
+
+
+def sgd_run(problem: QuadraticProblem, step_size, num_steps: int, num_selected: int, rng_key, lam0=None):
+    """``num_steps`` constant-step SGD steps (:func:`sgd_step`, ``lax.scan``) from ``lam0`` (default
+    ``problem.lam_init``).  Returns the gaps ``f(λ^t) − f*`` for ``t = 0..num_steps``."""
     select = make_select(problem.num_units, num_selected)
     lam = _lam0(problem, lam0)
 
     def body(lam, t):
-        units, _ = select(random.split(random.fold_in(rng_key, t))[0], t)
-        lam = lam - step_size * jnp.mean(profile_grad(problem, units, lam), 0)
+        lam = sgd_step(problem, lam, t, step_size, select, rng_key)
         return lam, objective_gap(problem, lam)
 
     _, gaps = lax.scan(body, lam, jnp.arange(num_steps))
