@@ -5,16 +5,26 @@ each block holds (almost) one cluster.  Empirical-Bayes hyperparameters and k-me
 every method (spec §5).  Every method sees the same biased blocks, drawn uniformly at random per step.
 
 Methods
-- ``p2dvi``: ``nfv.PDVI`` with one penalty per global site, η_m = c_m σ0²/|b| (1/L of the mean block) and a
-  larger η_s for the log-scale block (its curvature is orders of magnitude smaller);
-- ``pdvi``: the same engine with one η for both sites (the best of a small grid; the m-block bounds it);
+- ``p2dvi``: ``nfv.PDVI`` with the paper's exact oracle (``gmm.block_cavi_solver``: closed-form block
+  coordinate sweeps on the augmented Lagrangian), one penalty per global site: η_m = σ0²/|b| (1/L of the mean
+  block) and η_s (log-scale block, curvature ~ 2|b|K/N) the best of a small grid;
+- ``pdvi``: the same engine and oracle with one η for both sites (best of a grid; the m-block bounds it);
+- ``p2dvi_gradient``: P²D-VI through the GENERIC oracle every NumPyro model gets (optax L-BFGS, the default,
+  ``grad_steps`` joint steps on the augmented Lagrangian of the ``TraceEnum_ELBO`` block loss with
+  ``grad_particles`` particles, ``crn="run"``).  Adam is a poor oracle: its re-initialised state makes the
+  first step ≈ lr·sign(g) whatever the gradient, a kick of size lr on every visit that accumulates in the
+  duals (measured: W2 diverges past 100 iterations);
 - ``svi_adam``: ``numpyro.infer.SVI`` + optax Adam on the SAME model, guide and ELBO, learning rate tuned over a
   grid (vmapped: one compile), given ``local_steps`` SVI steps per P(²)D-VI iteration;
 - ``natgrad_const`` / ``natgrad_dim``: Hoffman et al.'s natural-gradient SVI in closed form (natural
-  parameters), constant ρ (best of a grid) and ρ_t = (t+1)^-0.9;
+  parameters), ``local_steps`` steps per iteration, constant ρ (best of a grid) and ρ_t = (t+1)^-0.9;
 - optimum: full-batch CAVI (closed form, 300 sweeps).
 Metrics vs iteration and wall time (compile included): mixture W2 to the true mixture, ARI of the profile
 responsibilities, profile negative ELBO (min over φ in closed form, evaluated at each method's global params).
+
+Claims: ``p2dvi_w2_below_svi_adam``; ``p2dvi_w2_within_10pct_of_optimum``; ``p2dvi_faster_than_pdvi`` (P²D-VI
+reaches a profile objective gap of 1e-5·|f*| in fewer iterations; if neither does, it ends with the lower
+gap); ``p2dvi_gradient_w2_below_svi_adam`` (the generic-oracle path against tuned Adam).
 
     python -m benchmarks.gmm_biased [--quick]
 """
@@ -51,11 +61,18 @@ def _curve(records):
     return {k: [r[k] for r in records] for k in keys}
 
 
-def run_pdvi(data, hyper, guide, cfg, eta, seed):
-    """P(²)D-VI through the public front-end; metrics recorded between compiled chunks."""
-    engine = nfv.PDVI(gmm.gmm_model, guide, TraceEnum_ELBO(num_particles=cfg["particles"]),
-                      num_partitions=cfg["num_blocks"], eta=eta, local_optimizer=optax.adam(cfg["local_lr"]),
-                      local_steps=cfg["local_steps"], data_plate="data", crn="run")
+def run_pdvi(data, hyper, guide, cfg, eta, seed, exact=True):
+    """P(²)D-VI through the public front-end; metrics recorded between compiled chunks.
+
+    ``exact``: the closed-form block solver (the paper's oracle), else the generic optax oracle."""
+    if exact:
+        oracle = dict(block_solver=gmm.block_cavi_solver(cfg["sweeps"], cfg["newton_steps"]))
+        elbo = TraceEnum_ELBO(num_particles=cfg["particles"])
+    else:  # the default generic oracle: L-BFGS on the joint (φ, λ) augmented Lagrangian
+        oracle = dict(local_optimizer=optax.lbfgs(), local_steps=cfg["grad_steps"], alternating=False)
+        elbo = TraceEnum_ELBO(num_particles=cfg["grad_particles"])
+    engine = nfv.PDVI(gmm.gmm_model, guide, elbo, num_partitions=cfg["num_blocks"], eta=eta, data_plate="data",
+                      crn="run", **oracle)
     records = []
     start = time.perf_counter()
 
@@ -137,9 +154,10 @@ def _steps_to(records, target, key="w2"):
 def main(argv=None):
     args = parse_args(__doc__.splitlines()[0], argv)
     quick = args.quick
-    cfg = dict(n=10_000, block=500, iters=100, local_steps=20, record_every=10, particles=1, local_lr=0.05) if quick \
-        else dict(n=100_000, block=1_000, iters=400, local_steps=20, record_every=20, particles=1, local_lr=0.05)
-    cfg.update(K=5, d=10, seed=0)
+    cfg = dict(n=10_000, block=500, iters=150, record_every=10) if quick \
+        else dict(n=100_000, block=1_000, iters=1_000, record_every=50)
+    cfg.update(K=5, d=10, seed=0, local_steps=20, particles=1, sweeps=10, newton_steps=8, grad_steps=10,
+               grad_particles=4)
     cfg["num_blocks"] = cfg["n"] // cfg["block"]
     t_start = time.perf_counter()
 
@@ -164,11 +182,13 @@ def main(argv=None):
 
     p2_runs = {f"eta_s={e}": run_pdvi(data, hyper, guide, cfg, {"m": eta_m, "s": e}, cfg["seed"] + 1)[0]
                for e in p2_grid}
-    tuned["p2dvi"] = _best(p2_runs)
+    tuned["p2dvi"] = _best(p2_runs, "neg_elbo")
     pd_runs = {f"eta={e:.3g}": run_pdvi(data, hyper, guide, cfg, e, cfg["seed"] + 1)[0] for e in pd_grid}
-    tuned["pdvi"] = _best(pd_runs)
+    tuned["pdvi"] = _best(pd_runs, "neg_elbo")
+    tuned["p2dvi_gradient"] = "eta_s=1.0, L-BFGS x %d, %d particles" % (cfg["grad_steps"], cfg["grad_particles"])
+    p2_gradient = run_pdvi(data, hyper, guide, cfg, {"m": eta_m, "s": 1.0}, cfg["seed"] + 1, exact=False)[0]
 
-    lrs = [3e-3, 1e-2, 3e-2] if quick else [1e-3, 3e-3, 1e-2, 3e-2, 1e-1]
+    lrs = [3e-3, 1e-2, 3e-2] if quick else [3e-4, 1e-3, 3e-3, 1e-2, 3e-2]
     adam = dict(zip((f"lr={lr}" for lr in lrs), run_svi_adam(data, hyper, guide, cfg, blocks, lrs, cfg["seed"] + 1)))
     tuned["svi_adam"] = _best(adam)
 
@@ -177,30 +197,39 @@ def main(argv=None):
     tuned["natgrad_const"] = _best(ng)
     dim = run_natgrad(data, hyper, cfg, blocks, centers, init_s2, gmm.diminishing_step_size(0.9), cfg["seed"])
 
-    chosen = {"p2dvi": p2_runs[tuned["p2dvi"]], "pdvi": pd_runs[tuned["pdvi"]], "svi_adam": adam[tuned["svi_adam"]],
+    chosen = {"p2dvi": p2_runs[tuned["p2dvi"]], "pdvi": pd_runs[tuned["pdvi"]], "p2dvi_gradient": p2_gradient,
+              "svi_adam": adam[tuned["svi_adam"]],
               "natgrad_const": ng[tuned["natgrad_const"]], "natgrad_dim": dim}
+    for recs in chosen.values():
+        for r in recs:
+            r["gap"] = r["neg_elbo"] - optimum["neg_elbo"]
     for name, recs in chosen.items():
         methods[name] = {"final": {k: recs[-1][k] for k in ("w2", "ari", "neg_elbo")}, "time_s": recs[-1]["time_s"],
                          "setting": tuned.get(name, "rho_t=(t+1)^-0.9"), "curve": _curve(recs)}
     methods["optimum_cavi"] = {"final": optimum, "time_s": None, "setting": "300 full-batch CAVI sweeps"}
-    grids = {"p2dvi": {k: v[-1]["w2"] for k, v in p2_runs.items()}, "pdvi": {k: v[-1]["w2"] for k, v in pd_runs.items()},
+    grids = {"p2dvi": {k: v[-1]["neg_elbo"] for k, v in p2_runs.items()},
+             "pdvi": {k: v[-1]["neg_elbo"] for k, v in pd_runs.items()},
              "svi_adam": {k: v[-1]["w2"] for k, v in adam.items()}, "natgrad_const": {k: v[-1]["w2"] for k, v in ng.items()}}
 
     w2 = {k: v["final"]["w2"] for k, v in methods.items()}
     target = 1.1 * optimum["w2"]
-    p2_hit, pd_hit = _steps_to(chosen["p2dvi"], target), _steps_to(chosen["pdvi"], target)
+    gap_tol = 1e-5 * abs(optimum["neg_elbo"])
+    hits = {k: {"w2_within_10pct": _steps_to(recs, target), "gap_below_tol": _steps_to(recs, gap_tol, "gap")}
+            for k, recs in chosen.items()}
+    p2_hit, pd_hit = hits["p2dvi"]["gap_below_tol"], hits["pdvi"]["gap_below_tol"]
     gap = {k: methods[k]["final"]["neg_elbo"] - optimum["neg_elbo"] for k in chosen}
     claims = {
         "p2dvi_w2_below_svi_adam": w2["p2dvi"] < w2["svi_adam"],
         "p2dvi_w2_within_10pct_of_optimum": w2["p2dvi"] <= target,
-        # faster: reaches the target W2 in fewer iterations, or (if neither does) has the lower objective gap
+        # faster: reaches the objective-gap tolerance in fewer iterations, or (if neither does) ends lower
         "p2dvi_faster_than_pdvi": (p2_hit is not None and (pd_hit is None or p2_hit < pd_hit))
         or (p2_hit is None and pd_hit is None and gap["p2dvi"] < gap["pdvi"]),
+        "p2dvi_gradient_w2_below_svi_adam": w2["p2dvi_gradient"] < w2["svi_adam"],
     }
-    cfg.update(eta_m=eta_m, target_w2=target, svi_adam_steps_per_iteration=cfg["local_steps"],
+    cfg.update(eta_m=eta_m, target_w2=target, gap_tol=gap_tol, svi_adam_steps_per_iteration=cfg["local_steps"],
                natgrad_steps_per_iteration=cfg["local_steps"])
     path = write_result("gmm_biased", quick, cfg, methods, claims, args.out,
-                        extra={"grids_final_w2": grids, "iterations_to_target_w2": {"p2dvi": p2_hit, "pdvi": pd_hit},
+                        extra={"grids_final": grids, "iterations_to_targets": hits,
                                "neg_elbo_gap_to_optimum": gap, "total_time_s": time.perf_counter() - t_start})
 
     import matplotlib.pyplot as plt
@@ -210,13 +239,14 @@ def main(argv=None):
         c = _curve(recs)
         axes[0].plot(c["step"], c["w2"], label=f"{name} ({methods[name]['setting']})")
         axes[1].plot(c["time_s"], c["w2"], label=name)
-        axes[2].plot(c["step"], np.maximum(np.asarray(c["neg_elbo"]) - optimum["neg_elbo"], 1e-3), label=name)
+        axes[2].plot(c["step"], np.maximum(np.asarray(c["gap"]), 1e-2), label=name)
     for ax in axes[:2]:
         ax.axhline(optimum["w2"], color="k", ls=":", label="CAVI optimum")
         ax.set(yscale="log", ylabel="mixture W2 to truth")
     axes[0].set(xlabel="iteration (SVI baselines: per %d steps)" % cfg["local_steps"])
     axes[1].set(xlabel="wall time [s] (compile included)")
-    axes[2].set(xlabel="iteration", ylabel="profile neg. ELBO − optimum", yscale="log")
+    axes[2].axhline(gap_tol, color="k", ls=":", label="gap tolerance")
+    axes[2].set(xlabel="iteration", ylabel="profile neg. ELBO − optimum (floor 1e-2)", yscale="log")
     axes[0].legend(fontsize=7)
     fig.suptitle(f"biased-batch GMM, n={cfg['n']}, {cfg['num_blocks']} blocks of {cfg['block']}")
     fig.tight_layout()

@@ -33,7 +33,20 @@ from .objectives import block_loss_fn, full_loss_fn
 from .runner import EarlyStopping, RunResult, revert_non_finite, run_loop, tree_all_finite
 from .structure import ModelStructure, Partitions, check_finite_data, inspect_model, make_partitions
 
-__all__ = ["PDVI", "PDVIState", "pdvi_init", "pdvi_step", "prox_solve"]
+__all__ = ["Block", "PDVI", "PDVIState", "pdvi_init", "pdvi_step", "prox_solve"]
+
+
+class Block(NamedTuple):
+    """What a user ``block_solver`` is told about the unit it solves.
+
+    ``indices``: the data indices of the unit (padded to a common length); ``mask``: True on real entries;
+    ``weight``: the unit's share ``|b|/N`` of the global (prior/KL) terms; ``rng_key``: its Monte-Carlo key.
+    """
+
+    indices: jax.Array
+    mask: jax.Array
+    weight: jax.Array
+    rng_key: jax.Array
 
 
 class PDVIState(NamedTuple):
@@ -94,7 +107,7 @@ def pdvi_step(state: PDVIState, oracle: Callable, select: Callable) -> tuple[PDV
     target = jnp.where(mask, units, num_units)  # padded selections are dropped by the scatter
     mu = jax.tree.map(lambda m, d, e: m.at[target].add(d / e, mode="drop"), state.mu, delta, state.eta)
     h = jax.tree.map(lambda hh, d: hh + jnp.sum(d, 0) / num_units, state.h, delta)
-    count = jnp.sum(mask)
+    count = jnp.maximum(jnp.sum(mask), 1)
     lam0 = jax.tree.map(lambda l, hh: jnp.sum(jnp.where(bcast(l), _accum(l), 0.0), 0) / count + hh, lam_sel, h)
     loss = num_units / count * jnp.sum(jnp.where(mask, unit_losses, 0.0))
     new = PDVIState(lam0, h, mu, local, state.eta, state.step + 1, state.rng_key)
@@ -185,6 +198,14 @@ class PDVI:
         solve and draws a new one per visit (specs/pdvi.md §3); ``"run"`` uses one key per unit for the
         whole run, so every f_i is a deterministic sample-average objective and Algorithm 1 converges to its
         optimum without the dual drift that fresh noise causes (use several ``num_particles``).
+    :param block_solver: optional exact/closed-form oracle replacing the optax solve, e.g. coordinate-ascent
+        sweeps for conditionally conjugate models (the paper's choice, specs/pdvi.md §3):
+        ``block_solver(lam0, mu, eta, rows, block, *model_args, **model_kwargs) -> (lam, rows)`` minimises
+        ``f_b(rows, λ) + ⟨μ, λ − λ_0⟩ + ½‖λ − λ_0‖²_{D_η}`` in the engine's UNCONSTRAINED coordinates
+        (``lam0``, ``mu``, ``eta``: dicts over global sites; ``rows``: the unit's local params, data axis
+        first; ``block``: a :class:`Block`).  ``f_b`` must be this model's block negative ELBO; the engine
+        still evaluates it with ``loss`` at the solution for the reported loss.  See
+        ``numpyro_fedvi.models.gmm.block_cavi_solver``.
     :param data_plate: name of the data plate when the model has several subsampled plates.
     """
 
@@ -192,7 +213,7 @@ class PDVI:
                  partitions_per_step: int = 1, eta: float | dict | str = 1.0, eta_scale: float = 1.0,
                  local_optimizer: optax.GradientTransformation | None = None, local_steps: int = 10,
                  dual_granularity: str = "partition", selection: str = "random", alternating: bool = True,
-                 crn: str = "oracle",
+                 crn: str = "oracle", block_solver: Callable | None = None,
                  data_plate: str | None = None, **static_kwargs):
         if dual_granularity not in ("partition", "datum"):
             raise ValueError(f"dual_granularity must be 'partition' or 'datum', got {dual_granularity!r}.")
@@ -217,6 +238,9 @@ class PDVI:
             raise ValueError(f"crn must be 'oracle' or 'run', got {crn!r}.")
         self.dual_granularity, self.selection, self.alternating = dual_granularity, selection, alternating
         self.crn = crn
+        if block_solver is not None and not callable(block_solver):
+            raise TypeError(f"block_solver must be callable, got {type(block_solver).__name__}.")
+        self.block_solver = block_solver
         self.data_plate = data_plate
         self.static_kwargs = static_kwargs
         self.structure: ModelStructure | None = None
@@ -268,8 +292,14 @@ class PDVI:
             def f(lam, rows_):
                 return self._block_loss(unit_key, lam, rows_, idx, mask, weight, args, kwargs)
 
-            lam, rows, value = prox_solve(f, lam0, mu, eta, rows, self.local_optimizer, self.local_steps,
-                                          self.alternating)
+            if self.block_solver is None:
+                lam, rows, value = prox_solve(f, lam0, mu, eta, rows, self.local_optimizer, self.local_steps,
+                                              self.alternating)
+            else:
+                lam, rows = self.block_solver(lam0, mu, eta, rows, Block(idx, mask, weight, unit_key), *args,
+                                              **kwargs, **self.static_kwargs)
+                lam = jax.tree.map(lambda new, old: jnp.asarray(new, old.dtype), lam, lam0)
+                value = f(lam, rows)
             return lam, rows, value, idx, mask
 
         def oracle(units, mask, lam0, mu_sel, eta, local, key):
@@ -284,18 +314,23 @@ class PDVI:
         return oracle
 
     def _auto_eta(self, lam0, local, rng_key, args, kwargs):
-        n_probe = min(8, self.num_units)
-        units = np.unique(np.linspace(0, self.num_units - 1, n_probe).astype(int))
-        curv = None
-        for u in units:
-            idx, mask, weight = self._unit_data(jnp.asarray(u))
-            rows = {k: v[idx] for k, v in local.items()}
-            key = random.fold_in(rng_key, int(u))
-            d = diag_hessian(lambda l: self._block_loss(key, l, rows, idx, mask, weight, args, kwargs), lam0,
-                             key=key)
-            m = {k: float(jnp.max(jnp.abs(v))) for k, v in d.items()}
-            curv = m if curv is None else {k: max(curv[k], m[k]) for k in m}
-        return {k: self.eta_scale / max(c, 1e-8) for k, c in curv.items()}
+        """``η_j = c / L̂_j``: max |diagonal Hessian| of block j over up to 8 evenly spaced units (one compile)."""
+        units = jnp.asarray(np.unique(np.linspace(0, self.num_units - 1, min(8, self.num_units)).astype(int)))
+
+        @jax.jit  # args/kwargs are closed over (static), as in the run loop
+        def curvatures(lam0, local, key):
+            def one(unit):
+                idx, mask, weight = self._unit_data(unit)
+                rows = {k: v[idx] for k, v in local.items()}
+                unit_key = random.fold_in(key, unit)
+                d = diag_hessian(lambda l: self._block_loss(unit_key, l, rows, idx, mask, weight, args, kwargs),
+                                 lam0, key=unit_key)
+                return {k: jnp.max(jnp.abs(v)) for k, v in d.items()}
+
+            return {k: jnp.max(v) for k, v in jax.lax.map(one, units).items()}
+
+        curv = curvatures(lam0, local, rng_key)
+        return {k: self.eta_scale / max(float(c), 1e-8) for k, c in curv.items()}
 
     # SVI surface -----------------------------------------------------------------------------------
     def init(self, rng_key, *args, init_params: dict | None = None, **kwargs) -> PDVIState:

@@ -55,6 +55,10 @@ class RunResult(SVIRunResult):
         self.diagnostics = dict(diagnostics or {})
         return self
 
+    def _replace(self, **fields):
+        diagnostics = fields.pop("diagnostics", self.diagnostics)
+        return RunResult(*super()._replace(**fields), diagnostics)
+
 
 def tree_all_finite(tree) -> jax.Array:
     """True when every floating leaf of ``tree`` is finite."""
@@ -179,8 +183,9 @@ def run_loop(
             if t == done_before:  # nothing advanced (cannot happen unless num_steps reached)
                 break
             all_losses = np.concatenate(losses)
-            if any(bool(cb(t, carry.state, all_losses)) for cb in callbacks):
-                stop_reason = CALLBACK
+            if any([bool(cb(t, carry.state, all_losses)) for cb in callbacks]):  # every callback sees the chunk
+                if t < num_steps:
+                    stop_reason = CALLBACK
                 break
     finally:
         bar.close()

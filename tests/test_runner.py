@@ -183,6 +183,20 @@ def test_callbacks_receive_growing_losses_and_can_stop():
     assert seen == [(4, 4), (8, 8), (10, 10)]
     assert res.diagnostics["stop_reason"] == "completed"
 
+    # a stop request on the last chunk does not turn a completed run into a "callback" stop; all callbacks run
+    seen = []
+    res = run_loop(gd_step, init_state(), 8, get_params=ident, progress_bar=False, chunk_size=4,
+                   callbacks=[lambda s, st, l: s >= 8, lambda s, st, l: seen.append(s)])
+    assert seen == [4, 8] and res.diagnostics["stop_reason"] == "completed"
+
+
+def test_run_result_replace_keeps_diagnostics():
+    res = run_loop(gd_step, init_state(), 6, get_params=ident, progress_bar=False)
+    replaced = res._replace(losses=res.losses[:3])
+    assert replaced.losses.shape == (3,) and replaced.diagnostics == res.diagnostics
+    params, state, losses = replaced
+    assert losses.shape == (3,)
+
 
 def test_early_stopping_type_checked():
     with pytest.raises(TypeError, match="EarlyStopping"):
