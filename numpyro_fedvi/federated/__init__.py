@@ -1,0 +1,19 @@
+"""Federation building blocks (DESIGN.md layer 6): stacked client data, participation laws, compressors."""
+
+from .compression import Compressor, Identity, RandK, StochasticQuantizer
+from .data import ClientData, sample_rows, take_rows
+from .participation import Bernoulli, FixedSize, Full, Participation
+
+__all__ = [
+    "Bernoulli",
+    "ClientData",
+    "Compressor",
+    "FixedSize",
+    "Full",
+    "Identity",
+    "Participation",
+    "RandK",
+    "StochasticQuantizer",
+    "sample_rows",
+    "take_rows",
+]

@@ -1,0 +1,225 @@
+"""Client data as one stacked, padded pytree (DESIGN.md layer 6; specs/fedmm.md "Pitfalls": "vmap over clients
+needs equal shapes: pad and mask").
+
+``ClientData(data, mask, counts)``: every leaf of ``data`` has shape ``(n_clients, max_rows, ...)``; client ``i`` owns
+the rows ``[:counts[i]]`` (``mask[i, j] = j < counts[i]``); padding rows repeat the client's last real row, so any
+function of them stays finite, but they must always be masked out.  Client weights are ``μ_i = N_i/N``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import random
+
+__all__ = ["ClientData", "sample_rows", "take_rows"]
+
+
+def _leaf_name(path) -> str:
+    return f"leaf {jax.tree_util.keystr(path)}" if path else "the array"
+
+
+def _host_leaves(tree, where: str):
+    """``(paths, numpy leaves, treedef)`` of ``tree``; raises on tracers, non-numeric or scalar leaves."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    if not flat:
+        raise ValueError(f"{where} holds no arrays; pass a pytree of arrays whose leading axis indexes rows.")
+    paths, leaves = [], []
+    for path, leaf in flat:
+        if isinstance(leaf, jax.core.Tracer):
+            raise TypeError(f"{where}, {_leaf_name(path)} is a traced value: build ClientData on the host, outside "
+                            "jit/vmap.")
+        arr = np.asarray(leaf)
+        if arr.dtype.kind not in "biufc":
+            raise TypeError(f"{where}, {_leaf_name(path)} has non-numeric dtype {arr.dtype}; convert it to a "
+                            "numeric array.")
+        if arr.ndim == 0:
+            raise ValueError(f"{where}, {_leaf_name(path)} is a scalar; every leaf needs a leading row axis "
+                             "(reshape it to (1,) or (rows, ...)).")
+        paths.append(path)
+        leaves.append(arr)
+    return paths, leaves, treedef
+
+
+def _check_rows(paths, leaves, where: str) -> int:
+    rows = leaves[0].shape[0]
+    for path, arr in zip(paths, leaves):
+        if arr.shape[0] != rows:
+            raise ValueError(f"{where}: {_leaf_name(path)} has {arr.shape[0]} rows but {_leaf_name(paths[0])} has "
+                             f"{rows}; every leaf of a client must have the same leading (row) axis.")
+    return rows
+
+
+def _check_finite(paths, leaves, where: str) -> None:
+    for path, arr in zip(paths, leaves):
+        if arr.dtype.kind in "fc" and not np.all(np.isfinite(arr)):
+            raise ValueError(f"{where}, {_leaf_name(path)} holds NaN or inf values; remove or impute them before "
+                             "building ClientData.")
+
+
+def _stack(clients: Sequence, labels: Sequence[str]) -> ClientData:
+    if len(clients) == 0:
+        raise ValueError("the client list is empty; pass at least one client (a pytree of arrays).")
+    paths0, leaves0, treedef0 = _host_leaves(clients[0], labels[0])
+    per_client, counts = [], []
+    for c, label in zip(clients, labels):
+        paths, leaves, treedef = _host_leaves(c, label)
+        if treedef != treedef0:
+            raise ValueError(f"{label} has pytree structure {treedef} but {labels[0]} has {treedef0}; every client "
+                             "needs the same leaves.")
+        rows = _check_rows(paths, leaves, label)
+        if rows == 0:
+            raise ValueError(f"{label} has 0 rows; drop empty clients before building ClientData.")
+        for path, arr, ref in zip(paths, leaves, leaves0):
+            if arr.shape[1:] != ref.shape[1:]:
+                raise ValueError(f"{label}, {_leaf_name(path)} has trailing shape {arr.shape[1:]} but {labels[0]} "
+                                 f"has {ref.shape[1:]}; only the leading (row) axis may differ between clients.")
+        _check_finite(paths, leaves, label)
+        per_client.append(leaves)
+        counts.append(rows)
+    max_rows = max(counts)
+    stacked = []
+    for j in range(len(leaves0)):
+        dtype = np.result_type(*[leaves[j].dtype for leaves in per_client])
+        out = np.empty((len(clients), max_rows) + leaves0[j].shape[1:], dtype)
+        for i, leaves in enumerate(per_client):
+            out[i, : counts[i]] = leaves[j]
+            out[i, counts[i]:] = leaves[j][-1]  # pad with the last real row: finite, but masked
+        stacked.append(jnp.asarray(out))
+    counts_np = np.asarray(counts)
+    mask = np.arange(max_rows)[None, :] < counts_np[:, None]
+    return ClientData(jax.tree_util.tree_unflatten(treedef0, stacked), jnp.asarray(mask),
+                      jnp.asarray(counts_np, jnp.int32))
+
+
+class ClientData(NamedTuple):
+    """Stacked, padded client data (a pytree: pass it through jit/vmap/scan like any NamedTuple).
+
+    Fields: ``data`` (pytree, leaves ``(n_clients, max_rows, ...)``), ``mask`` (bool ``(n_clients, max_rows)``,
+    True on real rows), ``counts`` (int32 ``(n_clients,)``, the N_i).  The properties describe this stacked form
+    (not a slice taken inside ``vmap``).  Build with :meth:`from_list` or :meth:`from_ids`.
+    """
+
+    data: Any
+    mask: jax.Array
+    counts: jax.Array
+
+    @property
+    def num_clients(self) -> int:
+        """n, the number of clients (static)."""
+        return self.mask.shape[0]
+
+    @property
+    def max_rows(self) -> int:
+        """The padded row count, max_i N_i (static)."""
+        return self.mask.shape[1]
+
+    @property
+    def total(self) -> jax.Array:
+        """N = Σ_i N_i (a 0-d int array; ``int(cd.total)`` on the host)."""
+        return jnp.sum(self.counts)
+
+    @property
+    def weights(self) -> jax.Array:
+        """μ_i = N_i/N (floating, sums to 1; specs/fedmm.md "Problem": finite data μ_i = N_i/N)."""
+        c = self.counts.astype(jnp.result_type(float))
+        return c / jnp.sum(c)
+
+    @classmethod
+    def from_list(cls, clients: Sequence) -> ClientData:
+        """Stack a list of per-client pytrees (same leaves and trailing shapes; leading axis = that client's rows).
+
+        Raises ``ValueError`` for an empty list, a client with 0 rows, different pytree structures or trailing
+        shapes, leaves of one client with different row counts, or NaN/inf (naming the client and the leaf).
+        """
+        if isinstance(clients, (np.ndarray, jax.Array)) or not isinstance(clients, Sequence):
+            raise TypeError("clients must be a list (or tuple) with one pytree of arrays per client, got "
+                            f"{type(clients).__name__}; for one array with a client column use ClientData.from_ids.")
+        return _stack(list(clients), [f"client {i}" for i in range(len(clients))])
+
+    @classmethod
+    def from_ids(cls, data, client_ids) -> ClientData:
+        """Split a pytree of arrays (leading axis = rows) by ``client_ids`` (one int per row).
+
+        Rows with the same id go to the same client; clients are ordered by sorted unique id
+        (``np.unique(client_ids)``), and rows keep their order within a client.
+        """
+        paths, leaves, treedef = _host_leaves(data, "data")
+        rows = _check_rows(paths, leaves, "data")
+        if isinstance(client_ids, jax.core.Tracer):
+            raise TypeError("client_ids is a traced value: build ClientData on the host, outside jit/vmap.")
+        ids = np.asarray(client_ids)
+        if ids.ndim != 1:
+            raise ValueError(f"client_ids must be one-dimensional (one id per row), got shape {ids.shape}.")
+        if ids.dtype.kind not in "iu":
+            raise TypeError(f"client_ids must be integers, got dtype {ids.dtype}; convert them, e.g. "
+                            "np.unique(labels, return_inverse=True)[1].")
+        if ids.shape[0] != rows:
+            raise ValueError(f"client_ids has length {ids.shape[0]} but data has {rows} rows; pass one id per row.")
+        _check_finite(paths, leaves, "data")
+        uniq, inverse = np.unique(ids, return_inverse=True)
+        order = np.argsort(inverse, kind="stable")
+        bounds = np.cumsum(np.bincount(inverse, minlength=len(uniq)))[:-1]
+        groups = np.split(order, bounds)
+        clients = [jax.tree_util.tree_unflatten(treedef, [leaf[g] for leaf in leaves]) for g in groups]
+        return _stack(clients, [f"client {k} (id {u})" for k, u in enumerate(uniq.tolist())])
+
+    def client(self, i: int):
+        """The unpadded pytree of client ``i`` (host-side; negative ``i`` counts from the end)."""
+        if not isinstance(i, (int, np.integer)) or isinstance(i, bool):
+            raise TypeError(f"i must be an int client index, got {type(i).__name__}.")
+        n = self.num_clients
+        if not -n <= i < n:
+            raise IndexError(f"client index {i} is out of range for {n} clients.")
+        if isinstance(self.counts, jax.core.Tracer):
+            raise TypeError("ClientData.client is host-side; call it outside jit/vmap.")
+        rows = int(self.counts[i])
+        return jax.tree_util.tree_map(lambda leaf: leaf[i, :rows], self.data)
+
+
+def _check_client_data(client_data) -> None:
+    if not isinstance(client_data, ClientData):
+        raise TypeError(f"client_data must be a ClientData (see ClientData.from_list / from_ids), got "
+                        f"{type(client_data).__name__}.")
+
+
+def sample_rows(key, client_data: ClientData, batch_size: int, *, replace: bool = True):
+    """Draw ``batch_size`` row indices per client among its real rows: ``(indices, valid)``, both ``(n, batch_size)``.
+
+    ``replace=True``: uniform with replacement on ``{0, …, N_i − 1}``; every draw is valid.  ``replace=False``: a
+    uniformly random ordering of the client's rows truncated to ``batch_size`` (needs ``batch_size ≤ max_rows``);
+    the draws past ``N_i`` are flagged ``valid = False`` and point to row 0.  Padding rows are never drawn.
+    jit-friendly with ``batch_size`` and ``replace`` static.
+    """
+    _check_client_data(client_data)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)):
+        raise TypeError(f"batch_size must be a (static) int, got {type(batch_size).__name__}.")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
+    n, max_rows = client_data.num_clients, client_data.max_rows
+    counts = client_data.counts[:, None]
+    if replace:
+        idx = random.randint(key, (n, batch_size), 0, counts, dtype=jnp.int32)
+        return idx, jnp.ones((n, batch_size), bool)
+    if batch_size > max_rows:
+        raise ValueError(f"batch_size={batch_size} exceeds the largest client ({max_rows} rows) with replace=False; "
+                         "lower batch_size or sample with replacement.")
+    u = random.uniform(key, (n, max_rows))
+    u = jnp.where(jnp.arange(max_rows)[None, :] < counts, u, 2.0)  # padding rows sort last
+    order = jnp.argsort(u, axis=1)[:, :batch_size].astype(jnp.int32)
+    valid = jnp.arange(batch_size)[None, :] < counts
+    return jnp.where(valid, order, 0), valid
+
+
+def take_rows(client_data: ClientData, indices):
+    """Gather rows per client: leaves ``(n, max_rows, ...)`` → ``(n, batch, ...)`` for ``indices`` ``(n, batch)``."""
+    _check_client_data(client_data)
+    indices = jnp.asarray(indices)
+    if indices.ndim != 2 or indices.shape[0] != client_data.num_clients:
+        raise ValueError(f"indices must have shape (num_clients={client_data.num_clients}, batch), got "
+                         f"{indices.shape}.")
+    return jax.tree_util.tree_map(lambda leaf: jax.vmap(lambda rows, i: rows[i])(leaf, indices), client_data.data)

@@ -1,0 +1,102 @@
+"""Client participation laws (specs/fedmm.md "Algorithm 2" and "Compression": Bernoulli(p) and FixedSize(m)).
+
+A sampler is a small frozen (hashable) dataclass: ``sample(key, num_clients)`` returns the bool active mask
+``(num_clients,)``; ``prob(num_clients)`` is the inclusion probability p of every client (FedMM's ``α/p`` and
+``1/p`` factors); ``validate(num_clients)`` is the host-side check that ``sample`` runs first (``num_clients`` is a
+static int, so a bad value raises before compilation).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax, random
+
+__all__ = ["Bernoulli", "FixedSize", "Full", "Participation"]
+
+
+def _check_num_clients(num_clients) -> int:
+    if isinstance(num_clients, bool) or not isinstance(num_clients, (int, np.integer)):
+        raise TypeError(f"num_clients must be a (static) int, got {type(num_clients).__name__}.")
+    if num_clients < 1:
+        raise ValueError(f"num_clients must be >= 1, got {num_clients}.")
+    return int(num_clients)
+
+
+class Participation:
+    """Base class of the participation samplers."""
+
+    def validate(self, num_clients: int) -> None:
+        """Host-side check of ``num_clients`` for this law (raises ``TypeError``/``ValueError``)."""
+        _check_num_clients(num_clients)
+
+    def prob(self, num_clients: int) -> float:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def sample(self, key, num_clients: int):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True)
+class Full(Participation):
+    """Every client every round: p = 1."""
+
+    def prob(self, num_clients: int) -> float:
+        self.validate(num_clients)
+        return 1.0
+
+    def sample(self, key, num_clients: int):
+        self.validate(num_clients)
+        return jnp.ones((num_clients,), bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class Bernoulli(Participation):
+    """Each client independently with probability ``p ∈ (0, 1]`` (the active set may be empty)."""
+
+    p: float
+
+    def __post_init__(self):
+        try:
+            p = float(self.p)
+        except (TypeError, ValueError):
+            raise TypeError(f"p must be a float in (0, 1], got {self.p!r}.") from None
+        if not 0.0 < p <= 1.0:
+            raise ValueError(f"p must be in (0, 1] (p = 0 never selects a client), got {self.p!r}.")
+        object.__setattr__(self, "p", p)
+
+    def prob(self, num_clients: int) -> float:
+        self.validate(num_clients)
+        return self.p
+
+    def sample(self, key, num_clients: int):
+        self.validate(num_clients)
+        return random.bernoulli(key, self.p, (num_clients,))
+
+
+@dataclasses.dataclass(frozen=True)
+class FixedSize(Participation):
+    """Exactly ``m`` clients, uniformly without replacement: p = m/n (the paper: 10 of 20)."""
+
+    m: int
+
+    def __post_init__(self):
+        if isinstance(self.m, bool) or not isinstance(self.m, (int, np.integer)) or self.m < 1:
+            raise ValueError(f"m must be an int >= 1 (clients per round), got {self.m!r}.")
+
+    def validate(self, num_clients: int) -> None:
+        n = _check_num_clients(num_clients)
+        if self.m > n:
+            raise ValueError(f"FixedSize(m={self.m}) selects more clients than there are ({n}); use m <= "
+                             f"{n} or Full().")
+
+    def prob(self, num_clients: int) -> float:
+        self.validate(num_clients)
+        return self.m / num_clients
+
+    def sample(self, key, num_clients: int):
+        self.validate(num_clients)
+        _, chosen = lax.top_k(random.uniform(key, (num_clients,)), self.m)
+        return jnp.zeros((num_clients,), bool).at[chosen].set(True)
