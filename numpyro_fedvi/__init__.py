@@ -1,8 +1,10 @@
-"""numpyro_fedvi: variational-inference engines for NumPyro models (PD-VI / P²D-VI, ...).
+"""numpyro_fedvi: variational-inference engines for NumPyro models (PD-VI / P²D-VI, MPSGD, ...).
 
 Use them where you use ``numpyro.infer.SVI``: same model, same guide, same ``init/update/run/get_params``.
 """
 
+from .guides import AutoLocationScale
+from .mpsgd import MPSGD, MPSGDState
 from .pdvi import PDVI, PDVIState
 from .runner import EarlyStopping, RunResult
 from .structure import ModelStructure, Partitions, inspect_model, make_partitions
@@ -10,6 +12,9 @@ from .structure import ModelStructure, Partitions, inspect_model, make_partition
 __version__ = "0.1.0"
 
 __all__ = [
+    "AutoLocationScale",
+    "MPSGD",
+    "MPSGDState",
     "PDVI",
     "EarlyStopping",
     "ModelStructure",

@@ -1,0 +1,404 @@
+"""MPSGD: minibatch projected SGD for location-scale VI (Labarrière, Molinari, Villa, Rosasco 2026).
+
+Objective (specs/mpsgd.md): ``L(μ, Σ) = E_z f(μ + Σz) − log|det Σ|`` with ``f`` the model's potential energy in
+unconstrained space (Jacobian included) and ``z`` from a standardized elliptic base; ``L`` is the negative ELBO up
+to the constant ``−H(base)``.  One iteration ``k`` (eq. (MPSGD)):
+
+    Z = (z_1..z_N) ~ base,  X = μ + ΣZ,  G = ∇f(X)                               (same z for both blocks)
+    g_μ = G1/N,  g_Σ = GZᵀ/N − Σ^{-T}   (tril: tril(GZᵀ/N) − diag(1/C_ii);  diag: mean(G∘Z) − 1/s)
+    μ ← μ − γ_k λ_μ g_μ,   Σ ← P_{Θ_L}(Σ − γ_k λ_Σ g_Σ),   Θ_L = {σ_min(Σ) ≥ 1/√L}
+
+with the iterate average ``θ̄_K = Σ_k w_k θ^k / Σ_k w_k``, ``w_k = γ_k α_{k+1}``, ``α_{k+1} = Π_{i≤k} τ_i``,
+``τ_i = 1/(1 + a γ_i²/N_i)`` (Theorems 6 and 7; constant γ, N: ``w_k ∝ τ^{k+1}``).  Growing batches ``N_k`` are
+drawn in fixed-size chunks inside one compiled loop (no recompilation).
+
+Functional core: :func:`mpsgd_init`, :func:`make_mpsgd_step`; front-end :class:`MPSGD` with NumPyro's SVI surface.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax, random
+from numpyro import handlers
+from numpyro.infer.util import potential_energy
+
+from .projections import project_scale_diag, project_scale_full_with_inverse, project_scale_tril
+from .runner import EarlyStopping, RunResult, revert_non_finite, run_loop, tree_all_finite
+from .schedules import batch_growth, constant, dynamic_batching, theorem4
+
+__all__ = ["MPSGD", "MPSGDState", "estimate_smoothness", "make_mpsgd_step", "mc_gradient", "mpsgd_init", "project_scale"]
+
+
+class MPSGDState(NamedTuple):
+    """``loc`` μ (d,), ``scale`` Σ (raw: (d,d) full/tril or (d,) diag), ``scale_inv`` Σ^{-1} (full; else an
+    unused 0), running average ``avg_loc``/``avg_scale`` with ``log_weight_sum`` = log Σ w, ``log_alpha`` =
+    log α_k, the averaging constant ``avg_a`` (a of τ), ``step`` k, base ``rng_key``."""
+
+    loc: jax.Array
+    scale: jax.Array
+    scale_inv: jax.Array
+    avg_loc: jax.Array
+    avg_scale: jax.Array
+    log_weight_sum: jax.Array
+    log_alpha: jax.Array
+    avg_a: jax.Array
+    step: jax.Array
+    rng_key: jax.Array
+
+
+def project_scale(scale_type: str, scale, min_scale):
+    """``P_{Θ_L}`` per scale type (specs/mpsgd.md [fix]); returns ``(Σ, Σ^{-1} or 0)``."""
+    if scale_type == "full":
+        return project_scale_full_with_inverse(scale, min_scale)
+    if scale_type == "tril":
+        return project_scale_tril(scale, min_scale), jnp.zeros(())
+    return project_scale_diag(scale, min_scale), jnp.zeros(())
+
+
+def log_abs_det(scale_type: str, scale):
+    """``log|det Σ|`` (full: via slogdet; tril: Σ log C_ii; diag: Σ log s_i)."""
+    if scale_type == "full":
+        return jnp.linalg.slogdet(scale)[1]
+    diag = jnp.diagonal(scale) if scale_type == "tril" else scale
+    return jnp.sum(jnp.log(jnp.abs(diag)))
+
+
+def _apply_scale(scale_type, scale, z):
+    """Rows ``x_n = Σ z_n`` for a (n, d) batch ``z``."""
+    return z * scale if scale_type == "diag" else z @ scale.T
+
+
+def mpsgd_init(loc, scale, scale_type: str, min_scale, rng_key, avg_a=1.0) -> MPSGDState:
+    """Initial state; ``scale`` is projected onto Θ_L first."""
+    ftype = jnp.result_type(float)
+    loc = jnp.asarray(loc, ftype)
+    scale, scale_inv = project_scale(scale_type, jnp.asarray(scale, ftype), min_scale)
+    return MPSGDState(loc, scale, jnp.asarray(scale_inv, ftype), loc, scale, jnp.asarray(-jnp.inf, ftype),
+                      jnp.zeros((), ftype), jnp.asarray(avg_a, ftype), jnp.asarray(0, jnp.int32), rng_key)
+
+
+def mc_gradient(potential: Callable, base, scale_type: str, loc, scale, scale_inv, key, num_particles,
+                chunk_size: int):
+    """Reparameterised estimators of ∇L with the same z for both blocks (specs/mpsgd.md "Estimators"):
+    ``g_μ = G1/N``, ``g_Σ = GZᵀ/N − Σ^{-T}`` (tril: ``tril(GZᵀ/N) − diag(1/C_ii)``; diag: ``mean(G∘Z) − 1/s``).
+
+    ``num_particles`` may be traced: the N draws are taken ``chunk_size`` at a time in a ``fori_loop`` (the last
+    chunk masked), so growing batches never recompile.  Returns ``(g_μ, g_Σ, mean f(X))``.
+    """
+    value_and_grad = jax.vmap(jax.value_and_grad(potential), in_axes=(0, None))
+    n = jnp.asarray(num_particles, jnp.int32)
+
+    def body(i, acc):
+        g_loc, g_scale, f_sum = acc
+        z_key, f_key = random.split(random.fold_in(key, i))
+        z = base.sample(z_key, (chunk_size,)).astype(loc.dtype)
+        valid = (i * chunk_size + jnp.arange(chunk_size)) < n
+        f, g = value_and_grad(loc + _apply_scale(scale_type, scale, z), f_key)
+        g = jnp.where(valid[:, None], g, 0.0)
+        g_z = jnp.sum(g * z, 0) if scale_type == "diag" else g.T @ z
+        return g_loc + jnp.sum(g, 0), g_scale + g_z, f_sum + jnp.sum(jnp.where(valid, f, 0.0))
+
+    zeros = (jnp.zeros_like(loc), jnp.zeros_like(scale), jnp.zeros((), loc.dtype))
+    g_loc, gz, f_sum = lax.fori_loop(0, (n + chunk_size - 1) // chunk_size, body, zeros)
+    g_loc, gz = g_loc / n, gz / n
+    if scale_type == "full":
+        g_scale = gz - scale_inv.T
+    elif scale_type == "tril":
+        g_scale = jnp.tril(gz) - jnp.diag(1.0 / jnp.diagonal(scale))
+    else:
+        g_scale = gz - 1.0 / scale
+    return g_loc, g_scale, f_sum / n
+
+
+def make_mpsgd_step(potential: Callable, base, scale_type: str, *, step_size: Callable, num_particles: Callable,
+                    chunk_size: int, min_scale: float, lambda_loc: float = 1.0, lambda_scale: float = 1.0,
+                    averaging: bool = True) -> Callable:
+    """``step(state) -> (state, loss)``: one MPSGD iteration (module docstring).
+
+    :param potential: ``f(x, key)`` (scalar potential energy at an unconstrained point; ``key`` seeds data
+        subsampling, shared by the draws of one chunk).
+    :param base: standardized base distribution (``sample``, ``entropy()``).
+    :param step_size: ``k -> γ_k``; :param num_particles: ``k -> N_k`` (int); drawn ``chunk_size`` at a time.
+    :return: the loss is the Monte-Carlo negative ELBO of the iterate before the update,
+        ``mean f(X) − log|det Σ| − H(base)``.
+    """
+    entropy = base.entropy()
+
+    def step(state: MPSGDState):
+        k = state.step
+        gamma = jnp.asarray(step_size(k), state.loc.dtype)
+        n = jnp.maximum(jnp.asarray(num_particles(k), jnp.int32), 1)
+        g_loc, g_scale, f_mean = mc_gradient(potential, base, scale_type, state.loc, state.scale, state.scale_inv,
+                                             random.fold_in(state.rng_key, k), n, chunk_size)
+        loss = f_mean - log_abs_det(scale_type, state.scale) - entropy
+        loc = state.loc - gamma * lambda_loc * g_loc
+        scale, scale_inv = project_scale(scale_type, state.scale - gamma * lambda_scale * g_scale, min_scale)
+        # iterate average over θ^0..θ^k with weights w_k = γ_k α_{k+1}, α_{k+1} = α_k τ_k (Theorem 7)
+        log_tau = -jnp.log1p(state.avg_a * gamma**2 / n)
+        log_w = jnp.log(gamma) + state.log_alpha + log_tau
+        log_sum = jnp.logaddexp(state.log_weight_sum, log_w)
+        r = jnp.exp(log_w - log_sum) if averaging else jnp.asarray(1.0, loc.dtype)
+        avg_loc = state.avg_loc + r * (state.loc - state.avg_loc)
+        avg_scale = state.avg_scale + r * (state.scale - state.avg_scale)
+        new = MPSGDState(loc, scale, jnp.asarray(scale_inv, state.scale_inv.dtype), avg_loc, avg_scale, log_sum,
+                         state.log_alpha + log_tau, state.avg_a, k + 1, state.rng_key)
+        return new, loss
+
+    return step
+
+
+def estimate_smoothness(potential: Callable, x0, *, map_steps: int = 200, power_steps: int = 50,
+                        safety: float = 2.0, key=None) -> tuple[float, jax.Array]:
+    """``L ≈ safety · λ_max(∇²f(x_MAP))``: L-BFGS to the MAP from ``x0``, then power iteration on
+    Hessian-vector products (specs/mpsgd.md "Estimating L": a local lower bound, hence the safety factor).
+    Returns ``(L, x_MAP)``."""
+    key = random.key(0) if key is None else key
+    f = lambda x: potential(x, key)  # noqa: E731
+
+    @jax.jit
+    def run(x0):
+        opt = optax.lbfgs()
+        vg = optax.value_and_grad_from_state(f)
+
+        def opt_step(carry, _):
+            x, s = carry
+            value, grad = vg(x, state=s)
+            updates, s = opt.update(grad, s, x, value=value, grad=grad, value_fn=f)
+            return (optax.apply_updates(x, updates), s), None
+
+        (x, _), _ = lax.scan(opt_step, (x0, opt.init(x0)), None, length=map_steps)
+
+        def power(v, _):
+            hv = jax.jvp(jax.grad(f), (x,), (v,))[1]
+            return hv / (jnp.linalg.norm(hv) + 1e-30), None
+
+        v0 = random.normal(random.fold_in(key, 1), x.shape, x.dtype)
+        v, _ = lax.scan(power, v0 / jnp.linalg.norm(v0), None, length=power_steps)
+        lam = jnp.vdot(v, jax.jvp(jax.grad(f), (x,), (v,))[1])
+        return lam, x
+
+    lam, x_map = run(jnp.asarray(x0))
+    lam = float(lam)
+    if not math.isfinite(lam) or lam <= 0:
+        raise ValueError(f"smoothness='auto' found a non-positive curvature {lam} at the MAP; pass smoothness=L.")
+    return safety * lam, x_map
+
+
+class MPSGD:
+    """Minibatch projected SGD for VI with an :class:`~numpyro_fedvi.guides.AutoLocationScale` guide.
+
+    ``MPSGD(model, guide, smoothness=L)`` runs the paper's method with γ = 1/(2L), Σ kept in
+    ``Θ_L = {σ_min(Σ) ≥ 1/√L}``; ``budget=E`` picks ``N`` and ``K`` by Theorem 4 (case i with
+    ``preconditioner="identity"``, case ii with ``"theory"``).
+
+    :param step_size: ``None`` = 1/(2 L_step) (theory), a float, or a schedule ``k -> γ_k``.
+    :param smoothness: L of the potential (float) or ``"auto"`` (:func:`estimate_smoothness` at the MAP with
+        safety factor 2).  Used for the step size and, unless ``projection_smoothness`` is given, for the
+        projection threshold 1/√L.
+    :param projection_smoothness: a separate L for the projection (an under-estimate can cut off the optimum).
+    :param num_particles: N (int) or a schedule ``k -> N_k``; drawn ``chunk_size`` at a time.
+    :param step_schedule: ``None`` (constant γ) or a dynamic-batching strategy ``"S1"``, ``"S2"``, ``"S3"``
+        of Theorem 7 built from γ and ``num_particles`` (:func:`numpyro_fedvi.schedules.dynamic_batching`).
+    :param preconditioner: ``"theory"`` (λ_μ = 1, λ_Σ = 1/(2(d−1+κ)), Theorem 4 ii), ``"identity"``, or a
+        tuple ``(λ_μ, λ_Σ)`` in (0, 1]².
+    :param averaging: ``"tau"`` (weighted average of Theorems 6/7; ``get_params`` returns it) or ``"none"``.
+    :param averaging_a: the constant ``a`` in τ = 1/(1 + aγ²/N); default: chosen at ``run`` so that τ = K/(K+1)
+        for the initial γ and N (Theorem 4's value), or with K = 1000 when only ``init``/``update`` are used.
+    :param budget: gradient budget E (Theorem 4); ``run(rng_key, None, ...)`` then runs K steps.
+    :param init_scale: initial Σ = init_scale·I (default 1/√L, the paper's Σ0 = I/√L).
+
+    Data subsampling: when the model has a subsampled plate, each chunk of draws also sees a fresh random
+    minibatch (NumPyro semantics); the paper's theory covers the Monte-Carlo-only case.
+    """
+
+    def __init__(self, model, guide, *, step_size: float | Callable | None = None, smoothness: float | str = "auto",
+                 projection_smoothness: float | None = None, num_particles: int | Callable = 1,
+                 step_schedule: str | None = None, preconditioner: str | tuple = "theory",
+                 averaging: str = "tau", averaging_a: float | None = None, budget: int | None = None,
+                 init_scale: float | None = None, chunk_size: int | None = None, **static_kwargs):
+        from .guides import AutoLocationScale
+
+        if not isinstance(guide, AutoLocationScale):
+            raise TypeError("MPSGD needs an numpyro_fedvi.AutoLocationScale guide (raw location-scale params kept "
+                            f"feasible by projection); got {type(guide).__name__}.")
+        if not (smoothness == "auto" or (isinstance(smoothness, (int, float)) and smoothness > 0)):
+            raise ValueError(f"smoothness must be a positive float or 'auto', got {smoothness!r}.")
+        if projection_smoothness is not None and not projection_smoothness > 0:
+            raise ValueError(f"projection_smoothness must be positive, got {projection_smoothness!r}.")
+        if step_schedule not in (None, "constant", "S1", "S2", "S3"):
+            raise ValueError(f"step_schedule must be None, 'S1', 'S2' or 'S3', got {step_schedule!r}.")
+        if averaging not in ("tau", "none"):
+            raise ValueError(f"averaging must be 'tau' or 'none', got {averaging!r}.")
+        if isinstance(preconditioner, str):
+            if preconditioner not in ("theory", "identity"):
+                raise ValueError(f"preconditioner must be 'theory', 'identity' or (λ_μ, λ_Σ); got {preconditioner!r}.")
+        elif not (len(preconditioner) == 2 and all(0 < float(v) <= 1 for v in preconditioner)):
+            raise ValueError(f"preconditioner (λ_μ, λ_Σ) must lie in (0, 1]², got {preconditioner!r}.")
+        if isinstance(num_particles, (int, np.integer)) and num_particles < 1:
+            raise ValueError(f"num_particles must be >= 1, got {num_particles}.")
+        if budget is not None and (not isinstance(budget, (int, np.integer)) or budget < 1):
+            raise ValueError(f"budget must be a positive integer number of gradient evaluations, got {budget!r}.")
+        if isinstance(step_size, (int, float)) and not step_size > 0:
+            raise ValueError(f"step_size must be positive, got {step_size!r}.")
+        self.model, self.guide = model, guide
+        self.step_size, self.smoothness, self.projection_smoothness = step_size, smoothness, projection_smoothness
+        self.num_particles, self.step_schedule, self.preconditioner = num_particles, step_schedule, preconditioner
+        self.averaging, self.averaging_a, self.budget = averaging, averaging_a, budget
+        self.init_scale, self.chunk_size, self.static_kwargs = init_scale, chunk_size, static_kwargs
+        self._setup_done = False
+
+    # setup ------------------------------------------------------------------------------------------
+    def _potential(self, args, kwargs):
+        kwargs = {**kwargs, **self.static_kwargs}
+
+        def potential(x, key):
+            return potential_energy(handlers.seed(self.model, key), args, kwargs, self.guide._unpack_latent(x))
+
+        return potential
+
+    def _setup(self, rng_key, args, kwargs):
+        with handlers.trace() as tr, handlers.seed(rng_seed=rng_key):
+            self.guide(*args, **kwargs, **self.static_kwargs)
+        guide = self.guide
+        self.dim, self.scale_type, self.base = guide.latent_dim, guide.scale_type, guide.base
+        self.kurtosis = float(self.base.kurtosis)
+        init_loc = tr[guide.loc_name]["value"]
+        potential = self._potential(args, kwargs)
+        if self.smoothness == "auto":
+            self.L, _ = estimate_smoothness(potential, init_loc, key=rng_key)
+        else:
+            self.L = float(self.smoothness)
+        self.L_proj = float(self.projection_smoothness or self.L)
+        if isinstance(self.preconditioner, str):
+            lam = (1.0, 1.0) if self.preconditioner == "identity" else \
+                (1.0, 1.0 / (2.0 * (self.dim - 1 + self.kurtosis)))
+        else:
+            lam = tuple(float(v) for v in self.preconditioner)
+        self.lambda_loc, self.lambda_scale = lam
+        n_const = self.num_particles if isinstance(self.num_particles, (int, np.integer)) else None
+        self.default_num_steps = None
+        if self.budget is not None:
+            case = "i" if self.preconditioner == "identity" else "ii"
+            plan = theorem4(int(self.budget), self.dim, self.kurtosis, case)
+            n_const, self.default_num_steps = plan.num_particles, plan.num_steps
+        gamma0 = 1.0 / (2.0 * self.L) if self.step_size is None else self.step_size
+        if self.step_schedule in ("S1", "S2", "S3"):
+            if callable(gamma0) or n_const is None:
+                raise ValueError("step_schedule='S1'|'S2'|'S3' builds the schedules from a float step_size (or the "
+                                 "theory default) and an int num_particles.")
+            self._gamma, self._batch = dynamic_batching(self.step_schedule, gamma0, n_const)
+        else:
+            self._gamma = gamma0 if callable(gamma0) else constant(gamma0)
+            self._batch = batch_growth(n_const, 0.0) if n_const is not None else self.num_particles
+        n0 = int(self._batch(0))
+        self._chunk = int(self.chunk_size or (n0 if n_const is not None and self.step_schedule in (None, "constant")
+                                              else min(max(n0, 8), 256)))
+        self._min_scale = 1.0 / math.sqrt(self.L_proj)
+        self._init_loc = init_loc
+        self._setup_done = True
+
+    def _avg_a(self, num_steps):
+        """Default a: τ = K/(K+1) for the initial γ and N (Theorem 4's value)."""
+        if self.averaging_a is not None:
+            return float(self.averaging_a)
+        gamma0, n0 = float(self._gamma(0)), float(self._batch(0))
+        return n0 / (gamma0**2 * num_steps)
+
+    # SVI surface ------------------------------------------------------------------------------------
+    def init(self, rng_key, *args, init_params: dict | None = None, num_steps: int | None = None,
+             **kwargs) -> MPSGDState:
+        """Set up guide, L, schedules; initial state (μ0 from the guide's init_loc_fn, Σ0 = I/√L or init_scale)."""
+        setup_key, rng_key = random.split(rng_key)
+        self._setup(setup_key, args, kwargs)
+        loc = self._init_loc
+        s0 = self._min_scale if self.init_scale is None else float(self.init_scale)
+        scale = s0 * (jnp.ones(self.dim) if self.scale_type == "diag" else jnp.eye(self.dim))
+        if init_params:
+            unknown = set(init_params) - {self.guide.loc_name, self.guide.scale_name}
+            if unknown:
+                raise ValueError(f"init_params names unknown params {sorted(unknown)}; use "
+                                 f"{self.guide.loc_name!r} and {self.guide.scale_name!r}.")
+            loc = init_params.get(self.guide.loc_name, loc)
+            scale = init_params.get(self.guide.scale_name, scale)
+        steps = num_steps or self.default_num_steps or 1000
+        return mpsgd_init(loc, scale, self.scale_type, self._min_scale, rng_key, self._avg_a(steps))
+
+    def _require_init(self):
+        if not self._setup_done:
+            raise RuntimeError("Call MPSGD.init(rng_key, *args, **kwargs) (or run) before update/evaluate.")
+
+    def _step_fn(self, args, kwargs):
+        return make_mpsgd_step(self._potential(args, kwargs), self.base, self.scale_type, step_size=self._gamma,
+                               num_particles=self._batch, chunk_size=self._chunk, lambda_loc=self.lambda_loc,
+                               lambda_scale=self.lambda_scale, min_scale=self._min_scale,
+                               averaging=self.averaging == "tau")
+
+    def update(self, state: MPSGDState, *args, **kwargs) -> tuple[MPSGDState, jax.Array]:
+        """One MPSGD iteration; the loss is the Monte-Carlo negative ELBO at the iterate before the update."""
+        self._require_init()
+        return self._step_fn(args, kwargs)(state)
+
+    def stable_update(self, state: MPSGDState, *args, **kwargs) -> tuple[MPSGDState, jax.Array]:
+        """Like ``update`` but keeps the old state when the loss or the new state is not finite."""
+        new_state, loss = self.update(state, *args, **kwargs)
+        return revert_non_finite(new_state, state, jnp.isfinite(loss) & tree_all_finite(new_state)), loss
+
+    def evaluate(self, state: MPSGDState, *args, num_samples: int = 100, rng_key=None, which: str | None = None,
+                 **kwargs) -> jax.Array:
+        """Negative ELBO with ``num_samples`` fixed draws (common random numbers: the same ``rng_key``, default
+        ``random.key(0)``, gives the same z for every state), at the average or the last iterate."""
+        self._require_init()
+        loc, scale = self._pick(state, which)
+        key = random.key(0) if rng_key is None else rng_key
+        z = self.base.sample(key, (num_samples,)).astype(loc.dtype)
+        f = jax.vmap(self._potential(args, kwargs), in_axes=(0, None))(loc + _apply_scale(self.scale_type, scale, z),
+                                                                       random.fold_in(key, 1))
+        return jnp.mean(f) - log_abs_det(self.scale_type, scale) - self.base.entropy()
+
+    def _pick(self, state, which):
+        which = which or ("average" if self.averaging == "tau" else "last")
+        if which not in ("average", "last"):
+            raise ValueError(f"which must be 'average' or 'last', got {which!r}.")
+        return (state.avg_loc, state.avg_scale) if which == "average" else (state.loc, state.scale)
+
+    def get_params(self, state: MPSGDState, which: str | None = None) -> dict[str, jax.Array]:
+        """Guide params ``{loc_name: μ, scale_name: Σ}`` of the averaged iterate (``averaging="tau"``) or the
+        last one (``which="last"``); usable with ``Predictive(guide, params=...)``."""
+        self._require_init()
+        loc, scale = self._pick(state, which)
+        return {self.guide.loc_name: loc, self.guide.scale_name: scale}
+
+    def run(self, rng_key, num_steps: int | None, *args, progress_bar: bool = True, stable_update: bool = False,
+            init_state: MPSGDState | None = None, init_params: dict | None = None, callbacks=(),
+            early_stopping: EarlyStopping | None = None, chunk_size: int | None = None, **kwargs) -> RunResult:
+        """Run ``num_steps`` iterations (``None`` with ``budget=E``: Theorem 4's K) in the shared compiled loop.
+
+        ``result.params`` is the averaged iterate (``averaging="tau"``); ``result.diagnostics["last_params"]``
+        the last one, plus ``L``, ``num_particles`` (N_0), ``lambda`` and ``gradient_evaluations``.
+        """
+        if init_state is None:
+            if num_steps is None and self.budget is None:
+                raise ValueError("num_steps=None needs budget=E (Theorem 4 then fixes K).")
+            state = self.init(rng_key, *args, init_params=init_params, num_steps=num_steps, **kwargs)
+        else:
+            if not self._setup_done:
+                self._setup(random.split(rng_key)[0], args, kwargs)
+            state = init_state
+        num_steps = num_steps or self.default_num_steps
+        step = self._step_fn(args, kwargs)
+        result = run_loop(step, state, num_steps, get_params=self.get_params, progress_bar=progress_bar,
+                          callbacks=callbacks, early_stopping=early_stopping, stable_update=stable_update,
+                          chunk_size=chunk_size, desc=type(self).__name__)
+        steps_run = result.diagnostics["num_steps"]
+        grads = int(np.sum(np.asarray(jax.vmap(self._batch)(jnp.arange(steps_run))))) if steps_run else 0
+        result.diagnostics.update(last_params=self.get_params(result.state, "last"), L=self.L, L_proj=self.L_proj,
+                                  num_particles=int(self._batch(0)), gradient_evaluations=grads,
+                                  **{"lambda": (self.lambda_loc, self.lambda_scale)})
+        return result
