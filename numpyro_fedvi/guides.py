@@ -24,12 +24,14 @@ Every base is of the form ``z = R·u`` with ``u`` uniform on the unit sphere and
 from __future__ import annotations
 
 import math
+import numbers
 
+import jax
 import jax.numpy as jnp
 import numpyro
 from jax import random
 from jax.scipy.linalg import solve_triangular
-from jax.scipy.special import digamma, gammaln, ndtri
+from jax.scipy.special import digamma, ndtri
 from numpyro.distributions import Distribution, constraints
 from numpyro.distributions.transforms import Transform
 from numpyro.distributions.util import validate_sample
@@ -54,6 +56,7 @@ __all__ = [
 
 BASES = ("gaussian", "laplace", "uniform", "student_t")
 SCALE_TYPES = ("full", "tril", "diag")
+_ndtri = jax.jit(ndtri)  # one compiled program instead of ~30 eager primitives when called outside jit
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -64,25 +67,14 @@ def _log_sphere_area(d: int) -> float:
     return math.log(2.0) + 0.5 * d * math.log(math.pi) - math.lgamma(0.5 * d)
 
 
-def _sphere_first_coordinate(key, d: int, shape: tuple[int, ...]):
-    """First coordinate ``u_1`` of ``u`` uniform on the unit sphere of R^d, in O(1) per draw.
-
-    ``u_1² ~ Beta(1/2, (d−1)/2)`` with a symmetric random sign (``u_1 = ±1`` for d = 1).
-    """
-    k_sign, k_beta = random.split(key)
-    sign = jnp.where(random.bernoulli(k_sign, 0.5, shape), 1.0, -1.0)
-    if d == 1:
-        return sign
-    return sign * jnp.sqrt(random.beta(k_beta, 0.5, 0.5 * (d - 1), shape))
-
-
 class StandardizedElliptic(Distribution):
     """Base class of the standardized elliptic bases ``p(z) = C φ(‖z‖)`` on R^d (specs/mpsgd.md, table).
 
     ``batch_shape = ()``, ``event_shape = (d,)``, support ``real_vector``; no parameters, so sampling is trivially
     reparameterised (``has_rsample`` is True): ``x = μ + Σ z`` is differentiable in (μ, Σ).  Standardized:
-    ``E z_i = 0`` and ``E z_i² = 1``.  Subclasses implement ``_sample_radius`` (the law of ``R = ‖z‖``),
-    ``log_prob``, ``entropy`` and ``kurtosis``.
+    ``E z_i = 0`` and ``E z_i² = 1``.  Subclasses implement ``_sample_radius`` (the law of ``R = ‖z‖``) or
+    ``sample``, and ``log_prob``, ``entropy`` and ``kurtosis``.  Constants depending only on the static ``d`` (and
+    ``df``) are computed in Python (``math.lgamma``): no device work outside the log-density itself.
     """
 
     arg_constraints: dict = {}
@@ -102,30 +94,34 @@ class StandardizedElliptic(Distribution):
         raise NotImplementedError
 
     def sample(self, key, sample_shape=()):
-        """``z = R · g/‖g‖`` with ``g ~ N(0, I_d)`` (so ``g/‖g‖`` is uniform on the sphere) and ``R`` independent."""
+        """``z = R · g/‖g‖``, ``g ~ N(0, I_d)`` (so ``g/‖g‖`` is uniform on the sphere), ``R`` independent."""
         k_dir, k_rad = random.split(key)
         shape = tuple(sample_shape) + self.batch_shape
         g = random.normal(k_dir, shape + (self.d,))
         u = g / jnp.linalg.norm(g, axis=-1, keepdims=True)
         return self._sample_radius(k_rad, shape)[..., None] * u
 
-    def sample_marginal(self, key, sample_shape=()):
-        """Draws of ONE coordinate ``z_1`` (all coordinates have this law, and so has ``aᵀz/‖a‖`` for any ``a``),
-        in O(1) per draw instead of O(d): ``z_1 = R u_1``."""
-        k_dir, k_rad = random.split(key)
-        shape = tuple(sample_shape)
-        return self._sample_radius(k_rad, shape) * _sphere_first_coordinate(k_dir, self.d, shape)
+    def _marginal_draws(self, key, num_samples: int):
+        """``num_samples`` draws of a coordinate ``z_1``: all d coordinates of ``⌈num_samples/d⌉`` draws of z.
+
+        They are identically distributed (the base is exchangeable) but dependent within a draw through ``R`` —
+        this only inflates the Monte-Carlo error of :meth:`marginal_icdf` a little (R concentrates as d grows).
+        O(num_samples) work whatever d, and no sampler beyond :meth:`sample`.
+        """
+        m = -(-num_samples // self.d)
+        return jnp.reshape(self.sample(key, (m,)), (-1,))[:num_samples]
 
     def marginal_icdf(self, q, *, rng_key=None, num_samples: int = 2**17):
-        """Quantile function of one coordinate ``z_1`` (the same for every coordinate).
+        """Quantile function of one coordinate ``z_1`` (the same for every coordinate, and the law of ``aᵀz/‖a‖``
+        for any vector a).
 
         Exact for :class:`StandardGaussian`; for the other bases a Monte-Carlo estimate from ``num_samples``
-        draws of :meth:`sample_marginal` (symmetrised, so the 0.5 quantile is exactly 0), with standard error
-        ``≈ sqrt(q(1−q)/(2·num_samples)) / f(z_q)`` (≈ 3e-3 for q = 0.1 at the default size).  ``rng_key``
-        defaults to ``random.key(0)`` (deterministic).
+        coordinate draws (symmetrised with their negatives, so the 0.5 quantile is exactly 0): standard error
+        ``≈ sqrt(q(1−q)/(2·num_samples)) / f(z_q)`` (≈ 3e-3 at q = 0.1 with the default size; somewhat more for
+        small d > 1, see :meth:`_marginal_draws`).  ``rng_key`` defaults to ``random.key(0)`` (deterministic).
         """
         key = random.key(0) if rng_key is None else rng_key
-        s = self.sample_marginal(key, (num_samples,))
+        s = self._marginal_draws(key, int(num_samples))
         s = jnp.concatenate([s, -s])
         q = jnp.asarray(q)
         return jnp.quantile(s, q.reshape(-1)).reshape(q.shape)
@@ -156,15 +152,9 @@ class StandardGaussian(StandardizedElliptic):
     def sample(self, key, sample_shape=()):
         return random.normal(key, tuple(sample_shape) + self.batch_shape + self.event_shape)
 
-    def sample_marginal(self, key, sample_shape=()):
-        return random.normal(key, tuple(sample_shape))
-
     def marginal_icdf(self, q, *, rng_key=None, num_samples: int = 2**17):
         """Exact standard normal quantiles (``rng_key`` / ``num_samples`` are ignored)."""
-        return ndtri(jnp.asarray(q))
-
-    def _sample_radius(self, key, shape):  # R ~ chi_d
-        return jnp.sqrt(2.0 * random.gamma(key, 0.5 * self.d, shape))
+        return _ndtri(jnp.asarray(q))
 
     @validate_sample
     def log_prob(self, value):
@@ -210,7 +200,7 @@ class EllipticLaplace(StandardizedElliptic):
 
     def entropy(self):
         d = self.d
-        return jnp.asarray(_log_sphere_area(d) + gammaln(float(d)) - d * math.log(self._rate) + d)
+        return jnp.asarray(_log_sphere_area(d) + math.lgamma(d) - d * math.log(self._rate) + d)
 
 
 class UniformBall(StandardizedElliptic):
@@ -226,9 +216,9 @@ class UniformBall(StandardizedElliptic):
     def radius(self) -> float:
         return math.sqrt(self.d + 2.0)
 
-    def _log_volume(self):
+    def _log_volume(self) -> float:
         d = self.d
-        return 0.5 * d * math.log(math.pi) - gammaln(0.5 * d + 1.0) + 0.5 * d * math.log(d + 2.0)
+        return 0.5 * d * math.log(math.pi) - math.lgamma(0.5 * d + 1.0) + 0.5 * d * math.log(d + 2.0)
 
     def _sample_radius(self, key, shape):
         return self.radius * random.uniform(key, shape) ** (1.0 / self.d)
@@ -263,15 +253,9 @@ class StandardStudentT(StandardizedElliptic):
         except (TypeError, ValueError):
             raise ValueError(f"df must be a number > 4 for the Student-t base, got {df!r}.") from None
         if not df > 4.0 or not math.isfinite(df):
-            raise ValueError(f"df must be a finite number > 4 for the Student-t base (finite kurtosis), got {df}.")
+            raise ValueError(f"df must be a finite number > 4 for the Student-t base (finite kurtosis), got {df}")
         self.df = df
         super().__init__(d, validate_args=validate_args)
-
-    def _sample_radius(self, key, shape):  # ‖z‖ = ‖g‖ √((ν−2)/W)
-        k_g, k_w = random.split(key)
-        g2 = 2.0 * random.gamma(k_g, 0.5 * self.d, shape)
-        w = 2.0 * random.gamma(k_w, 0.5 * self.df, shape)
-        return jnp.sqrt(g2 * (self.df - 2.0) / w)
 
     def sample(self, key, sample_shape=()):
         k_g, k_w = random.split(key)
@@ -280,15 +264,15 @@ class StandardStudentT(StandardizedElliptic):
         w = 2.0 * random.gamma(k_w, 0.5 * self.df, shape)
         return g * jnp.sqrt((self.df - 2.0) / w)[..., None]
 
-    def sample_marginal(self, key, sample_shape=()):
-        k_g, k_w = random.split(key)
-        shape = tuple(sample_shape)
-        return random.normal(k_g, shape) * jnp.sqrt((self.df - 2.0) / (2.0 * random.gamma(k_w, 0.5 * self.df, shape)))
+    def _marginal_draws(self, key, num_samples: int):
+        """iid draws of ``z_1 = g_1 √((ν−2)/W)`` (a t_ν scaled by √((ν−2)/ν)): coordinates of one draw of z
+        share W, so flattening them (the default) would be strongly dependent for this base."""
+        return StandardStudentT(1, self.df).sample(key, (num_samples,))[..., 0]
 
-    def _log_norm(self):
+    def _log_norm(self) -> float:
         """log of the multivariate-t normaliser ``Γ(ν/2)(νπ)^{d/2}|S|^{1/2}/Γ((ν+d)/2)`` with S = ((ν−2)/ν) I."""
         nu, d = self.df, self.d
-        return (gammaln(0.5 * nu) - gammaln(0.5 * (nu + d)) + 0.5 * d * math.log(nu * math.pi)
+        return (math.lgamma(0.5 * nu) - math.lgamma(0.5 * (nu + d)) + 0.5 * d * math.log(nu * math.pi)
                 + 0.5 * d * math.log((nu - 2.0) / nu))
 
     @validate_sample
@@ -302,12 +286,14 @@ class StandardStudentT(StandardizedElliptic):
         return 3.0 * (self.df - 2.0) / (self.df - 4.0)
 
     def entropy(self):
+        """Multivariate-t entropy ``log normaliser + ((ν+d)/2)(ψ((ν+d)/2) − ψ(ν/2))`` (the normaliser includes
+        ``|S|^{1/2}``, i.e. the spec's ``d log√((ν−2)/ν)``)."""
         nu, d = self.df, self.d
         return self._log_norm() + 0.5 * (nu + d) * (digamma(0.5 * (nu + d)) - digamma(0.5 * nu))
 
 
 def make_base(name: str, d: int, df=None) -> StandardizedElliptic:
-    """Standardized base by name: ``"gaussian"``, ``"laplace"``, ``"uniform"`` or ``"student_t"`` (needs ``df > 4``).
+    """Standardized base by name: ``"gaussian"``, ``"laplace"``, ``"uniform"``, ``"student_t"`` (needs df > 4).
 
     Raises ``ValueError`` for an unknown name, a missing / bad ``df`` for ``"student_t"``, or a ``df`` given to
     another base.
@@ -376,6 +362,13 @@ def log_abs_det_scale(scale, scale_type: str):
     return jnp.linalg.slogdet(scale)[1]
 
 
+def _marginal_sd(scale, scale_type):
+    """``sqrt(diag(ΣΣᵀ))``: the scale of each coordinate of ``Σ z`` (``(Σz)_i`` has the law of ``‖Σ_i·‖ z_1``)."""
+    if scale_type == "diag":
+        return jnp.abs(scale)
+    return jnp.sqrt(jnp.sum(jnp.square(scale), axis=-1))
+
+
 def _check_loc_scale(loc, scale, scale_type):
     _check_scale_type(scale_type)
     if jnp.ndim(loc) != 1:
@@ -383,7 +376,8 @@ def _check_loc_scale(loc, scale, scale_type):
     d = jnp.shape(loc)[0]
     want = (d,) if scale_type == "diag" else (d, d)
     if jnp.shape(scale) != want:
-        raise ValueError(f"scale of type {scale_type!r} must have shape {want} for d = {d}, got {jnp.shape(scale)}.")
+        raise ValueError(f"scale of type {scale_type!r} must have shape {want} for d = {d}, "
+                         f"got {jnp.shape(scale)}.")
 
 
 class LocationScaleTransform(Transform):
@@ -438,7 +432,8 @@ class EllipticLocationScale(Distribution):
 
     def __init__(self, base: StandardizedElliptic, loc, scale, scale_type: str = "full", *, validate_args=None):
         if not isinstance(base, StandardizedElliptic):
-            raise TypeError(f"base must be a StandardizedElliptic distribution (see make_base), got {type(base)}.")
+            raise TypeError(f"base must be a StandardizedElliptic distribution (see make_base), "
+                            f"got {type(base).__name__}.")
         loc, scale = jnp.asarray(loc), jnp.asarray(scale)
         _check_loc_scale(loc, scale, scale_type)
         if base.event_shape != loc.shape:
@@ -467,9 +462,7 @@ class EllipticLocationScale(Distribution):
 
     @property
     def variance(self):
-        if self.scale_type == "diag":
-            return jnp.square(self.scale)
-        return jnp.sum(jnp.square(self.scale), axis=-1)
+        return jnp.square(_marginal_sd(self.scale, self.scale_type))
 
     @property
     def covariance_matrix(self):
@@ -479,7 +472,7 @@ class EllipticLocationScale(Distribution):
 
     def marginal_scale(self):
         """Scale of each coordinate: ``x_i = loc_i + ‖Σ_i·‖ z_1`` in law (rotation invariance of the base)."""
-        return jnp.sqrt(self.variance)
+        return _marginal_sd(self.scale, self.scale_type)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -518,14 +511,14 @@ class AutoLocationScale(AutoContinuous):
     :param float init_scale: initial scale, > 0 (MPSGD's theory initialises Σ0 = I/√L — the engine can override).
     """
 
-    def __init__(self, model, *, prefix="auto", base="gaussian", df=None, scale="full", init_loc_fn=init_to_median,
-                 init_scale=0.1):
+    def __init__(self, model, *, prefix="auto", base="gaussian", df=None, scale="full",
+                 init_loc_fn=init_to_median, init_scale=0.1):
         if scale not in SCALE_TYPES:
             raise ValueError(f"scale must be one of {SCALE_TYPES}, got {scale!r}.")
         if not isinstance(base, str) or base not in BASES:
             raise ValueError(f"base must be one of {BASES}, got {base!r}.")
         make_base(base, 1, df)  # validates df against the base (ValueError naming df)
-        if isinstance(init_scale, bool) or not isinstance(init_scale, int | float) or not (
+        if isinstance(init_scale, bool) or not isinstance(init_scale, numbers.Real) or not (
                 math.isfinite(init_scale) and init_scale > 0):
             raise ValueError(f"init_scale must be a positive finite float, got {init_scale!r}.")
         self.base_name, self.df, self.scale_type = base, df, scale
@@ -594,7 +587,7 @@ class AutoLocationScale(AutoContinuous):
         """
         self._check_setup()
         loc, scale = self.get_loc_scale(params)
-        sd = jnp.sqrt(jnp.square(scale) if self.scale_type == "diag" else jnp.sum(jnp.square(scale), axis=-1))
+        sd = _marginal_sd(scale, self.scale_type)
         zq = self.base.marginal_icdf(jnp.asarray(quantiles), rng_key=rng_key, num_samples=num_samples)
         latent = loc + sd * zq[..., None]
         return self._unpack_and_constrain(latent, params)

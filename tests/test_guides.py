@@ -30,7 +30,7 @@ from numpyro_fedvi.guides import (
 )
 
 BASES = [("gaussian", None), ("laplace", None), ("uniform", None), ("student_t", 12.0)]
-N_MC = 2**16  # one Monte-Carlo sample shape everywhere, so jax.random's samplers compile once
+N_MC = 2**15  # one Monte-Carlo sample shape everywhere, so jax.random's samplers compile once
 NDTRI_01 = -1.2815515655446004  # Φ^{-1}(0.1)
 Q3 = np.array([0.1, 0.5, 0.9], np.float32)  # one quantile shape everywhere (each new shape is a compile)
 
@@ -46,7 +46,7 @@ def _mc_close(stat, target, k=5.0, floor=1e-5):
 # ----------------------------------------------------------------------------------------------------------
 # standardized bases (test-side arithmetic in numpy: every eager jax op costs an XLA compile on this machine)
 # ----------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("d", [1, 3, 10])
+@pytest.mark.parametrize("d", [1, 3, 16])  # (n, 16) compiles faster than (n, 10) in XLA
 @pytest.mark.parametrize("name,df", BASES)
 def test_base_moments_kurtosis_entropy(name, df, d):
     base = make_base(name, d, df)
@@ -62,11 +62,6 @@ def test_base_moments_kurtosis_entropy(name, df, d):
     _mc_close((z**2).mean(-1), 1.0)
     _mc_close((z**4).mean(-1), base.kurtosis)
     _mc_close(neg_lp, float(base.entropy()))  # uniform: zero variance, exact up to float32 rounding
-    # the O(1)-per-draw marginal sampler has the law of one coordinate
-    zm = np.asarray(base.sample_marginal(random.key(100 + d), (N_MC,)), np.float64)
-    _mc_close(zm, 0.0)
-    _mc_close(zm**2, 1.0)
-    _mc_close(zm**4, base.kurtosis)
 
 
 def test_base_closed_forms():
@@ -93,15 +88,14 @@ NORM_BASES = [("gaussian", None), ("laplace", None), ("uniform", None), ("studen
 def test_base_normalised(name, df):
     """∫ p = 1 by the midpoint rule on a grid, d = 1 and d = 2 (h = 2·half/(n−1), not a float32 difference)."""
     half = {"gaussian": 10.0, "laplace": 16.0, "uniform": 2.05, "student_t": 60.0}[name]
-    n = 2001
+    n = 1001  # observed errors ≤ 2e-4 (uniform boundary, d = 1); Gaussian / t ≈ 1e-8
     g = np.linspace(-half, half, n)
     h = 2 * half / (n - 1)
     p1 = np.exp(np.asarray(make_base(name, 1, df).log_prob(g[:, None].astype(np.float32)), np.float64))
     pts = np.stack(np.meshgrid(g, g, indexing="ij"), -1).reshape(-1, 2).astype(np.float32)
     p2 = np.exp(np.asarray(make_base(name, 2, df).log_prob(pts), np.float64))
-    assert abs(p1.sum() * h - 1.0) < 3e-3, p1.sum() * h
-    assert abs(p2.sum() * h * h - 1.0) < 3e-3, p2.sum() * h * h
-    # the t tail beyond the grid (d = 1) is ≈ 1e-6; the uniform's boundary costs O(h)
+    assert abs(p1.sum() * h - 1.0) < 2e-3, p1.sum() * h
+    assert abs(p2.sum() * h * h - 1.0) < 2e-3, p2.sum() * h * h
 
 
 def test_student_t_matches_numpyro_and_marginal_quantiles():
@@ -113,21 +107,21 @@ def test_student_t_matches_numpyro_and_marginal_quantiles():
                                     .log_prob(z)))(z)
     np.testing.assert_allclose(lp, lp_ref, rtol=1e-5, atol=1e-5)
     exact = stats.t.ppf(np.asarray(Q3), nu) * math.sqrt((nu - 2) / nu)
-    np.testing.assert_allclose(base.marginal_icdf(Q3, num_samples=N_MC), exact, atol=0.03)
+    np.testing.assert_allclose(base.marginal_icdf(Q3, num_samples=N_MC), exact, atol=0.04)
 
 
 def test_marginal_icdf_exact_cases():
     qn = np.asarray(Q3)
     np.testing.assert_allclose(StandardGaussian(5).marginal_icdf(Q3), stats.norm.ppf(qn), atol=1e-5)
-    # MC standard error ≈ 6e-3 at q = 0.1 with 2·2^16 draws
+    # MC standard error ≤ 8e-3 at q = 0.1 with 2·2^15 draws
     cases = [
         (UniformBall(1), math.sqrt(3) * (2 * qn - 1)),  # uniform on [−√3, √3]
         (EllipticLaplace(1), stats.laplace.ppf(qn, scale=2**-0.5)),  # Laplace with scale 1/√2
         (UniformBall(3), math.sqrt(5) * (2 * stats.beta.ppf(qn, 2, 2) - 1)),  # z_1 = √5 (2B − 1), B ~ Beta(2, 2)
     ]
-    for base, exact in cases:
-        np.testing.assert_allclose(base.marginal_icdf(Q3, num_samples=N_MC), exact, atol=0.03)
-    assert float(EllipticLaplace(4).marginal_icdf(Q3, num_samples=N_MC)[1]) == 0.0  # symmetrised: median exactly 0
+    for base, exact in cases:  # num_samples = d·N_MC: N_MC draws of z, the shape the other tests sample
+        np.testing.assert_allclose(base.marginal_icdf(Q3, num_samples=base.d * N_MC), exact, atol=0.04)
+    assert float(EllipticLaplace(3).marginal_icdf(Q3, num_samples=3 * N_MC)[1]) == 0.0  # symmetrised: median 0
 
 
 def test_make_base_errors():
@@ -180,12 +174,17 @@ def test_location_scale_gaussian_matches_mvn(scale_type):
     S = _as_matrix(scale, scale_type).astype(np.float64)
     C = S @ S.T
 
+    t = LocationScaleTransform(LOC, scale, scale_type)
+
     @jax.jit
     def densities(x):
         mvn = dist.MultivariateNormal(LOC, covariance_matrix=C.astype(np.float32))
-        return q.log_prob(x), mvn.log_prob(x), q.entropy(), mvn.entropy()
+        td = dist.TransformedDistribution(StandardGaussian(D), t)  # AutoContinuous's get_base_dist + get_transform
+        return q.log_prob(x), mvn.log_prob(x), q.entropy(), mvn.entropy(), td.log_prob(x), t(t.inv(x))
 
-    lp, lp_mvn, ent, ent_mvn = densities(X_EVAL)
+    lp, lp_mvn, ent, ent_mvn, lp_td, x_back = densities(X_EVAL)
+    np.testing.assert_allclose(lp_td, lp, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(x_back, X_EVAL, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(lp, lp_mvn, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(lp, stats.multivariate_normal(LOC, C).logpdf(X_EVAL), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(ent, ent_mvn, rtol=1e-5)
@@ -207,32 +206,15 @@ def test_location_scale_any_base(name, df):
 
     # change of variables; the law only depends on ΣΣᵀ (Σ → ΣQ, Q orthogonal, leaves a spherical base invariant),
     # so the full symmetric scale and the Cholesky factor of ΣΣᵀ give the same density (points strictly inside
-    # the uniform ball for both); the transform through TransformedDistribution gives it too
+    # the uniform ball for both)
     z = 0.9 * np.asarray(base.sample(random.key(2), (N_MC,))[:200])
     x = (LOC + z @ S.T).astype(np.float32)
     chol = np.linalg.cholesky(S @ S.T).astype(np.float32)
-    t = LocationScaleTransform(LOC, FULL, "full")
-
-    @jax.jit
-    def densities(x, z):
-        return (q.log_prob(x), base.log_prob(z), EllipticLocationScale(base, LOC, chol, "tril").log_prob(x),
-                dist.TransformedDistribution(base, t).log_prob(x), t.inv(t(z)))
-
-    lp, lp_base, lp_chol, lp_td, z_back = densities(x, z)
+    lp, lp_base, lp_chol = jax.jit(lambda x, z: (q.log_prob(x), base.log_prob(z), EllipticLocationScale(
+        base, LOC, chol, "tril").log_prob(x)))(x, z)
     np.testing.assert_allclose(lp, lp_base - logdet, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(lp, lp_chol, rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(lp_td, lp, rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(z_back, z, rtol=1e-4, atol=1e-4)
     _check_sample_moments(q.sample(random.key(3), (N_MC,)), LOC, S @ S.T)
-
-
-def test_location_scale_student_t_matches_numpyro():
-    nu = 6.0
-    q = EllipticLocationScale(StandardStudentT(D, nu), LOC, FULL, "full")
-    L = np.linalg.cholesky(FULL.astype(np.float64) @ FULL.T) * math.sqrt((nu - 2) / nu)
-    lp, lp_ref = jax.jit(lambda x: (q.log_prob(x), dist.MultivariateStudentT(nu, LOC, L.astype(np.float32))
-                                    .log_prob(x)))(X_EVAL)
-    np.testing.assert_allclose(lp, lp_ref, rtol=1e-5, atol=1e-5)
 
 
 def test_location_scale_jit_grad_and_errors():
@@ -289,57 +271,59 @@ def _exact_posterior(guide):
     return m, P, log_z, idx
 
 
-FITS = [("gaussian", None, "full"), ("laplace", None, "tril"), ("uniform", None, "diag")]
-
-
 @pytest.fixture(scope="module")
 def fitted():
-    """One plain numpyro SVI + optax adam fit per (base, scale type) — shared by the tests below.
+    """A plain numpyro SVI + optax adam fit (Gaussian base, full scale), shared by the tests below.
 
     The scale is raw (no positivity map), so a large Adam step makes it oscillate through 0 (harmless for the
     law, which only depends on ΣΣᵀ up to a rotation, but noisy): lr = 0.01.
     """
-    out = {}
-    for base, df, scale_type in FITS:
-        guide = AutoLocationScale(model, base=base, df=df, scale=scale_type)
-        svi = SVI(model, guide, optax.adam(0.01), Trace_ELBO())
-        state = svi.init(random.key(0), Y_OBS)
-        init_params = svi.get_params(state)
-        res = svi.run(random.key(1), 400, Y_OBS, progress_bar=False, init_state=state)
-        out[scale_type] = (guide, init_params, res)
-    return out
+    guide = AutoLocationScale(model)
+    svi = SVI(model, guide, optax.adam(0.01), Trace_ELBO())
+    state = svi.init(random.key(0), Y_OBS)
+    init_params = svi.get_params(state)
+    res = svi.run(random.key(1), 400, Y_OBS, progress_bar=False, init_state=state)
+    return guide, init_params, res
 
 
-@pytest.mark.parametrize("base,df,scale_type", FITS)
-def test_guide_params_and_svi(fitted, base, df, scale_type):
-    guide, init_params, res = fitted[scale_type]
+def test_guide_params_and_svi(fitted):
+    guide, init_params, res = fitted
     assert set(init_params) == {"auto_loc", "auto_scale"}
     assert guide.loc_name == "auto_loc" and guide.scale_name == "auto_scale"
-    assert guide.scale_type == scale_type and guide.latent_dim == 3
-    assert guide.base.name == base and guide.base.event_shape == (3,)
+    assert guide.scale_type == "full" and guide.latent_dim == 3
+    assert isinstance(guide.base, StandardGaussian) and guide.base.event_shape == (3,)
     np.testing.assert_allclose(init_params["auto_loc"], guide._init_latent)
-    want = 0.1 * (np.ones(3) if scale_type == "diag" else np.eye(3))
-    np.testing.assert_allclose(init_params["auto_scale"], want)  # raw: no softplus / exp transform applied
+    np.testing.assert_allclose(init_params["auto_scale"], 0.1 * np.eye(3))  # raw: no softplus / exp / Cholesky map
 
     losses = np.asarray(res.losses)
     assert np.all(np.isfinite(losses))
     assert losses[-50:].mean() < losses[:20].mean() - 5.0
     raw = np.asarray(res.params["auto_scale"])
-    if scale_type == "full":
-        np.testing.assert_allclose(raw, raw.T, atol=1e-6)  # the symmetric parameterisation is kept by SVI
-    if scale_type == "tril":
-        assert np.all(np.triu(raw, 1) == 0)  # and so is the triangular one
-    # every symmetric base has its optimal location at the (Gaussian) posterior mean
-    m, P, _, _ = _exact_posterior(guide)
-    sd = np.sqrt(np.diag(P))
-    np.testing.assert_allclose(res.params["auto_loc"], m, atol=0.2 * sd.min())
-    if base == "gaussian":  # and the Gaussian full-scale optimum is the posterior itself
-        S = np.asarray(structured_scale(raw, scale_type), np.float64)
-        np.testing.assert_allclose(S @ S.T, P, atol=0.1 * np.abs(P).max())
+    np.testing.assert_allclose(raw, raw.T, atol=1e-6)  # the symmetric parameterisation is kept by SVI
+    # the loss is −ELBO ≥ −log Z and reaches it (the posterior is Gaussian: q can be exact); the location tends
+    # to the posterior mean and ΣΣᵀ to the posterior covariance (the last iterate of single-particle SVI is
+    # noisy: loose tolerances — test_elbo_exact_at_posterior checks exactness)
+    m, P, log_z, _ = _exact_posterior(guide)
+    tail = losses[-100:]
+    assert -log_z - 3 * tail.std() / 10 < tail.mean() < -log_z + 0.3
+    np.testing.assert_allclose(res.params["auto_loc"], m, atol=0.5 * np.sqrt(np.diag(P)).min())
+    S = np.asarray(structured_scale(raw, "full"), np.float64)
+    assert np.all((np.diag(S @ S.T) / np.diag(P) > 0.5) & (np.diag(S @ S.T) / np.diag(P) < 2.5))
+
+
+def test_guide_diag_params():
+    guide = AutoLocationScale(model, base="uniform", scale="diag", init_scale=0.3, prefix="q")
+    svi = SVI(model, guide, optax.adam(0.01), Trace_ELBO())
+    params = svi.get_params(svi.init(random.key(0), Y_OBS))
+    assert set(params) == {"q_loc", "q_scale"} and guide.loc_name == "q_loc" and guide.scale_name == "q_scale"
+    np.testing.assert_allclose(params["q_scale"], np.full(3, 0.3))
+    assert isinstance(guide.base, UniformBall) and guide.scale_type == "diag"
+    post = guide.get_posterior({"q_loc": params["q_loc"], "q_scale": np.array([0.3, -0.2, 0.5], np.float32)})
+    np.testing.assert_allclose(post.entropy(), float(guide.base.entropy()) + math.log(0.3 * 0.2 * 0.5), rtol=1e-5)
 
 
 def test_guide_posterior_sampling_predictive_median_quantiles(fitted):
-    guide, _, res = fitted["full"]  # Gaussian base
+    guide, _, res = fitted  # Gaussian base, full scale
     p = res.params
     loc, S = (np.asarray(a, np.float64) for a in guide.get_loc_scale(p))
     np.testing.assert_allclose(S, structured_scale(p["auto_scale"], "full"))
@@ -381,37 +365,70 @@ def test_guide_posterior_sampling_predictive_median_quantiles(fitted):
     np.testing.assert_allclose(qs["tau"][2], np.quantile(s["tau"], 0.9), rtol=0.05)
 
 
-def test_guide_quantiles_monte_carlo_base(fitted):
-    """Laplace base: quantiles from the MC marginal of z_1 against empirical quantiles of posterior draws."""
-    guide, _, res = fitted["tril"]
-    qs = guide.quantiles(res.params, Q3, num_samples=N_MC)
-    lat = np.asarray(guide.get_posterior(res.params).sample(random.key(2), (N_MC,)), np.float64)
-    emp = np.quantile(lat, Q3, axis=0)
-    _, _, _, idx = _exact_posterior(guide)
-    spread = float(np.max(emp[2] - emp[0]))
-    np.testing.assert_allclose(qs["x"], emp[:, idx["x"]], atol=0.03 * spread)
-    np.testing.assert_allclose(np.log(qs["tau"]), emp[:, idx["tau"][0]], atol=0.03 * spread)
-    np.testing.assert_allclose(qs["x"][1], guide.median(res.params)["x"], rtol=1e-6)
-
-
-@pytest.mark.parametrize("scale_type", ["full", "tril"])
-def test_elbo_exact_at_posterior(scale_type):
-    """q = exact posterior (loc = mean, Σ = symmetric square root / Cholesky factor of the covariance): every
-    single-particle Trace_ELBO loss equals −log Z (zero variance); elsewhere the loss is −log Z + KL."""
-    guide = AutoLocationScale(model, scale=scale_type)
-    handlers.seed(guide, 0)(Y_OBS)  # set up the prototype
-    m, P, log_z, _ = _exact_posterior(guide)
-    w, V = np.linalg.eigh(P)
-    root = V @ np.diag(np.sqrt(w)) @ V.T if scale_type == "full" else np.linalg.cholesky(P)
-
+def _particle_losses_fn(guide):
     @jax.jit
     def particle_losses(params, key):  # one single-particle Trace_ELBO loss per key
         return jax.vmap(lambda k: Trace_ELBO().loss(k, params, model, guide, Y_OBS))(random.split(key, 2000))
 
+    return particle_losses
+
+
+def test_guide_non_gaussian_base_elbo_and_quantiles(fitted):
+    """Laplace base, tril scale, q with the posterior's mean m and covariance P (Σ = chol P):
+
+    * E[loss] = −log Z + KL(q ‖ N(m, P)) = −log Z + (d/2) log(2πe) − H(base)  (E_q of the Gaussian log-posterior
+      only needs q's first two moments; log|det Σ| cancels) — the guide's log density inside Trace_ELBO;
+    * quantiles from the MC marginal of z_1 against empirical quantiles of draws; 0.5 quantile = median.
+    """
+    guide = AutoLocationScale(model, base="laplace", scale="tril")
+    handlers.seed(guide, 0)(Y_OBS)  # set up
+    m, P, log_z, idx = _exact_posterior(guide)
+    params = {"auto_loc": m.astype(np.float32), "auto_scale": np.linalg.cholesky(P).astype(np.float32)}
+    expected = -log_z + 1.5 * math.log(2 * math.pi * math.e) - float(guide.base.entropy())
+    _mc_close(_particle_losses_fn(guide)(params, random.key(0)), expected)
+
+    qs = guide.quantiles(params, Q3, num_samples=3 * N_MC)
+    lat = np.asarray(guide.get_posterior(params).sample(random.key(2), (N_MC,)), np.float64)
+    emp = np.quantile(lat, Q3, axis=0)
+    spread = float(np.max(emp[2] - emp[0]))
+    np.testing.assert_allclose(qs["x"], emp[:, idx["x"]], atol=0.03 * spread)
+    np.testing.assert_allclose(np.log(qs["tau"]), emp[:, idx["tau"][0]], atol=0.03 * spread)
+    np.testing.assert_allclose(qs["x"][1], guide.median(params)["x"], rtol=1e-6)
+
+
+def test_structured_scale_gradients():
+    """Plain SVI keeps the raw scale's structure: the gradient through structured_scale is symmetric (full) /
+    lower-triangular (tril), so Adam's elementwise steps preserve a symmetric / triangular raw parameter."""
+    G = _rng.normal(size=(D, D)).astype(np.float32)
+
+    def loss(raw, scale_type):
+        S = structured_scale(raw, scale_type)
+        return jnp.sum(G * S) + jnp.sum(jnp.sin(S))
+
+    @jax.jit
+    def grads(raw):
+        return jax.grad(loss)(raw, "full"), jax.grad(loss)(raw, "tril")
+
+    g_full, g_tril = grads(FULL)
+    np.testing.assert_allclose(g_full, np.asarray(g_full).T, atol=1e-6)
+    assert np.all(np.triu(np.asarray(g_tril), 1) == 0) and np.all(np.diag(np.asarray(g_tril)) != 0)
+    np.testing.assert_allclose(structured_scale(FULL, "full"), FULL)
+    np.testing.assert_allclose(structured_scale(TRIL, "tril"), TRIL)
+    np.testing.assert_allclose(structured_scale(DIAG, "diag"), DIAG)
+
+
+def test_elbo_exact_at_posterior(fitted):
+    """q = exact posterior (loc = mean, Σ = the symmetric square root of the covariance): every single-particle
+    Trace_ELBO loss equals −log Z (zero variance); elsewhere the loss is −log Z + KL(q ‖ posterior)."""
+    guide = fitted[0]  # Gaussian base, full scale, already set up
+    m, P, log_z, _ = _exact_posterior(guide)
+    w, V = np.linalg.eigh(P)
+    root = V @ np.diag(np.sqrt(w)) @ V.T
+    particle_losses = _particle_losses_fn(guide)
     params = {"auto_loc": m.astype(np.float32), "auto_scale": root.astype(np.float32)}
     losses = np.asarray(particle_losses(params, random.key(0)), np.float64)
     assert np.max(np.abs(losses + log_z)) < 1e-3 * (1 + abs(log_z)), (losses.min(), losses.max(), -log_z)
-    # away from the posterior: −log Z + KL(q ‖ posterior) in closed form, q = N(m + δ, c²P)
+    # away from the posterior: −log Z + KL in closed form, q = N(m + δ, c²P)
     c, delta = 0.7, 0.3
     params_off = {"auto_loc": (m + delta).astype(np.float32), "auto_scale": (c * root).astype(np.float32)}
     kl = 0.5 * (c**2 * 3 + delta**2 * np.sum(np.linalg.inv(P)) - 3 - 3 * np.log(c**2))
