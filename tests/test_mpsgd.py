@@ -200,3 +200,25 @@ def test_errors():
         MPSGD(model, guide, smoothness=-1.0)
     with pytest.raises(ValueError, match="budget"):
         MPSGD(model, guide, smoothness=1.0).run(random.key(0), None, A, Y)
+
+
+def test_data_subsampling_draws_fresh_minibatches():
+    """A model with a subsampled plate: every chunk sees a fresh random minibatch, and the fit matches the
+    conjugate posterior of the full data (Normal mean, known variance) within the minibatch noise."""
+    n, sub = 2000, 100
+    data = jnp.asarray(np.random.default_rng(4).normal(1.3, 2.0, size=n), jnp.float32)
+
+    def mean_model(x):
+        m = numpyro.sample("m", dist.Normal(0.0, 10.0))
+        with numpyro.plate("data", n, subsample_size=sub):
+            numpyro.sample("obs", dist.Normal(m, 2.0), obs=numpyro.subsample(x, event_dim=0))
+
+    prec = 1 / 100 + n / 4
+    post_mean, post_sd = float(data.sum() / 4 / prec), prec ** -0.5
+    guide = AutoLocationScale(mean_model, scale="diag")
+    engine = MPSGD(mean_model, guide, smoothness=2 * prec, num_particles=64, preconditioner="identity", chunk_size=8)
+    res = engine.run(random.key(0), 1500, data, progress_bar=False)
+    # the minibatch potential has the full-data curvature, so the optimal scale is the posterior sd; the
+    # τ-averaged mean carries minibatch noise of a few posterior sds at most
+    assert abs(float(res.params["auto_loc"][0]) - post_mean) < 3 * post_sd
+    assert abs(float(res.params["auto_scale"][0]) / post_sd - 1) < 0.15
