@@ -1,8 +1,10 @@
-"""numpyro_fedvi: variational-inference engines for NumPyro models (PD-VI / P²D-VI, MPSGD, ...).
+"""numpyro_fedvi: variational-inference engines for NumPyro models (PD-VI / P²D-VI, MPSGD, FedMM, ...).
 
 Use them where you use ``numpyro.infer.SVI``: same model, same guide, same ``init/update/run/get_params``.
 """
 
+from .federated import ClientData
+from .fedmm import SASSMM, FedMM, SurrogateFamily
 from .guides import AutoLocationScale
 from .mpsgd import MPSGD, MPSGDState
 from .pdvi import PDVI, PDVIState
@@ -13,6 +15,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AutoLocationScale",
+    "ClientData",
+    "FedMM",
+    "SASSMM",
+    "SurrogateFamily",
     "MPSGD",
     "MPSGDState",
     "PDVI",

@@ -15,9 +15,12 @@ from .core import (
     theory_step_sizes,
     tree_sqnorm,
 )
+from .engine import SASSMM, FedMM
 from .families import gmm_map_em, remark1_toy
 
 __all__ = [
+    "FedMM",
+    "SASSMM",
     "FedMMDirection",
     "FedMMState",
     "SASSMMState",
