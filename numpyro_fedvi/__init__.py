@@ -4,7 +4,7 @@ Use them where you use ``numpyro.infer.SVI``: same model, same guide, same ``ini
 """
 
 from .federated import ClientData
-from .fedmm import SASSMM, FedMM, SurrogateFamily
+from .fedmm import SASSMM, FedMM, FedSVI, SurrogateFamily
 from .guides import AutoLocationScale
 from .mpsgd import MPSGD, MPSGDState
 from .pdvi import PDVI, PDVIState
@@ -17,6 +17,7 @@ __all__ = [
     "AutoLocationScale",
     "ClientData",
     "FedMM",
+    "FedSVI",
     "SASSMM",
     "SurrogateFamily",
     "MPSGD",

@@ -17,9 +17,12 @@ from .core import (
 )
 from .engine import SASSMM, FedMM
 from .families import gmm_map_em, remark1_toy
+from .fedsvi import FedSVI, quadratic_family
 
 __all__ = [
     "FedMM",
+    "FedSVI",
+    "quadratic_family",
     "SASSMM",
     "FedMMDirection",
     "FedMMState",

@@ -1,0 +1,123 @@
+"""FedSVI: FedMM with the quadratic surrogate on ANY NumPyro model + guide (specs/fedmm.md "Families", Ex. 1).
+
+Quadratic family: ψ = ‖θ‖²/(2ρ), φ = θ/ρ, ``S̄(Z, τ) = τ − ρ G(Z, τ)`` with ``G`` an unbiased gradient of the client's
+negative ELBO, 𝒮 = R^d and ``T = identity`` (g = 0).  FedMM with it is federated SGD on the unconstrained guide
+params with partial participation, compression and control variates (no gain from surrogate-space aggregation:
+T is affine — the gradient-only fallback for any model).
+
+Client objective: the user's NumPyro ELBO on the client's rows with every site inside the data plate scaled by
+``N_total / b`` (padding masked) and the prior / KL counted once, so ``Σ_i μ_i f_i`` (μ_i = N_i/N) is the full-data
+negative ELBO (specs/fedmm.md "Pitfalls").
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import random
+from numpyro.infer import Trace_ELBO
+
+from ..federated import ClientData
+from ..objectives import _BlockScale
+from ..structure import inspect_model
+from .core import SurrogateFamily
+from .engine import FedMM
+
+__all__ = ["FedSVI", "client_loss_fn", "quadratic_family"]
+
+
+def client_loss_fn(elbo, model, guide, structure, data_plate: str, num_total: int, args=(), kwargs=None) -> Callable:
+    """``loss(rng_key, theta_unconstrained, rows, mask)``: the client's negative ELBO with its likelihood (every site
+    in ``data_plate``) scaled by ``num_total / Σ mask`` and padded rows masked; global terms once."""
+    kwargs = dict(kwargs or {})
+
+    def loss(rng_key, theta, rows, mask, *_):
+        scale = num_total / jnp.maximum(jnp.sum(mask), 1)
+        m = _BlockScale(model, data_plate, mask, scale, 1.0)
+        g = _BlockScale(guide, data_plate, mask, scale, 1.0)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="subsample_size does not match")
+            return elbo.loss(rng_key, structure.constrain_global(theta), m, g, rows, *args, **kwargs)
+
+    return loss
+
+
+def quadratic_family(loss: Callable, rho: float, objective_key=None) -> SurrogateFamily:
+    """Ex. 1 of the paper: ``oracle(θ, rows, mask, key) = θ − ρ ∇_θ loss(key, θ, rows, mask)``, ``T = identity``;
+    objective: ``loss`` with the fixed key ``objective_key`` (common random numbers across rounds)."""
+    objective_key = random.key(12345) if objective_key is None else objective_key
+    grad = jax.grad(loss, argnums=1)
+
+    def oracle(theta, rows, mask, key):
+        g = grad(key, theta, rows, mask)
+        return jax.tree.map(lambda t, gi: t - rho * gi, theta, g)
+
+    def objective(theta, rows, mask):
+        return loss(objective_key, theta, rows, mask)
+
+    return SurrogateFamily(oracle=oracle, T=lambda s: s, objective=objective, phi=lambda th: jax.tree.map(
+        lambda t: t / rho, th))
+
+
+class FedSVI(FedMM):
+    """Federated SVI on a NumPyro model + guide: FedMM with the quadratic surrogate (``rho`` = SGD step).
+
+    ``model(rows, *args, **kwargs)`` takes one client's rows (a pytree with a leading row axis) and declares its
+    observations inside ``numpyro.plate(data_plate, rows_count)``; the guide takes the same arguments and has only
+    GLOBAL params (no per-datum params).  ``FedSVI(model, guide, Trace_ELBO(), rho=1e-3, participation=...,
+    compressor=..., cv_step=...)``; ``run(rng_key, num_rounds, client_data, *args)``; ``get_params`` returns the
+    constrained guide params (``Predictive(model, guide=guide, params=...)``).
+
+    :param rho: the SGD step of the surrogate (ρ ≤ 1/L of the full-data negative ELBO).
+    :param step_size: FedMM's γ (default 1: θ_{t+1} = θ_t − ρ·(aggregated gradient)).
+    Other arguments as :class:`~numpyro_fedvi.fedmm.FedMM`.
+    """
+
+    def __init__(self, model, guide, loss=None, *, rho: float, data_plate: str = "data", step_size=1.0,
+                 cv_step: float = 0.0, participation=None, compressor=None, batch_size: int | None = None,
+                 init_control_variates: str = "zero", **static_kwargs):
+        if not (isinstance(rho, (int, float)) and rho > 0):
+            raise ValueError(f"rho must be a positive float (the SGD step of the quadratic surrogate), got {rho!r}.")
+        placeholder = SurrogateFamily(oracle=lambda *a: None, T=lambda s: s)
+        super().__init__(placeholder, step_size=step_size, cv_step=cv_step, participation=participation,
+                         compressor=compressor, batch_size=batch_size, init_control_variates=init_control_variates)
+        self.model, self.guide, self.elbo = model, guide, Trace_ELBO() if loss is None else loss
+        self.rho, self.data_plate, self.static_kwargs = float(rho), data_plate, static_kwargs
+        self.structure = None
+
+    def _build(self, rng_key, client_data: ClientData, args, kwargs):
+        if not isinstance(client_data, ClientData):
+            raise TypeError("FedSVI needs a numpyro_fedvi.federated.ClientData, got "
+                            f"{type(client_data).__name__}.")
+        rows0 = client_data.client(0)
+        structure = inspect_model(self.model, self.guide, rng_key, (rows0, *args), {**kwargs, **self.static_kwargs},
+                                  data_plate=self.data_plate)
+        if structure.local_names:
+            raise ValueError(f"FedSVI supports guides with global params only; local params {structure.local_names} "
+                             "live inside the data plate (use PDVI for local latents).")
+        loss = client_loss_fn(self.elbo, self.model, self.guide, structure, self.data_plate,
+                              int(client_data.total), args, {**kwargs, **self.static_kwargs})
+        self.structure = structure
+        self.family = quadratic_family(loss, self.rho)
+        self.to_params = structure.constrain_global
+        return structure.init_global
+
+    def init(self, rng_key, client_data: ClientData, *args, **kwargs):
+        """Trace model and guide on client 0's rows; Ŝ_0 = θ_0 = the guide's unconstrained init params."""
+        build_key, rng_key = random.split(rng_key)
+        theta0 = self._build(build_key, client_data, args, kwargs)
+        return super().init(rng_key, client_data, theta0)
+
+    def run(self, rng_key, num_steps: int, client_data: ClientData, *args, progress_bar: bool = True,
+            init_state=None, callbacks=(), early_stopping=None, chunk_size=None, stable_update=False, **kwargs):
+        """``num_steps`` communication rounds (see :meth:`FedMM.run`)."""
+        if init_state is None:
+            init_state = self.init(rng_key, client_data, *args, **kwargs)
+        elif self.structure is None:
+            self._build(random.split(rng_key)[0], client_data, args, kwargs)
+        return super().run(rng_key, num_steps, client_data, progress_bar=progress_bar, init_state=init_state,
+                           callbacks=callbacks, early_stopping=early_stopping, chunk_size=chunk_size,
+                           stable_update=stable_update)
