@@ -1,0 +1,549 @@
+"""Federated solvers for monotone variational INEQUALITIES (specs/federated_vi_solvers.md; Wang & Kale, LIPPAX).
+
+Operator-level functional core (DESIGN.md layer 3).  A problem is
+
+* ``operator(z, key, client_index) -> V_m(z)``: a stochastic oracle of client ``m`` (unbiased, variance ≤ σ²), ``z``
+  an array or a pytree, ``key`` a fresh PRNG key for THIS call, ``client_index`` an int32 scalar (traced);
+* for composite problems (local dual averaging only) a prox map ``prox(w, s) = prox_{sφ}(w)`` of the convex,
+  possibly non-smooth term φ (``prox_l1``, ``prox_ball``, ``prox_simplex``, ``prox_box`` below).  With the distance
+  generating function ``h = ½‖· − w0‖²`` and ``h_t = h + tηφ`` the mirror map is
+  ``∇h_t*(y) = prox_{tηφ}(w0 + y) = prox(w0 + y, tη)`` (:func:`mirror_map`).
+
+Every solver is a :class:`Solver` of pure functions (optax style)::
+
+    solver = lippax(eta, num_local_steps=K, L=L, num_inner_steps=H)
+    state = solver.init(z0, num_clients, key)            # every client starts at z0
+    state, info = solver.round(state, operator)          # ONE communication round = K local steps
+    state, output, infos = run_rounds(solver, state, operator, num_rounds)
+
+One round is a ``lax.scan`` over the K local steps whose body is ``vmap``-ed over the M clients (stacked on a leading
+axis); the synchronisation (average over clients) happens at the last local step of the round (t mod K = 0).  Every
+oracle call gets its own key ``fold_in(fold_in(key, round), (client·K + step)·calls + call)``.  The state keeps
+the running mean of the output sequence over all local steps and clients (``state.output``):
+
+===============  =============================================  ==================  ==========================
+solver           local step                                      averaged at sync    output (mean over t, m)
+===============  =============================================  ==================  ==========================
+``local_sgd``    x ← x − ηṼ(x)                                   x                   x_t^m
+``lesgd``        x = z − ηṼ(z); z ← z − ηṼ(x)                    x (BEFORE the 2nd   x_t^m
+                                                                 call) and z
+``lippax``       H inner steps x ← x − γ[Ṽ(x) + (x − z)/η],      z only              x_t^m = x_{t,H}^m
+                 γ = η/(1+ηL)²; then z ← z − ηṼ(x_H)
+``slippax``      as lippax, inner calls at x + δs, s ~ N(0, I),   z only              x_t^m
+                 δ = ησ/d^{1/4}
+``local_dual_    (dual x, z; primal u = ∇h_{t−1}*(z),            x and z             v_t^m
+averaging``      v = ∇h_t*(x)) x = z − ηṼ(u); z ← z − ηṼ(v)
+===============  =============================================  ==================  ==========================
+
+Oracle calls per local step and client: LocalSGD 1, LESGD 2, (S)LIPPAX H + 1, dual averaging 2
+(``RoundInfo.oracle_calls`` = K × that, per client and round).
+
+Step sizes: :func:`theory_step_size` (the theorems' η with the spec's [fix] items); inner steps:
+:func:`inner_steps_for` (the corrected contraction (1 − 1/(1+ηL)²)^H of the squared inner error).
+All hyperparameters may be traced (``eta``, ``L``, ``sigma``), so a grid of step sizes can be ``vmap``-ed; the step
+counts K and H are static Python ints.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax, random
+
+from .projections import project_ball, project_box, project_simplex, soft_threshold
+
+__all__ = [
+    "RoundInfo",
+    "Solver",
+    "VIState",
+    "inner_steps_for",
+    "lesgd",
+    "lippax",
+    "local_dual_averaging",
+    "local_sgd",
+    "mirror_map",
+    "prox_ball",
+    "prox_box",
+    "prox_l1",
+    "prox_simplex",
+    "prox_zero",
+    "run_rounds",
+    "slippax",
+    "theory_step_size",
+]
+
+Operator = Callable[[Any, jax.Array, jax.Array], Any]
+Prox = Callable[[Any, Any], Any]
+
+
+class VIState(NamedTuple):
+    """State of every solver (a pytree; per-client leaves carry a leading client axis of size M).
+
+    ``z``: the per-client iterate that is carried between local steps (LocalSGD: x; LESGD, (S)LIPPAX: z; dual
+    averaging: the DUAL z).  ``output``: running mean of the output sequence over all local steps and clients so far.
+    ``anchor``: ``w0`` of ``h = ½‖· − w0‖²`` (dual averaging; ``None`` otherwise).  ``step``: local steps done
+    (t); ``round``: rounds done; ``key``: base key (never split in place: every call folds in its indices).
+    """
+
+    z: Any
+    output: Any
+    anchor: Any
+    step: jax.Array
+    round: jax.Array
+    key: jax.Array
+
+
+class RoundInfo(NamedTuple):
+    """Diagnostics of one round: ``output`` (running output mean after the round), ``mean_iterate`` (client mean of
+    the synchronised iterate, primal for dual averaging), ``drift`` (mean over clients of ‖y^m − ȳ‖² of the
+    averaged variable just before the sync), ``oracle_calls`` (oracle calls per client in this round)."""
+
+    output: Any
+    mean_iterate: Any
+    drift: jax.Array
+    oracle_calls: jax.Array
+
+
+class Solver(NamedTuple):
+    """``init(z0, num_clients, key) -> VIState``; ``round(state, operator) -> (VIState, RoundInfo)``."""
+
+    init: Callable[..., VIState]
+    round: Callable[..., tuple[VIState, RoundInfo]]
+    name: str
+    num_local_steps: int
+    calls_per_step: int
+
+
+# ----------------------------------------------------------------------------------------------------------
+# checks and tree helpers
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _positive_int(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}.")
+    return int(value)
+
+
+def _check_positive(value, name: str, allow_zero: bool = False) -> None:
+    if isinstance(value, jax.core.Tracer):
+        return
+    v = np.asarray(value)
+    if v.dtype.kind not in "biuf":
+        raise TypeError(f"{name} must be a real number, got {value!r}.")
+    if not np.all(np.isfinite(v)) or not (np.all(v >= 0) if allow_zero else np.all(v > 0)):
+        raise ValueError(f"{name} must be finite and {'>= 0' if allow_zero else '> 0'}, got {value!r}.")
+
+
+def _tmap(f, *trees):
+    return jax.tree_util.tree_map(f, *trees)
+
+
+def _axpy(a, x, y):
+    """y + a·x on pytrees."""
+    return _tmap(lambda xi, yi: yi + jnp.asarray(a, yi.dtype) * xi, x, y)
+
+
+def _client_mean(tree):
+    return _tmap(lambda a: jnp.mean(a, axis=0), tree)
+
+
+def _broadcast_mean(tree):
+    return _tmap(lambda a: jnp.broadcast_to(jnp.mean(a, axis=0, keepdims=True), a.shape), tree)
+
+
+def _where(cond, a, b):
+    return _tmap(lambda x, y: jnp.where(cond, x, y), a, b)
+
+
+def _drift(tree):
+    """mean_m ‖y^m − ȳ‖² of a stacked pytree."""
+    leaves = jax.tree_util.tree_leaves(tree)
+    return sum(jnp.sum(jnp.square(a - jnp.mean(a, axis=0, keepdims=True))) for a in leaves) / leaves[0].shape[0]
+
+
+def _num_clients(tree) -> int:
+    return jax.tree_util.tree_leaves(tree)[0].shape[0]
+
+
+def _tree_size(tree) -> int:
+    return sum(int(np.prod(np.shape(a))) for a in jax.tree_util.tree_leaves(tree))
+
+
+def _tree_normal(key, tree):
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    keys = random.split(key, len(leaves))
+    return jax.tree_util.tree_unflatten(
+        treedef, [random.normal(k, jnp.shape(a), jnp.result_type(a)) for k, a in zip(keys, leaves)])
+
+
+def _call_keys(round_key, num_clients: int, K: int, calls: int, step, call):
+    """(M,) keys for (round, client m, step k, call c): ``fold_in(round_key, (m·K + k)·calls + c)`` with
+    ``round_key = fold_in(key, round)`` (one hash per call; the index is unique within a round)."""
+    m = jnp.arange(num_clients, dtype=jnp.uint32)
+    index = (m * jnp.uint32(K) + jnp.asarray(step, jnp.uint32)) * jnp.uint32(calls) + jnp.asarray(call, jnp.uint32)
+    return jax.vmap(lambda i: random.fold_in(round_key, i))(index)
+
+
+def _as_key(key):
+    if isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        return key
+    return random.wrap_key_data(jnp.asarray(key, jnp.uint32)) if jnp.shape(key) == (2,) else key
+
+
+def _init_state(z0, num_clients, key, *, dual: bool) -> VIState:
+    num_clients = _positive_int(num_clients, "num_clients")
+    z0 = _tmap(lambda a: jnp.asarray(a, jnp.result_type(a, float)), z0)
+    if not jax.tree_util.tree_leaves(z0):
+        raise ValueError("z0 must contain at least one array.")
+    start = _tmap(jnp.zeros_like, z0) if dual else z0
+    z = _tmap(lambda a: jnp.broadcast_to(a, (num_clients,) + a.shape), start)
+    output = _tmap(jnp.zeros_like, z0)
+    return VIState(z=z, output=output, anchor=z0 if dual else None, step=jnp.zeros((), jnp.int32),
+                   round=jnp.zeros((), jnp.int32), key=_as_key(key))
+
+
+def _finish_round(state, z, out_sum, K, mean_iterate, drift, calls):
+    """Update the running output mean with the K steps of this round (out_sum = Σ_k mean_m out_k)."""
+    t_old = state.step.astype(jnp.float32)
+    t_new = t_old + K
+    output = _tmap(lambda o, s: (o * (t_old / t_new).astype(o.dtype) + s / jnp.asarray(t_new, s.dtype)),
+                   state.output, out_sum)
+    new = state._replace(z=z, output=output, step=state.step + K, round=state.round + 1)
+    return new, RoundInfo(output=output, mean_iterate=mean_iterate, drift=drift,
+                          oracle_calls=jnp.asarray(K * calls, jnp.int32))
+
+
+def _round_scan(state, K, body):
+    """scan ``body((z, out_sum, drift), k) -> (z, out_sum, drift)`` over the K local steps; the sync is at k = K−1."""
+    zero_out = _tmap(jnp.zeros_like, state.output)
+
+    def step(carry, k):
+        return body(carry, k, k == K - 1), None
+
+    (z, out_sum, drift), _ = lax.scan(step, (state.z, zero_out, jnp.zeros((), jnp.float32)), jnp.arange(K))
+    return z, out_sum, drift
+
+
+# ----------------------------------------------------------------------------------------------------------
+# solvers
+# ----------------------------------------------------------------------------------------------------------
+
+
+def local_sgd(eta, num_local_steps: int) -> Solver:
+    """LocalSGD / LSGD, eq. (11): ``x ← x − ηṼ(x)``, x averaged at sync; output mean of x_t^m (1 call per step)."""
+    K = _positive_int(num_local_steps, "num_local_steps")
+    _check_positive(eta, "eta")
+
+    def init(z0, num_clients, key):
+        return _init_state(z0, num_clients, key, dual=False)
+
+    def round_(state, operator):
+        M = _num_clients(state.z)
+        idx = jnp.arange(M, dtype=jnp.int32)
+        rkey = random.fold_in(state.key, state.round)
+
+        def body(carry, k, sync):
+            x, out_sum, drift = carry
+            keys = _call_keys(rkey, M, K, 1, k, 0)
+            x = jax.vmap(lambda xm, km, m: _axpy(-eta, operator(xm, km, m), xm))(x, keys, idx)
+            drift = jnp.where(sync, _drift(x), drift)
+            x = _where(sync, _broadcast_mean(x), x)
+            return x, _tmap(jnp.add, out_sum, _client_mean(x)), drift
+
+        z, out_sum, drift = _round_scan(state, K, body)
+        return _finish_round(state, z, out_sum, K, _client_mean(z), drift, 1)
+
+    return Solver(init, round_, "local_sgd", K, 1)
+
+
+def lesgd(eta, num_local_steps: int) -> Solver:
+    """Local extragradient (LESGD), eq. (4): ``x = z − ηṼ(z)``, ``z ← z − ηṼ(x)``.
+
+    At sync steps x is averaged over clients BEFORE the second oracle call and z is averaged too (two
+    communications per round).  Output mean of x_t^m over t and m (the averaged x at sync steps).  2 calls/step."""
+    K = _positive_int(num_local_steps, "num_local_steps")
+    _check_positive(eta, "eta")
+
+    def init(z0, num_clients, key):
+        return _init_state(z0, num_clients, key, dual=False)
+
+    def round_(state, operator):
+        M = _num_clients(state.z)
+        idx = jnp.arange(M, dtype=jnp.int32)
+        rkey = random.fold_in(state.key, state.round)
+
+        def body(carry, k, sync):
+            z, out_sum, drift = carry
+            k0 = _call_keys(rkey, M, K, 2, k, 0)
+            k1 = _call_keys(rkey, M, K, 2, k, 1)
+            x = jax.vmap(lambda zm, km, m: _axpy(-eta, operator(zm, km, m), zm))(z, k0, idx)
+            x = _where(sync, _broadcast_mean(x), x)
+            z = jax.vmap(lambda zm, xm, km, m: _axpy(-eta, operator(xm, km, m), zm))(z, x, k1, idx)
+            drift = jnp.where(sync, _drift(z), drift)
+            z = _where(sync, _broadcast_mean(z), z)
+            return z, _tmap(jnp.add, out_sum, _client_mean(x)), drift
+
+        z, out_sum, drift = _round_scan(state, K, body)
+        return _finish_round(state, z, out_sum, K, _client_mean(z), drift, 2)
+
+    return Solver(init, round_, "lesgd", K, 2)
+
+
+def _lippax_solver(eta, K, L, H, delta_fn, name) -> Solver:
+    K = _positive_int(K, "num_local_steps")
+    H = _positive_int(H, "num_inner_steps")
+    _check_positive(eta, "eta")
+    _check_positive(L, "L")
+
+    def init(z0, num_clients, key):
+        return _init_state(z0, num_clients, key, dual=False)
+
+    def round_(state, operator):
+        M = _num_clients(state.z)
+        idx = jnp.arange(M, dtype=jnp.int32)
+        rkey = random.fold_in(state.key, state.round)
+        gamma = eta / (1.0 + eta * L) ** 2
+        delta = delta_fn(state)
+
+        def client_step(zm, keys_m, m):
+            """H inner steps toward the prox point x* = z − ηV(x*), then the extra step from z."""
+
+            def inner(x, ell):
+                kc = keys_m[ell]
+                if delta is None:
+                    v = operator(x, kc, m)
+                else:
+                    k_op, k_s = random.split(kc)
+                    s = _tree_normal(k_s, x)
+                    v = operator(_axpy(delta, s, x), k_op, m)
+                g = _tmap(lambda vi, xi, zi: vi + (xi - zi) / eta, v, x, zm)
+                return _axpy(-gamma, g, x), None
+
+            x, _ = lax.scan(inner, zm, jnp.arange(H))
+            z_new = _axpy(-eta, operator(x, keys_m[H], m), zm)
+            return x, z_new
+
+        def body(carry, k, sync):
+            z, out_sum, drift = carry
+            keys = jax.vmap(lambda c: _call_keys(rkey, M, K, H + 1, k, c), out_axes=1)(jnp.arange(H + 1))
+            x, z = jax.vmap(client_step)(z, keys, idx)
+            drift = jnp.where(sync, _drift(z), drift)
+            z = _where(sync, _broadcast_mean(z), z)  # only z is communicated
+            return z, _tmap(jnp.add, out_sum, _client_mean(x)), drift
+
+        z, out_sum, drift = _round_scan(state, K, body)
+        return _finish_round(state, z, out_sum, K, _client_mean(z), drift, H + 1)
+
+    return Solver(init, round_, name, K, H + 1)
+
+
+def lippax(eta, num_local_steps: int, L, num_inner_steps: int) -> Solver:
+    """LIPPAX (Alg. 1): H inner steps ``x ← x − γ[Ṽ(x) + (x − z)/η]``, ``γ = η/(1+ηL)²``, from x = z; then
+    ``z ← z − ηṼ(x_H)``; only z is averaged at sync; output mean of x_t^m = x_{t,H}^m.  H + 1 calls per step.
+
+    The squared inner error contracts by (1 − 1/(1+ηL)²) per step (spec [fix]; not 1/4): choose
+    ``num_inner_steps = inner_steps_for(eta, L, eps)``."""
+    return _lippax_solver(eta, num_local_steps, L, num_inner_steps, lambda state: None, "lippax")
+
+
+def slippax(eta, num_local_steps: int, L, num_inner_steps: int, sigma, delta=None) -> Solver:
+    """SLIPPAX (Alg. 2): LIPPAX whose INNER oracle calls are made at ``x + δs``, ``s ~ N(0, I)`` (fresh per call);
+    ``δ = ησ/d^{1/4}`` (the value of the proof, App. E; Thm 5 prints ησ/√d), d = total size of z.  The extra step
+    is at x_H itself.  ``delta`` overrides δ.  With σ = 0 (δ = 0) this is LIPPAX (up to the extra key splits)."""
+    _check_positive(sigma, "sigma", allow_zero=True)
+
+    def delta_fn(state):
+        if delta is not None:
+            return delta
+        d = _tree_size(state.output)
+        return eta * sigma / d ** 0.25
+
+    return _lippax_solver(eta, num_local_steps, L, num_inner_steps, delta_fn, "slippax")
+
+
+def mirror_map(prox: Prox, anchor, y, s):
+    """``∇h_t*(y) = prox_{sφ}(w0 + y)`` for ``h = ½‖· − w0‖²``, ``s = tη`` (``anchor`` = w0)."""
+    return prox(_tmap(jnp.add, anchor, y), s)
+
+
+def local_dual_averaging(eta, num_local_steps: int, prox: Prox | None = None) -> Solver:
+    """Local dual averaging, eq. (13), for ``V + ∂φ`` with ``h = ½‖· − w0‖²`` (w0 = ``z0`` of ``init``).
+
+    Dual variables x, z (z_0 = 0); primal ``u_{t−1} = ∇h_{t−1}*(z_{t−1})``, ``v_t = ∇h_t*(x_t)`` with
+    ``∇h_t*(y) = prox(w0 + y, tη)``.  ``x_t = z_{t−1} − ηṼ(u_{t−1})``, ``z_t = z_{t−1} − ηṼ(v_t)``, both averaged at
+    sync (x before the second call).  Output mean of v_t^m.  2 calls per step.  ``prox=None``: φ = 0."""
+    K = _positive_int(num_local_steps, "num_local_steps")
+    _check_positive(eta, "eta")
+    prox = prox_zero() if prox is None else prox
+    if not callable(prox):
+        raise TypeError(f"prox must be a callable prox(w, s) = prox_(sφ)(w), got {prox!r}.")
+
+    def init(z0, num_clients, key):
+        return _init_state(z0, num_clients, key, dual=True)
+
+    def round_(state, operator):
+        M = _num_clients(state.z)
+        idx = jnp.arange(M, dtype=jnp.int32)
+        rkey = random.fold_in(state.key, state.round)
+        w0 = state.anchor
+
+        def primal(y, t):
+            return mirror_map(prox, w0, y, t.astype(jnp.float32) * eta)
+
+        def body(carry, k, sync):
+            z, out_sum, drift = carry
+            t = state.step + k + 1
+            k0 = _call_keys(rkey, M, K, 2, k, 0)
+            k1 = _call_keys(rkey, M, K, 2, k, 1)
+            x = jax.vmap(lambda zm, km, m: _axpy(-eta, operator(primal(zm, t - 1), km, m), zm))(z, k0, idx)
+            x = _where(sync, _broadcast_mean(x), x)
+            v = jax.vmap(lambda xm: primal(xm, t))(x)
+            z = jax.vmap(lambda zm, vm, km, m: _axpy(-eta, operator(vm, km, m), zm))(z, v, k1, idx)
+            drift = jnp.where(sync, _drift(z), drift)
+            z = _where(sync, _broadcast_mean(z), z)
+            return z, _tmap(jnp.add, out_sum, _client_mean(v)), drift
+
+        z, out_sum, drift = _round_scan(state, K, body)
+        mean_primal = primal(_client_mean(z), state.step + K)
+        return _finish_round(state, z, out_sum, K, mean_primal, drift, 2)
+
+    return Solver(init, round_, "local_dual_averaging", K, 2)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# prox maps of common composite terms: prox(w, s) = prox_{sφ}(w)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def prox_zero() -> Prox:
+    """φ = 0: the identity."""
+    return lambda w, s: w
+
+
+def prox_l1(lam) -> Prox:
+    """φ = λ‖·‖₁: soft-thresholding at sλ (leafwise)."""
+    _check_positive(lam, "lam", allow_zero=True)
+    return lambda w, s: _tmap(lambda a: soft_threshold(a, s * lam), w)
+
+
+def prox_ball(radius, center=None) -> Prox:
+    """φ = indicator of {‖w − c‖₂ ≤ radius} (one ball for an array; per leaf for a pytree): projection."""
+    _check_positive(radius, "radius", allow_zero=True)
+
+    def prox(w, s):
+        if center is None:
+            return _tmap(lambda a: project_ball(a, radius), w)
+        return _tmap(lambda a, c: c + project_ball(a - c, radius), w, center)
+
+    return prox
+
+
+def prox_simplex(axis: int = -1, total=1.0) -> Prox:
+    """φ = indicator of the simplex {w ≥ 0, Σ w = total} along ``axis``: projection."""
+    return lambda w, s: _tmap(lambda a: project_simplex(a, axis=axis, total=total), w)
+
+
+def prox_box(lower, upper) -> Prox:
+    """φ = indicator of the box [lower, upper]: clipping."""
+    return lambda w, s: _tmap(lambda a: project_box(a, lower, upper), w)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# run loop, inner steps, theory step sizes
+# ----------------------------------------------------------------------------------------------------------
+
+
+def run_rounds(solver: Solver, state: VIState, operator: Operator, num_rounds: int):
+    """``num_rounds`` rounds with ``lax.scan``; returns ``(state, output, infos)`` where ``output`` is the running
+    output mean after the last round and ``infos`` a :class:`RoundInfo` stacked over rounds (``infos.output[r]``
+    is the output after round r + 1; ``cumsum(infos.oracle_calls)`` the oracle calls per client)."""
+    num_rounds = _positive_int(num_rounds, "num_rounds")
+
+    def body(s, _):
+        return solver.round(s, operator)
+
+    state, infos = lax.scan(body, state, None, length=num_rounds)
+    return state, state.output, infos
+
+
+def inner_steps_for(eta, L, eps) -> int:
+    """H = ⌈ln(1/ε) / ln(1/(1 − 1/(1+ηL)²))⌉: inner steps that shrink the SQUARED distance to the prox point by ε.
+
+    With γ = η/(1+ηL)² the regularised operator F = V + (· − z)/η (1/η-strongly monotone, (L + 1/η)-Lipschitz)
+    gives ‖x_ℓ − x*‖² ≤ (1 − 1/(1+ηL)²)‖x_{ℓ−1} − x*‖² (spec [fix]: ≤ (3/4) per step at η = 1/L, not 1/4)."""
+    eta, L, eps = float(eta), float(L), float(eps)
+    if not (eta > 0 and L > 0 and math.isfinite(eta * L)):
+        raise ValueError(f"eta and L must be finite and > 0, got eta={eta}, L={L}.")
+    if not 0 < eps < 1:
+        raise ValueError(f"eps must lie in (0, 1), got {eps}.")
+    rho = 1.0 - 1.0 / (1.0 + eta * L) ** 2
+    return max(1, math.ceil(math.log(1.0 / eps) / -math.log(rho)))
+
+
+def theory_step_size(method: str, L, D, sigma, K, R, M, *, G=None, d=None, beta=None) -> float:
+    """The step size η prescribed by the paper's theorem for ``method`` (terms that divide by σ drop when σ = 0).
+
+    * ``"lesgd"`` (Thm 1, [fix] 1/(L√(14K)) instead of the printed 1/√(14KL)):
+      min{1/(L√(14K)), D√M/(σ√(6KR)), D^{2/3}/(936^{1/3} e^{2/3} K^{2/3} R^{1/3} σ^{2/3} L^{1/3})}.
+    * ``"lippax"`` (Thm 3): min{1/L, D√M/(σ√(KR)), D^{2/5}/((60e)^{1/5} K^{3/5} R^{1/5} σ^{2/5} L^{2/5}),
+      D^{2/3}/((54e)^{1/3} K^{2/3} R^{1/3} L^{1/3} σ^{2/3}), D/(σ√(15KR))}.
+    * ``"slippax"`` (Thm 5, needs ``d``): min{D^{1/2}/(K^{1/4} R^{1/4} L^{1/2} σ^{1/2} d^{1/8}),
+      D^{2/5}/(σ^{2/5} L^{2/5} d^{1/10} K^{3/5} R^{1/5}), D^{2/3}/(K^{2/3} R^{1/3} σ^{2/3} L^{2/3}), 1/L}.
+    * ``"local_sgd"``/``"lsgd"`` (Thm 6, [fix] 2^{1/3} instead of the printed 2^{1/2}):
+      min{1/β, D√M/(σ√(KR)), D^{2/3}/(2^{1/3} K^{2/3} R^{1/3} L^{1/3} σ^{2/3})}.  Thm 6 needs β-co-coercivity; a
+      game is NOT co-coercive (β = ∞, no theory), so ``beta`` defaults to L (the co-coercivity constant of an
+      L-smooth convex gradient field) — a nominal value, not a guarantee.
+    * ``"local_dual_averaging"`` (Thm 7, needs ``G`` = bound on ‖V‖): min{D√M/(σ√(6KR)),
+      D^{2/3}/(17^{1/3} K^{1/3} R^{1/3} L^{2/3} G^{2/3}), 1/(√10 L)} (the paper prints "η = {…}" without the min).
+    """
+    L, D, sigma = float(L), float(D), float(sigma)
+    K, R, M = _positive_int(K, "K"), _positive_int(R, "R"), _positive_int(M, "M")
+    if not (L > 0 and D > 0 and sigma >= 0):
+        raise ValueError(f"need L > 0, D > 0, sigma >= 0; got L={L}, D={D}, sigma={sigma}.")
+    e = math.e
+    s = sigma
+    noisy = s > 0
+    method = method.lower()
+    if method == "lesgd":
+        terms = [1.0 / (L * math.sqrt(14 * K))]
+        if noisy:
+            terms += [D * math.sqrt(M) / (s * math.sqrt(6 * K * R)),
+                      D ** (2 / 3) / (936 ** (1 / 3) * e ** (2 / 3) * K ** (2 / 3) * R ** (1 / 3) * s ** (2 / 3)
+                                      * L ** (1 / 3))]
+    elif method == "lippax":
+        terms = [1.0 / L]
+        if noisy:
+            terms += [D * math.sqrt(M) / (s * math.sqrt(K * R)),
+                      D ** 0.4 / ((60 * e) ** 0.2 * K ** 0.6 * R ** 0.2 * s ** 0.4 * L ** 0.4),
+                      D ** (2 / 3) / ((54 * e) ** (1 / 3) * K ** (2 / 3) * R ** (1 / 3) * L ** (1 / 3) * s ** (2 / 3)),
+                      D / (s * math.sqrt(15 * K * R))]
+    elif method == "slippax":
+        if d is None:
+            raise ValueError("theory_step_size('slippax', ...) needs the dimension d=.")
+        terms = [1.0 / L]
+        if noisy:
+            terms += [D ** 0.5 / (K ** 0.25 * R ** 0.25 * L ** 0.5 * s ** 0.5 * d ** 0.125),
+                      D ** 0.4 / (s ** 0.4 * L ** 0.4 * d ** 0.1 * K ** 0.6 * R ** 0.2),
+                      D ** (2 / 3) / (K ** (2 / 3) * R ** (1 / 3) * s ** (2 / 3) * L ** (2 / 3))]
+    elif method in ("lsgd", "local_sgd"):
+        b = L if beta is None else float(beta)
+        terms = [1.0 / b]
+        if noisy:
+            terms += [D * math.sqrt(M) / (s * math.sqrt(K * R)),
+                      D ** (2 / 3) / (2 ** (1 / 3) * K ** (2 / 3) * R ** (1 / 3) * L ** (1 / 3) * s ** (2 / 3))]
+    elif method in ("local_dual_averaging", "dual_averaging"):
+        if G is None:
+            raise ValueError("theory_step_size('local_dual_averaging', ...) needs the operator bound G=.")
+        terms = [1.0 / (math.sqrt(10) * L),
+                 D ** (2 / 3) / (17 ** (1 / 3) * K ** (1 / 3) * R ** (1 / 3) * L ** (2 / 3) * float(G) ** (2 / 3))]
+        if noisy:
+            terms.append(D * math.sqrt(M) / (s * math.sqrt(6 * K * R)))
+    else:
+        raise ValueError(f"unknown method {method!r}; use 'lesgd', 'lippax', 'slippax', 'local_sgd' or "
+                         f"'local_dual_averaging'.")
+    return float(min(terms))
