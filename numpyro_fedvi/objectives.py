@@ -22,7 +22,7 @@ from numpyro.primitives import Messenger
 
 from .structure import ModelStructure, Partitions
 
-__all__ = ["block_loss_fn", "full_loss_fn"]
+__all__ = ["block_loss_fn", "client_loss_fn", "full_loss_fn"]
 
 
 class _BlockScale(Messenger):
@@ -98,5 +98,25 @@ def full_loss_fn(block_loss: Callable, structure: ModelStructure, partitions: Pa
             return block_loss(rng_key, global_unc, rows, idx, mask, n_b / size, args, kwargs)
 
         return jnp.sum(jax.lax.map(one, (partitions.indices, partitions.mask, partitions.sizes)))
+
+    return loss
+
+
+def client_loss_fn(elbo, model, guide, structure, data_plate: str, num_total: int, args=(), kwargs=None) -> Callable:
+    """``loss(rng_key, theta_unconstrained, rows, mask)``: one client's share of the federated negative ELBO.
+
+    The user's ELBO on the client's ``rows`` with every site inside ``data_plate`` scaled by ``num_total / Σ mask``
+    (padded rows masked) and the global terms (prior, global KL) counted once, so that with ``μ_i = N_i/N`` the
+    weighted sum ``Σ_i μ_i loss_i`` is the full-data negative ELBO in expectation (specs/fedmm.md "Pitfalls";
+    used by FedSVI and FedLocalVI).  ``theta`` are the unconstrained GLOBAL params of ``structure``."""
+    kwargs = dict(kwargs or {})
+
+    def loss(rng_key, theta, rows, mask, *_):
+        scale = num_total / jnp.maximum(jnp.sum(mask), 1)
+        m = _BlockScale(model, data_plate, mask, scale, 1.0)
+        g = _BlockScale(guide, data_plate, mask, scale, 1.0)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="subsample_size does not match")
+            return elbo.loss(rng_key, structure.constrain_global(theta), m, g, rows, *args, **kwargs)
 
     return loss

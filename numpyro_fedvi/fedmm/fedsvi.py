@@ -12,37 +12,19 @@ negative ELBO (specs/fedmm.md "Pitfalls").
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
 from jax import random
 from numpyro.infer import Trace_ELBO
 
 from ..federated import ClientData
-from ..objectives import _BlockScale
+from ..objectives import client_loss_fn
 from ..structure import inspect_model
 from .core import SurrogateFamily
 from .engine import FedMM
 
-__all__ = ["FedSVI", "client_loss_fn", "quadratic_family"]
-
-
-def client_loss_fn(elbo, model, guide, structure, data_plate: str, num_total: int, args=(), kwargs=None) -> Callable:
-    """``loss(rng_key, theta_unconstrained, rows, mask)``: the client's negative ELBO with its likelihood (every site
-    in ``data_plate``) scaled by ``num_total / Σ mask`` and padded rows masked; global terms once."""
-    kwargs = dict(kwargs or {})
-
-    def loss(rng_key, theta, rows, mask, *_):
-        scale = num_total / jnp.maximum(jnp.sum(mask), 1)
-        m = _BlockScale(model, data_plate, mask, scale, 1.0)
-        g = _BlockScale(guide, data_plate, mask, scale, 1.0)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="subsample_size does not match")
-            return elbo.loss(rng_key, structure.constrain_global(theta), m, g, rows, *args, **kwargs)
-
-    return loss
+__all__ = ["FedSVI", "quadratic_family"]
 
 
 def quadratic_family(loss: Callable, rho: float, objective_key=None) -> SurrogateFamily:
