@@ -16,11 +16,19 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def parse_args(description: str, argv=None) -> argparse.Namespace:
-    """``--quick`` (≤ 60 s on 2 cores) and ``--out`` (results folder)."""
+    """``--quick`` (≤ 60 s on 2 cores) and ``--out`` (results folder).
+
+    Full runs write to ``benchmarks/results/``, quick runs to ``benchmarks/results/quick/`` by default, so a quick
+    check never overwrites the results of a full-scale run."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--quick", action="store_true", help="small configuration that finishes in under 60 s")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for <name>.json and <name>.png")
-    return parser.parse_args(argv)
+    parser.add_argument("--out", type=Path, default=None,
+                        help="folder for <name>.json and <name>.png (default: benchmarks/results, or "
+                             "benchmarks/results/quick with --quick)")
+    args = parser.parse_args(argv)
+    if args.out is None:
+        args.out = RESULTS / "quick" if args.quick else RESULTS
+    return args
 
 
 def block(tree):
