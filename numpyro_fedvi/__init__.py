@@ -3,6 +3,7 @@
 Use them where you use ``numpyro.infer.SVI``: same model, same guide, same ``init/update/run/get_params``.
 """
 
+from .datatree import to_datatree
 from .federated import ClientData
 from .fedmm import SASSMM, FedMM, FedSVI, SurrogateFamily
 from .guides import AutoLocationScale
@@ -30,4 +31,5 @@ __all__ = [
     "RunResult",
     "inspect_model",
     "make_partitions",
+    "to_datatree",
 ]

@@ -1,0 +1,149 @@
+"""Posterior draws of a fitted engine as an ArviZ ``DataTree`` (DESIGN.md layer 7).
+
+``to_datatree(engine, result, *args, num_samples=1000)`` works for every engine with a NumPyro ``model`` and
+``guide`` (``PDVI``, ``MPSGD``, ``FedSVI``, ``FedLocalVI``, and ``numpyro.infer.SVI`` itself).  It draws from the
+variational posterior on the FULL data (every subsampled plate sees all of its rows, so local latents come out for
+every datum), and returns the groups
+
+* ``posterior``: the latent sites, shaped ``(chain=1, draw=S, ...)`` so that ArviZ's ``summary`` and ``loo`` work;
+* ``log_likelihood``: pointwise log-likelihood of every observed site;
+* ``posterior_predictive`` and ``observed_data``;
+* ``sample_stats``: ``lp`` = log p(θ, y), ``log_q`` = log q(θ) and ``log_weight`` = lp − log_q of each draw —
+  the importance weights of the approximation (Yao et al. 2018); their PSIS Pareto shape k̂ is stored in
+  ``sample_stats.attrs["pareto_k"]`` (k̂ < 0.7: the weights, hence PSIS-corrected estimates, are reliable).
+  ``arviz_stats.loo_approximate_posterior(dt, dt.sample_stats.lp, dt.sample_stats.log_q)`` corrects LOO-CV for
+  the approximation.
+
+Draws are iid: R-hat and ESS mean nothing for them; k̂ is the diagnostic.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from arviz_base import from_dict
+from arviz_stats.base import array_stats
+from jax import random
+from numpyro import handlers
+from numpyro.infer import Predictive
+from numpyro.infer.util import log_density, log_likelihood
+from numpyro.primitives import Messenger
+
+__all__ = ["full_data", "importance_log_weights", "pareto_k_hat", "to_datatree"]
+
+
+class full_data(Messenger):
+    """Effect handler: every subsampled plate takes ALL of its rows (indices ``arange(size)``).
+
+    A plate whose indices are already pinned (``handlers.substitute`` inside the model) is left alone.  Use it to
+    evaluate a model or draw from a guide on the whole data set after fitting on minibatches.
+    """
+
+    def process_message(self, msg):
+        if msg["type"] == "plate" and msg["value"] is None:
+            size = msg["args"][0]
+            msg["value"] = jnp.arange(size)
+            msg["args"] = (size, size)
+
+
+def _model_and_guide(engine):
+    model, guide = getattr(engine, "model", None), getattr(engine, "guide", None)
+    if model is None or guide is None:
+        raise TypeError(f"to_datatree needs an engine with a NumPyro .model and .guide (PDVI, MPSGD, FedSVI, "
+                        f"FedLocalVI, numpyro.infer.SVI); {type(engine).__name__} has none. For a surrogate family "
+                        "(FedMM) map θ to guide params (e.g. ConjugateVI.to_params) and use numpyro.infer.Predictive.")
+    return model, guide
+
+
+def _params(result):
+    params = getattr(result, "params", result)
+    if not isinstance(params, dict):
+        raise TypeError(f"result must be a RunResult/SVIRunResult or a dict of params, got {type(result).__name__}.")
+    return params
+
+
+def _guide_draws(guide, params, num_samples, key, args, kwargs):
+    """Every sample site of the guide (including auxiliary ``_..._latent`` sites), ``num_samples`` draws."""
+    return Predictive(full_data(guide), params=params, num_samples=num_samples)(key, *args, **kwargs)
+
+
+def importance_log_weights(model, guide, params, draws, args=(), kwargs=None):
+    """``(lp, log_q)`` per draw: the full-data log joint ``log p(θ, y)`` and ``log q(θ)`` of the guide's draws.
+
+    ``draws`` are the guide's sample sites (as from ``Predictive(guide, ...)``, auxiliary sites included);
+    ``lp − log_q`` are the importance weights of q as a proposal for the posterior (Yao et al. 2018).
+    """
+    kwargs = dict(kwargs or {})
+    model_f, guide_f = full_data(model), full_data(guide)
+
+    def one(draw):
+        latent = {k: v for k, v in draw.items() if not k.startswith("_")}
+        lp, _ = log_density(model_f, args, kwargs, latent)
+        lq, _ = log_density(guide_f, args, kwargs, {**params, **draw})
+        return lp, lq
+
+    return jax.lax.map(one, draws)
+
+
+def pareto_k_hat(log_weights) -> float:
+    """PSIS Pareto shape k̂ of importance log weights (1-d; Vehtari et al. 2024); ``-inf`` when all weights are equal
+    (q is the posterior up to round-off)."""
+    log_weights = np.asarray(log_weights, np.float64).ravel()
+    if not np.all(np.isfinite(log_weights)):
+        return float("nan")
+    if np.ptp(log_weights) <= 1e-12 * max(1.0, np.max(np.abs(log_weights))):
+        return float("-inf")
+    return float(array_stats.psislw(-log_weights)[1])  # psislw smooths the NEGATED input (loo's convention)
+
+
+def _observed_sites(model, latent_draw, key, args, kwargs):
+    tr = handlers.trace(handlers.seed(handlers.substitute(full_data(model), data=latent_draw), key)).get_trace(
+        *args, **kwargs)
+    latent = {n for n, s in tr.items() if s["type"] == "sample" and not s["is_observed"]}
+    observed = {n: s["value"] for n, s in tr.items() if s["type"] == "sample" and s["is_observed"]}
+    return latent, observed
+
+
+def to_datatree(engine, result, *args, num_samples: int = 1000, rng_key=None, log_likelihood_group: bool = True,
+                posterior_predictive: bool = True, coords=None, dims=None, **kwargs):
+    """The variational posterior of a fitted engine as an ArviZ ``DataTree`` (module docstring).
+
+    :param engine: a fitted engine with ``.model`` and ``.guide`` (its ``static_kwargs`` are passed on).
+    :param result: the engine's ``RunResult`` (or ``SVIRunResult``), or a dict of constrained guide params.
+    :param args, kwargs: the model's data arguments (the FULL data set, as given to ``run``).
+    :param num_samples: iid draws S (``draw`` dimension; ``chain`` has length 1).
+    :param coords, dims: passed to ``arviz_base.from_dict`` (name the dimensions of your sites).
+    """
+    if isinstance(num_samples, bool) or not isinstance(num_samples, (int, np.integer)) or num_samples < 2:
+        raise ValueError(f"num_samples must be an int >= 2, got {num_samples!r}.")
+    model, guide = _model_and_guide(engine)
+    params = _params(result)
+    kwargs = {**kwargs, **getattr(engine, "static_kwargs", {})}
+    key = random.key(0) if rng_key is None else rng_key
+    k_draw, k_trace, k_pred = random.split(key, 3)
+
+    draws = _guide_draws(guide, params, num_samples, k_draw, args, kwargs)
+    first = {k: v[0] for k, v in draws.items() if not k.startswith("_")}
+    latent_names, observed = _observed_sites(model, first, k_trace, args, kwargs)
+    posterior = {k: v for k, v in draws.items() if k in latent_names}
+    lp, log_q = importance_log_weights(model, guide, params, draws, args, kwargs)
+    log_w = np.asarray(lp - log_q, np.float64)
+    pareto_k = pareto_k_hat(log_w)
+
+    def chain(tree):
+        return {k: np.asarray(v)[None] for k, v in tree.items()}
+
+    groups = {
+        "posterior": chain(posterior),
+        "sample_stats": chain({"lp": lp, "log_q": log_q, "log_weight": log_w}),
+        "observed_data": {k: np.asarray(v) for k, v in observed.items()},
+    }
+    if log_likelihood_group and observed:
+        groups["log_likelihood"] = chain(log_likelihood(full_data(model), posterior, *args, **kwargs))
+    if posterior_predictive and observed:
+        pred = Predictive(full_data(model), posterior_samples=posterior, return_sites=list(observed))
+        groups["posterior_predictive"] = chain(pred(k_pred, *args, **kwargs))
+    attrs = {"sample_stats": {"pareto_k": pareto_k},
+             "/": {"inference_library": "numpyro_fedvi", "engine": type(engine).__name__}}
+    return from_dict(groups, coords=coords, dims=dims, attrs=attrs)

@@ -1,0 +1,149 @@
+"""ArviZ DataTree output (numpyro_fedvi.datatree).
+
+Checked: with q equal to the exact posterior of a conjugate model the importance weights log p(θ, y) − log q(θ) are
+the log marginal likelihood for EVERY draw (closed form); a too-narrow q gets a large Pareto k̂; subsampled plates
+are expanded to the full data (local latents and the pointwise log-likelihood cover every datum); the tree has
+(chain=1, draw=S) and works with arviz_stats.summary / loo; numpyro.infer.SVI converts too; bad inputs raise.
+"""
+
+import types
+
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+import optax
+import pytest
+from arviz_stats import loo, summary
+from jax import random
+from numpyro.distributions import constraints
+from numpyro.infer import SVI, Trace_ELBO
+from scipy.stats import multivariate_normal
+
+import numpyro_fedvi as nfv
+from numpyro_fedvi.datatree import full_data, importance_log_weights, pareto_k_hat
+
+N, B = 40, 8
+X = jnp.asarray(np.random.default_rng(0).normal(1.0, 1.0, size=N), jnp.float32)
+
+
+def model(x):
+    mu = numpyro.sample("mu", dist.Normal(0.0, 2.0))
+    with numpyro.plate("data", N, subsample_size=B):
+        numpyro.sample("obs", dist.Normal(mu, 1.0), obs=numpyro.subsample(x, event_dim=0))
+
+
+def guide(x):
+    loc = numpyro.param("loc", 0.0)
+    scale = numpyro.param("scale", 1.0, constraint=constraints.positive)
+    numpyro.sample("mu", dist.Normal(loc, scale))
+
+
+def exact_posterior(x):
+    prec = 1 / 4.0 + N
+    return {"loc": jnp.asarray(np.sum(x) / prec), "scale": jnp.asarray(1 / np.sqrt(prec))}
+
+
+def log_marginal(x):
+    cov = np.eye(N) + 4.0 * np.ones((N, N))
+    return multivariate_normal(np.zeros(N), cov).logpdf(np.asarray(x, np.float64))
+
+
+ENGINE = types.SimpleNamespace(model=model, guide=guide)
+
+
+def test_exact_posterior_has_constant_weights_equal_to_log_marginal():
+    dt = nfv.to_datatree(ENGINE, exact_posterior(X), X, num_samples=500)
+    log_w = np.asarray(dt.sample_stats["log_weight"])
+    assert log_w.shape == (1, 500)
+    np.testing.assert_allclose(log_w, log_marginal(X), atol=2e-3 * abs(log_marginal(X)))
+    assert np.std(log_w) < 1e-2  # float32 round-off only
+    assert dt.posterior["mu"].shape == (1, 500)
+
+
+def test_too_narrow_guide_has_large_pareto_k():
+    params = {**exact_posterior(X), "scale": exact_posterior(X)["scale"] / 4}
+    dt = nfv.to_datatree(ENGINE, params, X, num_samples=2000)
+    assert dt.sample_stats.attrs["pareto_k"] > 0.7
+    good = nfv.to_datatree(ENGINE, exact_posterior(X), X, num_samples=2000)
+    assert not good.sample_stats.attrs["pareto_k"] > 0.5  # constant weights: k̂ small or undefined
+
+
+def test_full_data_groups_and_arviz_functions():
+    dt = nfv.to_datatree(ENGINE, exact_posterior(X), X, num_samples=200)
+    assert dt.log_likelihood["obs"].shape == (1, 200, N)  # every datum, not a minibatch of B
+    assert dt.posterior_predictive["obs"].shape == (1, 200, N)
+    np.testing.assert_array_equal(np.asarray(dt.observed_data["obs"]), np.asarray(X))
+    s = summary(dt, var_names=["mu"], kind="stats")
+    assert abs(float(s["mean"].iloc[0]) - float(exact_posterior(X)["loc"])) < 0.05
+    res = loo(dt)
+    assert np.isfinite(res.elpd)
+
+
+def test_log_weights_helper_sums_over_full_data():
+    draws = {"mu": jnp.asarray([0.5, 1.0])}
+    lp, lq = importance_log_weights(model, guide, exact_posterior(X), draws, (X,))
+    expect = [dist.Normal(0, 2).log_prob(m) + dist.Normal(m, 1).log_prob(X).sum() for m in (0.5, 1.0)]
+    np.testing.assert_allclose(np.asarray(lp), np.asarray(expect), rtol=1e-5)
+    q = dist.Normal(exact_posterior(X)["loc"], exact_posterior(X)["scale"])
+    np.testing.assert_allclose(np.asarray(lq), np.asarray(q.log_prob(draws["mu"])), rtol=1e-5)
+
+
+def test_full_data_handler_keeps_pinned_plates():
+    def pinned(x):
+        with numpyro.handlers.substitute(data={"data": jnp.arange(3)}), numpyro.plate("data", N, subsample_size=3) as i:
+            return i
+
+    assert numpyro.handlers.seed(full_data(pinned), 0)(X).shape == (3,)
+    with numpyro.handlers.seed(rng_seed=0), full_data(), numpyro.plate("data", N, subsample_size=B) as idx:
+        assert idx.shape == (N,)
+
+
+def local_model(x):
+    mu = numpyro.sample("mu", dist.Normal(0.0, 3.0))
+    with numpyro.plate("data", N, subsample_size=B) as idx:
+        theta = numpyro.sample("theta", dist.Normal(mu, 1.0))
+        numpyro.sample("obs", dist.Normal(theta, 0.5), obs=x[idx])
+
+
+def local_guide(x):
+    m = numpyro.param("m", 0.0)
+    numpyro.sample("mu", dist.Normal(m, 0.3))
+    with numpyro.plate("data", N, subsample_size=B):
+        a = numpyro.param("a", jnp.zeros(N), event_dim=0)
+        numpyro.sample("theta", dist.Normal(a, 0.4))
+
+
+def test_pdvi_local_latents_cover_every_datum():
+    engine = nfv.PDVI(local_model, local_guide, Trace_ELBO(), num_partitions=5, eta=0.5, local_steps=5)
+    result = engine.run(random.key(0), 30, X, progress_bar=False)
+    dt = nfv.to_datatree(engine, result, X, num_samples=100)
+    assert dt.posterior["theta"].shape == (1, 100, N)
+    np.testing.assert_allclose(np.asarray(dt.posterior["theta"]).mean((0, 1)), np.asarray(result.params["a"]),
+                               atol=0.2)
+    assert dt.log_likelihood["obs"].shape == (1, 100, N)
+    assert dt.attrs["engine"] == "PDVI" and np.isfinite(dt.sample_stats.attrs["pareto_k"])
+
+
+def test_numpyro_svi_converts():
+    svi = SVI(model, guide, optax.adam(0.05), Trace_ELBO())
+    result = svi.run(random.key(1), 500, X, progress_bar=False)
+    dt = nfv.to_datatree(svi, result, X, num_samples=300)
+    assert abs(float(dt.posterior["mu"].mean()) - float(exact_posterior(X)["loc"])) < 0.1
+
+
+def test_errors():
+    with pytest.raises(TypeError, match="model and .guide"):
+        nfv.to_datatree(object(), {}, X)
+    with pytest.raises(TypeError, match="RunResult"):
+        nfv.to_datatree(ENGINE, [1.0], X)
+    with pytest.raises(ValueError, match="num_samples"):
+        nfv.to_datatree(ENGINE, exact_posterior(X), X, num_samples=1)
+
+
+def test_pareto_k_hat_of_known_tails():
+    z = np.random.default_rng(0).normal(size=4000)
+    # w = exp(c z²), z ~ N(0, 1): P(w > t) ~ t^(−1/(2c)), so k = 2c
+    for c in (0.1, 0.45):
+        assert abs(pareto_k_hat(c * z**2) - 2 * c) < 0.15
+    assert pareto_k_hat(np.zeros(100)) == -np.inf
