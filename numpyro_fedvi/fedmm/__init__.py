@@ -1,5 +1,6 @@
 """Stochastic and federated majorize-minimization (specs/fedmm.md): functional cores and worked families."""
 
+from .conjugate import ConjugateVI, bayesian_gmm_vi, normal_normal_vi
 from .core import (
     FedMMDirection,
     FedMMState,
@@ -15,11 +16,15 @@ from .core import (
     theory_step_sizes,
     tree_sqnorm,
 )
+from .dictionary import dictionary_learning, lasso_codes, make_dictionary_data
 from .engine import SASSMM, FedMM
 from .families import gmm_map_em, remark1_toy
 from .fedsvi import FedSVI, quadratic_family
+from .jensen import jensen_em
+from .poisson import poisson_log_marginal, poisson_map_em, poisson_posterior_exp_h
 
 __all__ = [
+    "ConjugateVI",
     "FedMM",
     "FedSVI",
     "quadratic_family",
@@ -28,12 +33,21 @@ __all__ = [
     "FedMMState",
     "SASSMMState",
     "SurrogateFamily",
+    "bayesian_gmm_vi",
+    "dictionary_learning",
     "fedmm_direction",
     "fedmm_init",
     "fedmm_step",
     "gmm_map_em",
+    "jensen_em",
+    "lasso_codes",
     "lemma2_check",
+    "make_dictionary_data",
     "masked_mean",
+    "normal_normal_vi",
+    "poisson_log_marginal",
+    "poisson_map_em",
+    "poisson_posterior_exp_h",
     "remark1_toy",
     "sassmm_init",
     "sassmm_step",
