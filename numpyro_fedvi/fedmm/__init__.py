@@ -17,14 +17,16 @@ from .core import (
     tree_sqnorm,
 )
 from .dictionary import dictionary_learning, lasso_codes, make_dictionary_data
-from .engine import SASSMM, FedMM
+from .engine import SASSMM, FedMM, with_projection
 from .families import gmm_map_em, remark1_toy
 from .fedsvi import FedSVI, quadratic_family
 from .jensen import jensen_em
+from .prox import Prox, box_prox, compose_prox, l1_prox, theta_l_prox
 from .poisson import poisson_log_marginal, poisson_map_em, poisson_posterior_exp_h
 
 __all__ = [
     "ConjugateVI",
+    "Prox",
     "FedMM",
     "FedSVI",
     "quadratic_family",
@@ -34,12 +36,15 @@ __all__ = [
     "SASSMMState",
     "SurrogateFamily",
     "bayesian_gmm_vi",
+    "box_prox",
+    "compose_prox",
     "dictionary_learning",
     "fedmm_direction",
     "fedmm_init",
     "fedmm_step",
     "gmm_map_em",
     "jensen_em",
+    "l1_prox",
     "lasso_codes",
     "lemma2_check",
     "make_dictionary_data",
@@ -52,5 +57,7 @@ __all__ = [
     "sassmm_init",
     "sassmm_step",
     "theory_step_sizes",
+    "theta_l_prox",
     "tree_sqnorm",
+    "with_projection",
 ]

@@ -7,6 +7,7 @@ one step is one round and the loss is the family's objective at the broadcast θ
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from collections.abc import Callable
@@ -21,7 +22,7 @@ from ..runner import EarlyStopping, RunResult, revert_non_finite, run_loop, tree
 from .core import (FedMMState, SASSMMState, SurrogateFamily, _check_family, fedmm_init, fedmm_step, sassmm_init,
                    sassmm_step)
 
-__all__ = ["FedMM", "SASSMM"]
+__all__ = ["FedMM", "SASSMM", "with_projection"]
 
 
 def _check_step_size(step_size):
@@ -29,6 +30,20 @@ def _check_step_size(step_size):
         return
     if isinstance(step_size, bool) or not isinstance(step_size, (int, float)) or not 0 < step_size <= 1:
         raise ValueError(f"step_size must be a float in (0, 1] or a schedule t -> γ_t, got {step_size!r}.")
+
+
+def with_projection(family: SurrogateFamily, projection: Callable | None) -> SurrogateFamily:
+    """``family`` with its projection onto 𝒮 replaced by ``projection`` (``None``: ``family.project`` is kept).
+
+    The projection is step 4 of Algorithm 2, ``Ŝ_{t+1} = argmin_{s∈𝒮} ‖s − Ŝ_{t+½}‖`` (B = I), also applied to Ŝ_0.
+    """
+    _check_family(family)
+    if projection is None:
+        return family
+    if not callable(projection):
+        raise TypeError(f"projection must be None (use family.project) or a callable s -> s (the projection onto "
+                        f"𝒮), got {projection!r}.")
+    return dataclasses.replace(family, project=projection)
 
 
 def _check_batch_size(batch_size):
@@ -40,13 +55,15 @@ def _check_batch_size(batch_size):
 class _Engine:
     """Shared surface: ``get_params``, ``stable_update``, ``run`` over ``update``."""
 
-    def __init__(self, family: SurrogateFamily, step_size, batch_size, to_params: Callable | None):
-        _check_family(family)
+    def __init__(self, family: SurrogateFamily, step_size, batch_size, to_params: Callable | None,
+                 projection: Callable | None = None):
         _check_step_size(step_size)
         _check_batch_size(batch_size)
         if to_params is not None and not callable(to_params):
             raise TypeError(f"to_params must be callable (θ -> NumPyro params), got {to_params!r}.")
-        self.family, self.step_size, self.batch_size, self.to_params = family, step_size, batch_size, to_params
+        self.projection = projection
+        self.family = with_projection(family, projection)
+        self.step_size, self.batch_size, self.to_params = step_size, batch_size, to_params
 
     def get_params(self, state):
         """``to_params(θ_t)`` (e.g. NumPyro guide params for ``Predictive``) or θ_t itself."""
@@ -78,13 +95,14 @@ class SASSMM(_Engine):
     :param step_size: γ in (0, 1] or a schedule ``t -> γ_{t+1}``; γ = 1 with ``batch_size=None`` is (MAP-)EM.
     :param batch_size: rows per round drawn uniformly with replacement, ``None`` = all rows (exact oracle).
     :param to_params: optional ``θ -> params`` returned by ``get_params``.
+    :param projection: ``None`` (use ``family.project``) or a callable ``s -> s`` that replaces it.
 
     ``data`` is a pytree of arrays with a leading row axis.
     """
 
     def __init__(self, family: SurrogateFamily, *, step_size=1.0, batch_size: int | None = None,
-                 to_params: Callable | None = None):
-        super().__init__(family, step_size, batch_size, to_params)
+                 to_params: Callable | None = None, projection: Callable | None = None):
+        super().__init__(family, step_size, batch_size, to_params, projection)
 
     def init(self, rng_key, data, init_stat) -> SASSMMState:
         """``Ŝ_0 = project(init_stat)``, ``θ_0 = T(Ŝ_0)``."""
@@ -129,12 +147,16 @@ class FedMM(_Engine):
     :param init_control_variates: ``"zero"`` (paper's experiments) or ``"full"`` (``V_{0,i} = h_i(Ŝ_0)``, one pass).
     :param aggregate: ``"surrogate"`` (FedMM) or ``"parameter"`` (the naive baseline of the paper: θ as state).
     :param to_params: optional ``θ -> params`` returned by ``get_params``.
+    :param projection: the server's projection onto 𝒮 (Algorithm 2, step 4): ``None`` uses ``family.project``;
+        a callable ``s -> s`` replaces it (e.g. a tighter convex set, or the PSD / simplex projections of
+        :mod:`numpyro_fedvi.projections` on a family built without one).  It is applied to Ŝ_0 too.
     """
 
     def __init__(self, family: SurrogateFamily, *, step_size=1.0, cv_step: float = 0.0, participation=None,
                  compressor=None, batch_size: int | None = None, init_control_variates: str = "zero",
-                 aggregate: str = "surrogate", to_params: Callable | None = None):
-        super().__init__(family, step_size, batch_size, to_params)
+                 aggregate: str = "surrogate", to_params: Callable | None = None,
+                 projection: Callable | None = None):
+        super().__init__(family, step_size, batch_size, to_params, projection)
         self.participation = Full() if participation is None else participation
         self.compressor = Identity() if compressor is None else compressor
         if not (isinstance(cv_step, (int, float)) and math.isfinite(cv_step) and cv_step >= 0):
