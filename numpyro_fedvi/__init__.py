@@ -5,10 +5,12 @@ Use them where you use ``numpyro.infer.SVI``: same model, same guide, same ``ini
 
 from .datatree import to_datatree
 from .federated import ClientData
+from .fedlocalvi import FedLocalVI
 from .fedmm import SASSMM, FedMM, FedSVI, SurrogateFamily
 from .guides import AutoLocationScale
 from .mpsgd import MPSGD, MPSGDState
 from .pdvi import PDVI, PDVIState
+from .robust import RobustFedVI, robust_federated_vi
 from .runner import EarlyStopping, RunResult
 from .structure import ModelStructure, Partitions, inspect_model, make_partitions
 
@@ -17,6 +19,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AutoLocationScale",
     "ClientData",
+    "FedLocalVI",
     "FedMM",
     "FedSVI",
     "SASSMM",
@@ -28,8 +31,10 @@ __all__ = [
     "ModelStructure",
     "PDVIState",
     "Partitions",
+    "RobustFedVI",
     "RunResult",
     "inspect_model",
     "make_partitions",
+    "robust_federated_vi",
     "to_datatree",
 ]

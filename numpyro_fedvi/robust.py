@@ -1,0 +1,158 @@
+"""Distributionally robust (agnostic) federated VI: a saddle-point inference problem (specs/federated_vi_solvers.md,
+"Use in a variational-INFERENCE library").
+
+Groups g = 1..G (one per client: hospitals, sites) with ``N_g`` rows; ``L_g(θ)`` is group g's negative ELBO per datum
+(``objectives.client_loss_fn`` with the group's likelihood scaled to ``N`` rows and the KL once, divided by N:
+``L_g = −E_q mean_{i∈g} log p(y_i | ·) + KL(q‖p)/N``).  The robust posterior solves
+
+    min_θ max_{w∈Δ_G}  Φ(θ, w) = Σ_g w_g L_g(θ) − (τ/2)‖w − 1/G‖²,
+
+a monotone VI (for convex L_g) with the composite term φ = indicator of the simplex on w.  Client g's operator
+(the client MEAN is ``V = (∇_θ Φ, −∇_w Φ)`` up to a uniform shift of the w-block, which Π_Δ ignores):
+
+    V_g(θ, w) = (G w_g ∇L_g(θ),  c·P[τ(w − 1/G) − G L_g(θ) e_g]),   P = I − 11ᵀ/G,  c = η_w/η,
+
+solved by local dual averaging, eq. (13), with ``prox = (identity on θ, projection onto Δ on w)``.  For fixed θ
+the inner max is ``w*(θ) = Π_Δ(1/G + L(θ)/τ)`` (:func:`dro_weights`), so the reported loss is the robust objective
+``ψ(θ) = Φ(θ, w*(θ))``; τ → ∞ gives w → 1/G and the average (ERM with equal groups) posterior.
+
+Client drift: client g sees only L_g, so during its K local steps its own w_g rises toward 1 and its θ-steps lose the
+robust reweighting until the next synchronisation; the fixed point moves O(ηK) from the saddle point (exact for
+K = 1, where x is averaged before the second oracle call of every step).  Keep K·η small (tests, README).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import random
+
+from . import vi_solvers as vs
+from .federated import ClientData
+from .fedlocalvi import FedLocalVI, _positive_float
+from .projections import project_simplex
+from .runner import RunResult
+
+__all__ = ["RobustFedVI", "RobustResult", "dro_objective", "dro_weights", "robust_federated_vi", "simplex_weight_prox"]
+
+
+def dro_weights(group_losses, tau):
+    """``w*(θ) = argmax_{w∈Δ} ⟨w, L⟩ − (τ/2)‖w − 1/G‖² = Π_Δ(1/G + L/τ)`` (the inner max in closed form)."""
+    group_losses = jnp.asarray(group_losses)
+    G = group_losses.shape[-1]
+    return project_simplex(1.0 / G + group_losses / tau)
+
+
+def dro_objective(group_losses, weights, tau):
+    """``Φ(θ, w) = Σ_g w_g L_g − (τ/2)‖w − 1/G‖²`` from the group losses ``L_g(θ)``."""
+    G = group_losses.shape[-1]
+    return jnp.sum(weights * group_losses, -1) - 0.5 * tau * jnp.sum(jnp.square(weights - 1.0 / G), -1)
+
+
+def simplex_weight_prox() -> vs.Prox:
+    """φ = indicator of Δ on ``z["w"]``, 0 on ``z["theta"]``: ``prox(z, s) = {theta: θ, w: Π_Δ(w)}``."""
+    return lambda z, s: {"theta": z["theta"], "w": project_simplex(z["w"])}
+
+
+class RobustFedVI(FedLocalVI):
+    """Worst-group-robust federated VI (see module docstring) on NumPyro's SVI surface; one step = one round of
+    local dual averaging on the saddle operator, every group/client running K local steps.
+
+    ``RobustFedVI(model, guide, groups, Trace_ELBO(num_particles=8), tau=0.5, local_steps=5, step_size=0.2)``;
+    ``run(key, num_rounds)``; ``get_params(state)`` gives the robust guide params (``Predictive``),
+    ``group_weights(state)`` the group weights w ∈ Δ, ``group_losses(params)`` the per-datum L_g of any params.
+
+    :param groups: one client per group, a :class:`~numpyro_fedvi.federated.ClientData`.
+    :param tau: τ > 0, the strength of the pull of w toward 1/G (τ → ∞: the average posterior).
+    :param step_size: η of dual averaging for θ, on the PER-DATUM scale (``L_g`` is per datum; η ≲ 1/L_θ).
+    :param weight_step_size: η_w for w (default ``min(η, 1/τ)``: the w-block is τ-strongly concave and τ-smooth):
+        dual averaging with ``h(θ, w) = ½‖θ − θ0‖² + ‖w − w0‖²/(2c)``, c = η_w/η, i.e. the w-operator scaled by c
+        (a block scaling leaves the VI's solutions unchanged).
+    :param output: ``"last"`` (default: the synchronised primal iterate) or ``"average"`` (Thm 7's output of eq. (13),
+        the mean of v over all local steps: carries the transient from the start, so it needs longer runs).
+    Other arguments as :class:`~numpyro_fedvi.FedLocalVI` (``batch_size``, ``crn``, ``data_plate``).
+    """
+
+    def __init__(self, model, guide, groups: ClientData, loss=None, *, tau: float, local_steps: int,
+                 step_size: float, weight_step_size: float | None = None, batch_size: int | None = None,
+                 crn=False, output: str = "last", data_plate: str = "data", **static_kwargs):
+        self.tau = _positive_float(tau, "tau")
+        self.weight_step_size = (min(_positive_float(step_size, "step_size"), 1.0 / self.tau)
+                                 if weight_step_size is None else _positive_float(weight_step_size, "weight_step_size"))
+        super().__init__(model, guide, groups, loss, method="local_dual_averaging", local_steps=local_steps,
+                         step_size=step_size, prox=simplex_weight_prox(), batch_size=batch_size, crn=crn,
+                         output=output, data_plate=data_plate, **static_kwargs)
+        if groups.num_clients < 2:
+            raise ValueError(f"groups must hold at least 2 groups (one client each), got {groups.num_clients}.")
+
+    # -- problem hooks ----------------------------------------------------------------------------------------------
+    def _initial_point(self, theta0):
+        G = self.clients.num_clients
+        dtype = jnp.result_type(*jax.tree.leaves(theta0))
+        return {"theta": theta0, "w": jnp.full((G,), 1.0 / G, dtype)}
+
+    def _theta(self, z):
+        return z["theta"]
+
+    def _operator(self, loss, mc_key) -> vs.Operator:
+        """``V_g(θ, w) = (G w_g ∇L_g(θ), c·P[τ(w − 1/G) − G L_g(θ) e_g])`` with ``L_g = F_g/N`` on group g's rows."""
+        G, N, tau = self.clients.num_clients, float(self.num_total), self.tau
+        scale_w = self.weight_step_size / self.step_size
+        value_and_grad = jax.value_and_grad(lambda key, th, rows, mask: loss(key, th, rows, mask) / N, argnums=1)
+
+        def operator(z, key, g):
+            rows, mask, key = self._rows(key, g, mc_key)
+            value, grad = value_and_grad(key, z["theta"], rows, mask)
+            w = z["w"]
+            v_theta = jax.tree.map(lambda gi: (G * w[g]).astype(gi.dtype) * gi, grad)
+            v_w = tau * (w - 1.0 / G) - G * value * jax.nn.one_hot(g, G, dtype=w.dtype)
+            v_w = scale_w * (v_w - jnp.mean(v_w))  # centred: Π_Δ ignores uniform shifts (no dual drift in float32)
+            return {"theta": v_theta, "w": v_w}
+
+        return operator
+
+    def _group_losses(self, loss, theta, key):
+        cd = self.clients
+        return jax.vmap(loss, in_axes=(None, None, 0, 0))(key, theta, cd.data, cd.mask) / self.num_total
+
+    def _objective(self, loss, z, key):
+        """The robust objective ``ψ(θ) = max_{w∈Δ} Φ(θ, w)`` (all rows of every group)."""
+        losses = self._group_losses(loss, self._theta(z), key)
+        return dro_objective(losses, dro_weights(losses, self.tau), self.tau)
+
+    # -- results ----------------------------------------------------------------------------------------------------
+    def group_weights(self, state: vs.VIState, which: str | None = None) -> jax.Array:
+        """The group weights w ∈ Δ of the iterate ``which`` (as ``get_params``)."""
+        self._require_init()
+        return self._iterate(state, which)["w"]
+
+    def group_losses(self, params: dict, *args, rng_key=None, **kwargs) -> jax.Array:
+        """``(L_g)_g``: every group's negative ELBO per datum at constrained guide ``params`` (from this or any other
+        engine).  Key: ``rng_key``, else the ``crn`` key when one was given, else ``random.key(0)``."""
+        self._require_init()
+        theta, _ = self.structure.unconstrain(params)
+        if rng_key is None:
+            rng_key = self.crn if not isinstance(self.crn, bool) else random.key(0)
+        return self._group_losses(self._client_loss(args, kwargs), theta, rng_key)
+
+
+class RobustResult(NamedTuple):
+    """``params`` (robust guide params), ``weights`` (w ∈ Δ), ``group_losses`` (L_g at ``params``), ``result``
+    (the :class:`~numpyro_fedvi.RunResult`), ``engine`` (the :class:`RobustFedVI`)."""
+
+    params: dict
+    weights: jax.Array
+    group_losses: jax.Array
+    result: RunResult
+    engine: RobustFedVI
+
+
+def robust_federated_vi(rng_key, model, guide, groups: ClientData, num_rounds: int, *args, loss=None, tau: float,
+                        local_steps: int = 5, step_size: float, progress_bar: bool = False, **options) -> RobustResult:
+    """Run :class:`RobustFedVI` for ``num_rounds`` rounds and collect the robust posterior and the group weights."""
+    engine = RobustFedVI(model, guide, groups, loss, tau=tau, local_steps=local_steps, step_size=step_size, **options)
+    result = engine.run(rng_key, num_rounds, *args, progress_bar=progress_bar)
+    return RobustResult(result.params, engine.group_weights(result.state),
+                        engine.group_losses(result.params, *args), result, engine)
