@@ -82,7 +82,7 @@ def make_clients(key, K, d, n_clients, per_client, purity, seed):
     parts, part_labels = [], []
     for i in range(n_clients):
         home = i % K
-        n_home = int(round(purity * per_client))
+        n_home = round(purity * per_client)
         others = [k for k in range(K) if k != home]
         lab = np.concatenate([np.full(n_home, home), rng.choice(others, per_client - n_home)])
         idx = np.array([pools[k].pop() for k in lab])
@@ -226,17 +226,19 @@ def rounds_to(excess, target):
 def main(argv=None):
     args = parse_args(__doc__.splitlines()[0], argv)
     quick = args.quick
-    cfg = dict(K=5, d=10, n_clients=20, per_client=2500, purity=0.9, rounds=100, cavi_iters=500, seed=0,
-               active_frac=0.5, bits=8, gammas=[0.25, 0.5, 1.0], fedavg_sweeps=[1, 5], svi_local_steps=20,
-               svi_lrs=[0.01, 0.03, 0.1, 0.3, 1.0], pooled_svi_lrs=[0.003, 0.01, 0.03], tol_per_datum=1e-4, w2_rtol=0.01)
+    cfg = {"K": 5, "d": 10, "n_clients": 20, "per_client": 2500, "purity": 0.9, "rounds": 100, "cavi_iters": 500,
+           "seed": 0, "active_frac": 0.5, "bits": 8, "gammas": [0.25, 0.5, 1.0], "fedavg_sweeps": [1, 5],
+           "svi_local_steps": 20, "svi_lrs": [0.01, 0.03, 0.1, 0.3, 1.0], "pooled_svi_lrs": [0.003, 0.01, 0.03],
+           "tol_per_datum": 1e-4, "w2_rtol": 0.01}
     if quick:
         cfg.update(n_clients=10, per_client=300, rounds=30, cavi_iters=300, gammas=[0.5, 1.0],
-                   fedavg_sweeps=[1, 5], svi_local_steps=10, svi_lrs=[0.01, 0.03, 0.1])
+                   fedavg_sweeps=[1, 5], svi_local_steps=10, svi_lrs=[0.01, 0.03, 0.1],
+                   pooled_svi_lrs=[0.01, 0.03, 0.1])
     t_start = time.perf_counter()
     key = random.key(cfg["seed"])
     K, R = cfg["K"], cfg["rounds"]
 
-    parts, labels, truth = make_clients(random.fold_in(key, 1), K, cfg["d"], cfg["n_clients"], cfg["per_client"],
+    parts, _, truth = make_clients(random.fold_in(key, 1), K, cfg["d"], cfg["n_clients"], cfg["per_client"],
                                         cfg["purity"], cfg["seed"])
     x = jnp.asarray(np.concatenate(parts))
     N = x.shape[0]
@@ -272,7 +274,7 @@ def main(argv=None):
     raw["fedmm_exact"] = _with_init(init_m, init_s**2, ms[0], s2s[0])
     settings["fedmm_exact"] = "all clients, no compression, gamma=1, exact local oracles"
 
-    participation = FixedSize(max(1, int(round(cfg["active_frac"] * cfg["n_clients"]))))
+    participation = FixedSize(max(1, round(cfg["active_frac"] * cfg["n_clients"])))
     comp = StochasticQuantizer(cfg["bits"])
     p = participation.prob(cfg["n_clients"])
     omega = float(comp.omega(vi.family.project(s0)))

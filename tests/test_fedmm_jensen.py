@@ -16,8 +16,7 @@ import pytest
 from jax import lax, random
 
 from numpyro_fedvi.federated import ClientData, Full, Identity
-from numpyro_fedvi.fedmm import (fedmm_init, fedmm_step, gmm_map_em, jensen_em, lemma2_check, sassmm_init,
-                                 sassmm_step)
+from numpyro_fedvi.fedmm import fedmm_init, fedmm_step, gmm_map_em, jensen_em, lemma2_check, sassmm_init, sassmm_step
 from numpyro_fedvi.projections import project_simplex
 
 K, D, LAM = 3, 2, 0.1
@@ -185,7 +184,7 @@ def test_bernoulli_lemma2_and_fedmm_equals_pooled_em(bern):
 
 
 def test_bad_arguments():
-    ok = dict(stat_fn=lambda z, h: z, phi=lambda t: t, T=lambda s: s)
+    ok = {"stat_fn": lambda z, h: z, "phi": lambda t: t, "T": lambda s: s}
     with pytest.raises(TypeError, match="stat_fn"):
         jensen_em(None, ok["phi"], ok["T"], 2)
     with pytest.raises(TypeError, match="base_fn"):

@@ -50,7 +50,7 @@ def test_capped_simplex_projection_holds_under_compression_and_partial_participa
         return {"s1": s["s1"], "s2": project_capped_simplex(s["s2"], upper=cap)}
 
     s0 = {"s1": jnp.asarray(means * 0.2, jnp.float32), "s2": jnp.full((3,), 1 / 3, jnp.float32)}
-    kw = dict(step_size=0.5, cv_step=0.2, participation=FixedSize(2), compressor=StochasticQuantizer(8))
+    kw = {"step_size": 0.5, "cv_step": 0.2, "participation": FixedSize(2), "compressor": StochasticQuantizer(8)}
     capped_engine, free_engine = FedMM(fam, projection=capped, **kw), FedMM(fam, **kw)
     st_c, st_f = capped_engine.init(random.key(1), cd, s0), free_engine.init(random.key(1), cd, s0)
     upd_c, upd_f = (jax.jit(lambda st, e=e: e.update(st, cd)) for e in (capped_engine, free_engine))

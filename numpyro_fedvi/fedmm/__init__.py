@@ -21,18 +21,17 @@ from .engine import SASSMM, FedMM, with_projection
 from .families import gmm_map_em, remark1_toy
 from .fedsvi import FedSVI, quadratic_family
 from .jensen import jensen_em
-from .prox import Prox, box_prox, compose_prox, l1_prox, theta_l_prox
 from .poisson import poisson_log_marginal, poisson_map_em, poisson_posterior_exp_h
+from .prox import Prox, box_prox, compose_prox, l1_prox, theta_l_prox
 
 __all__ = [
-    "ConjugateVI",
-    "Prox",
-    "FedMM",
-    "FedSVI",
-    "quadratic_family",
     "SASSMM",
+    "ConjugateVI",
+    "FedMM",
     "FedMMDirection",
     "FedMMState",
+    "FedSVI",
+    "Prox",
     "SASSMMState",
     "SurrogateFamily",
     "bayesian_gmm_vi",
@@ -53,6 +52,7 @@ __all__ = [
     "poisson_log_marginal",
     "poisson_map_em",
     "poisson_posterior_exp_h",
+    "quadratic_family",
     "remark1_toy",
     "sassmm_init",
     "sassmm_step",

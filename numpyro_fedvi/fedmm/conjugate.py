@@ -32,10 +32,9 @@ from typing import NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
-from jax.scipy.special import logsumexp
-
 import numpyro
 import numpyro.distributions as dist
+from jax.scipy.special import logsumexp
 from numpyro.distributions import constraints
 
 from ..models import gmm as _gmm

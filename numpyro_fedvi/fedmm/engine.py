@@ -19,10 +19,18 @@ from jax import random
 
 from ..federated import ClientData, Full, Identity
 from ..runner import EarlyStopping, RunResult, revert_non_finite, run_loop, tree_all_finite
-from .core import (FedMMState, SASSMMState, SurrogateFamily, _check_family, fedmm_init, fedmm_step, sassmm_init,
-                   sassmm_step)
+from .core import (
+    FedMMState,
+    SASSMMState,
+    SurrogateFamily,
+    _check_family,
+    fedmm_init,
+    fedmm_step,
+    sassmm_init,
+    sassmm_step,
+)
 
-__all__ = ["FedMM", "SASSMM", "with_projection"]
+__all__ = ["SASSMM", "FedMM", "with_projection"]
 
 
 def _check_step_size(step_size):
