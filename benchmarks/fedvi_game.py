@@ -372,9 +372,14 @@ def main(argv=None):
 
     methods = {}
     for m in METHODS:
-        curves = {f"{r['game']}/K{r['K']}/sigma{r['sigma']:g}/{r['rule']}/etaL{r['eta_L']:.4g}": r["curve"]
-                  for r in rows if r["method"] == m and (r["rule"] == "tuned" or r["R_design"] == R_max)
-                  and r["K"] == 20}
+        curves = {}  # K = 20: the theory curve (designed for R_max) and the best tuned curve, 4 significant digits
+        for r in rows:
+            if r["method"] != m or r["K"] != 20:
+                continue
+            best = final[m][f"{r['game']}/K20/sigma{r['sigma']:g}/R{R_max}"]["tuned_eta_L"]
+            if (r["rule"] == "theory" and r["R_design"] == R_max) or (r["rule"] == "tuned" and r["eta_L"] == best):
+                name = f"{r['game']}/K20/sigma{r['sigma']:g}/{r['rule']}/etaL{r['eta_L']:.4g}"
+                curves[name] = [float(f"{e:.4g}") for e in r["curve"]]
         methods[m] = {"final": final[m], "time_s": timing[m],
                       "curve": {"round": np.arange(1, R_max + 1), "error": curves}}
     methods.update({f"blr_{m}": r for m, r in blr.items()})
