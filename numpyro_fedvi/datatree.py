@@ -5,7 +5,7 @@
 variational posterior on the FULL data (every subsampled plate sees all of its rows, so local latents come out for
 every datum), and returns the groups
 
-* ``posterior``: the latent sites, shaped ``(chain=1, draw=S, ...)`` so that ArviZ's ``summary`` and ``loo`` work;
+* ``posterior``: the latent sites and the model's deterministic sites, shaped ``(chain=1, draw=S, ...)`` so that ArviZ's ``summary`` and ``loo`` work;
 * ``log_likelihood``: pointwise log-likelihood of every observed site;
 * ``posterior_predictive`` and ``observed_data``;
 * ``sample_stats``: ``lp`` = log p(θ, y), ``log_q`` = log q(θ) and ``log_weight`` = lp − log_q of each draw —
@@ -102,7 +102,8 @@ def _observed_sites(model, latent_draw, key, args, kwargs):
         *args, **kwargs)
     latent = {n for n, s in tr.items() if s["type"] == "sample" and not s["is_observed"]}
     observed = {n: s["value"] for n, s in tr.items() if s["type"] == "sample" and s["is_observed"]}
-    return latent, observed
+    deterministic = [n for n, s in tr.items() if s["type"] == "deterministic"]
+    return latent, observed, deterministic
 
 
 def to_datatree(engine, result, *args, num_samples: int = 1000, rng_key=None, log_likelihood_group: bool = True,
@@ -125,8 +126,11 @@ def to_datatree(engine, result, *args, num_samples: int = 1000, rng_key=None, lo
 
     draws = _guide_draws(guide, params, num_samples, k_draw, args, kwargs)
     first = {k: v[0] for k, v in draws.items() if not k.startswith("_")}
-    latent_names, observed = _observed_sites(model, first, k_trace, args, kwargs)
+    latent_names, observed, deterministic = _observed_sites(model, first, k_trace, args, kwargs)
     posterior = {k: v for k, v in draws.items() if k in latent_names}
+    if deterministic:  # e.g. the centred site of a LocScaleReparam, transformed parameters
+        posterior.update(Predictive(full_data(model), posterior_samples=posterior, return_sites=deterministic)(
+            k_pred, *args, **kwargs))
     lp, log_q = importance_log_weights(model, guide, params, draws, args, kwargs)
     log_w = np.asarray(lp - log_q, np.float64)
     pareto_k = pareto_k_hat(log_w)

@@ -147,3 +147,21 @@ def test_pareto_k_hat_of_known_tails():
     for c in (0.1, 0.45):
         assert abs(pareto_k_hat(c * z**2) - 2 * c) < 0.15
     assert pareto_k_hat(np.zeros(100)) == -np.inf
+
+
+def test_deterministic_sites_of_a_reparameterised_model():
+    from numpyro.infer.reparam import LocScaleReparam
+
+    nc_model = numpyro.handlers.reparam(local_model, config={"theta": LocScaleReparam(0)})
+
+    def nc_guide(x):
+        m = numpyro.param("m", 0.5)
+        numpyro.sample("mu", dist.Normal(m, 0.3))
+        with numpyro.plate("data", N, subsample_size=B):
+            numpyro.sample("theta_decentered", dist.Normal(jnp.zeros(N), 1.0))
+
+    dt = nfv.to_datatree(types.SimpleNamespace(model=nc_model, guide=nc_guide), {"m": 0.5}, X, num_samples=50)
+    post = dt.posterior
+    assert post["theta"].shape == (1, 50, N) and post["theta_decentered"].shape == (1, 50, N)
+    np.testing.assert_allclose(np.asarray(post["theta"]), np.asarray(post["mu"])[..., None]
+                               + np.asarray(post["theta_decentered"]), rtol=1e-5, atol=1e-5)
