@@ -1,0 +1,152 @@
+"""Bayesian workflow with P²D-VI: a hierarchical random-effects regression on grouped, non-iid data → ArviZ.
+
+    mu ~ N(0, 5²), beta ~ N(0, 2²), tau ~ HalfNormal(2), sigma ~ HalfNormal(2)
+    alpha_g ~ N(mu, tau²)                       (one LOCAL latent per group g = 1..G: the data plate)
+    y_gj ~ N(alpha_g + beta·x_gj, sigma²)        (n_g observations per group, padded and masked)
+
+The model is written centred and non-centred with NumPyro's ``LocScaleReparam`` (alpha_g = mu + tau·z_g): with
+Monte-Carlo ELBOs the centred form couples q(mu)'s scale to every alpha_g through a high-variance gradient term, and
+PD-VI's dual table keeps one noisy gradient per block instead of averaging them (measured here: the centred fit
+shrinks q(mu)'s sd about 3× below the mean-field optimum SVI finds; non-centred, both agree).  The guide is
+NumPyro's own ``AutoNormal``: its ``alpha_decentered_auto_loc``/``_scale`` live inside the subsampled ``groups``
+plate, so the engine treats them as local, everything else as global.  The groups are sorted by their
+effect and cut into fixed contiguous blocks (each block sees only a narrow band of alpha_g: non-iid), the setting
+PD-VI is built for.  The same model and guide also run through ``numpyro.infer.SVI`` (Adam, random minibatches of
+the same size) for comparison.
+
+Workflow: fit → full-data negative ELBO of both fits → ``to_datatree`` (ArviZ DataTree with chain=1) →
+``arviz_stats.summary`` of the global latents vs the truth → PSIS k̂ of the importance weights → a posterior
+predictive check of the group means, plotted to ``examples/output/random_effects_workflow.png``.
+
+Run:  python examples/random_effects_workflow.py          (about a minute on 2 CPU cores)
+"""
+
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+import optax
+from arviz_stats import summary
+from numpyro.infer import SVI, Trace_ELBO
+from numpyro.infer.autoguide import AutoNormal
+from numpyro.infer.reparam import LocScaleReparam
+
+import numpyro_fedvi as nfv
+
+OUT = Path(__file__).resolve().parent / "output"
+TRUTH = {"mu": 1.0, "beta": -0.7, "tau": 1.5, "sigma": 0.8}
+
+
+def make_data(G, n_max, seed=0):
+    """Groups sorted by their true effect (non-iid contiguous blocks); 3..n_max observations per group."""
+    rng = np.random.default_rng(seed)
+    alpha = np.sort(TRUTH["mu"] + TRUTH["tau"] * rng.normal(size=G))
+    n = rng.integers(3, n_max + 1, size=G)
+    mask = np.arange(n_max)[None, :] < n[:, None]
+    x = rng.normal(size=(G, n_max))
+    y = alpha[:, None] + TRUTH["beta"] * x + TRUTH["sigma"] * rng.normal(size=(G, n_max))
+    def padded(a):
+        return jnp.asarray(np.where(mask, a, 0.0), jnp.float32)
+
+    return padded(x), padded(y), jnp.asarray(mask), alpha
+
+
+def model(x, y, mask, subsample_size=None):
+    G = x.shape[0]
+    mu = numpyro.sample("mu", dist.Normal(0.0, 5.0))
+    beta = numpyro.sample("beta", dist.Normal(0.0, 2.0))
+    tau = numpyro.sample("tau", dist.HalfNormal(2.0))
+    sigma = numpyro.sample("sigma", dist.HalfNormal(2.0))
+    with numpyro.plate("groups", G, subsample_size=subsample_size) as idx:
+        alpha = numpyro.sample("alpha", dist.Normal(mu, tau))
+        mean = alpha[:, None] + beta * x[idx]
+        numpyro.sample("y", dist.Normal(mean, sigma).mask(mask[idx]).to_event(1), obs=y[idx])
+
+
+noncentred_model = numpyro.handlers.reparam(model, config={"alpha": LocScaleReparam(centered=0)})
+
+
+def main(G=2_000, n_max=12, block=100, num_steps=200, seed=0):
+    x, y, mask, alpha_true = make_data(G, n_max, seed)
+    model_nc = noncentred_model
+    guide = AutoNormal(model_nc, init_scale=0.1)
+    # crn="run" makes each block's loss a fixed sample average: it needs enough particles (8 cost ~0.2 nats per
+    # group of sample-average bias here, 32 reach SVI's optimum)
+    elbo = Trace_ELBO(num_particles=32)
+
+    # P²D-VI: fixed contiguous blocks of groups, 4 blocks per iteration (oracles in parallel), eta_j = c / L_j per
+    # global site from the curvature at the start (c = 10: the initial curvature of the log-scale sites is far
+    # above its value near the optimum)
+    engine = nfv.PDVI(model_nc, guide, elbo, num_partitions=G // block, partitions_per_step=4, eta="auto",
+                      eta_scale=10.0, crn="run", local_steps=10, subsample_size=block)
+    t0 = time.perf_counter()
+    result = engine.run(jax.random.key(seed), num_steps, x, y, mask)
+    t_pdvi = time.perf_counter() - t0
+
+    # the same model and guide with NumPyro SVI + Adam on random minibatches of the same size
+    svi = SVI(model_nc, guide, optax.adam(0.02), Trace_ELBO(num_particles=8), subsample_size=block)
+    t0 = time.perf_counter()
+    svi_result = svi.run(jax.random.key(seed), 3_000, x, y, mask, progress_bar=False)
+    t_svi = time.perf_counter() - t0
+
+    full = Trace_ELBO(num_particles=64)
+    key = jax.random.key(123)
+    neg_elbo = {name: float(full.loss(key, p, model_nc, guide, x, y, mask))
+                for name, p in (("P²D-VI", result.params), ("SVI + Adam", svi_result.params))}
+    print(f"full-data -ELBO (64 particles): P²D-VI {neg_elbo['P²D-VI']:.1f} ({num_steps} iterations, {t_pdvi:.0f} s)"
+          f", NumPyro SVI + Adam {neg_elbo['SVI + Adam']:.1f} (3,000 steps, {t_svi:.0f} s; times include compilation)")
+
+    idata = nfv.to_datatree(engine, result, x, y, mask, num_samples=500, subsample_size=block)
+    stats = summary(idata, var_names=list(TRUTH), kind="stats")
+    print(stats.assign(truth=[TRUTH[k] for k in TRUTH]).to_string())
+    alpha_mean = np.asarray(idata.posterior["alpha"]).mean((0, 1))
+    rmse = float(np.sqrt(np.mean((alpha_mean - alpha_true) ** 2)))
+    n_g = np.asarray(mask).sum(1)
+    exact_sd = 1 / np.sqrt(1 / TRUTH["tau"] ** 2 + n_g / TRUTH["sigma"] ** 2)  # given the true tau, sigma
+    sd_ratio = float(np.median(np.asarray(idata.posterior["alpha"]).std((0, 1)) / exact_sd))
+    print(f"group effects: RMSE of posterior means to the truth {rmse:.3f} (G = {G}); posterior sd / exact "
+          f"conditional sd: median {sd_ratio:.2f}")
+    print(f"PSIS k̂ of log p(θ, y) − log q(θ) over {G + 4} latents: {idata.sample_stats.attrs['pareto_k']:.2f} "
+          "(> 0.7: mean-field q is no usable importance proposal for the joint — expected in this dimension; use "
+          "the summaries, not importance-weighted corrections)")
+
+    # posterior predictive check: observed group means vs replicated group means
+    m = np.asarray(mask)
+    obs_mean = (np.asarray(y) * m).sum(1) / m.sum(1)
+    rep = np.asarray(idata.posterior_predictive["y"])[0]                       # (S, G, n_max)
+    rep_mean = (rep * m).sum(-1) / m.sum(1)
+    lo, hi = np.percentile(rep_mean, [5, 95], axis=0)
+    coverage = float(np.mean((obs_mean >= lo) & (obs_mean <= hi)))
+    print(f"posterior predictive check: {100 * coverage:.1f}% of observed group means in the 90% interval "
+          "(a check of statistics the model fits directly is conservative: > 90% is expected; far below 90% would "
+          "flag misfit)")
+
+    OUT.mkdir(exist_ok=True)
+    fig, ax = plt.subplots(1, 3, figsize=(15, 4.2))
+    ax[0].plot(np.asarray(result.losses), lw=0.8, label="P²D-VI (block loss × B)")
+    ax[0].set(xlabel="iteration", ylabel="negative ELBO estimate", yscale="log",
+              title=f"P²D-VI on {G // block} non-iid blocks, 4 per iteration")
+    ax[1].plot(alpha_true, alpha_mean, ".", ms=3)
+    ax[1].plot(alpha_true, alpha_true, "k-", lw=0.8)
+    ax[1].set(xlabel="true alpha_g", ylabel="posterior mean", title=f"group effects (RMSE {rmse:.2f})")
+    order = np.argsort(obs_mean)
+    ax[2].fill_between(np.arange(G), lo[order], hi[order], alpha=0.3, label="90% predictive interval")
+    ax[2].plot(np.arange(G), obs_mean[order], "k.", ms=2, label="observed group mean")
+    ax[2].set(xlabel="group (sorted)", title=f"posterior predictive check ({100 * coverage:.0f}% covered)")
+    ax[2].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(OUT / "random_effects_workflow.png", dpi=110)
+    print(f"plot: {OUT / 'random_effects_workflow.png'}")
+    return neg_elbo, stats, coverage
+
+
+if __name__ == "__main__":
+    main()
