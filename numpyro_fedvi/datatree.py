@@ -5,7 +5,8 @@
 variational posterior on the FULL data (every subsampled plate sees all of its rows, so local latents come out for
 every datum), and returns the groups
 
-* ``posterior``: the latent sites and the model's deterministic sites, shaped ``(chain=1, draw=S, ...)`` so that ArviZ's ``summary`` and ``loo`` work;
+* ``posterior``: the latent sites and the model's deterministic sites, shaped ``(chain=1, draw=S, ...)`` so that
+  ArviZ's ``summary`` and ``loo`` work;
 * ``log_likelihood``: pointwise log-likelihood of every observed site;
 * ``posterior_predictive`` and ``observed_data``;
 * ``sample_stats``: ``lp`` = log p(θ, y), ``log_q`` = log q(θ) and ``log_weight`` = lp − log_q of each draw —
@@ -30,7 +31,7 @@ from numpyro.infer import Predictive
 from numpyro.infer.util import log_density, log_likelihood
 from numpyro.primitives import Messenger
 
-__all__ = ["full_data", "importance_log_weights", "pareto_k_hat", "to_datatree"]
+__all__ = ["full_data", "importance_log_weights", "pareto_k_hat", "resample_observed", "to_datatree"]
 
 
 class full_data(Messenger):
@@ -45,6 +46,16 @@ class full_data(Messenger):
             size = msg["args"][0]
             msg["value"] = jnp.arange(size)
             msg["args"] = (size, size)
+
+
+class resample_observed(Messenger):
+    """Effect handler: observed sample sites are drawn from their distribution instead of returning the data
+    (``numpyro.infer.Predictive`` keeps observed values; a posterior predictive needs fresh draws)."""
+
+    def process_message(self, msg):
+        if msg["type"] == "sample" and msg["is_observed"]:
+            msg["is_observed"] = False
+            msg["value"] = None
 
 
 def _model_and_guide(engine):
@@ -146,7 +157,8 @@ def to_datatree(engine, result, *args, num_samples: int = 1000, rng_key=None, lo
     if log_likelihood_group and observed:
         groups["log_likelihood"] = chain(log_likelihood(full_data(model), posterior, *args, **kwargs))
     if posterior_predictive and observed:
-        pred = Predictive(full_data(model), posterior_samples=posterior, return_sites=list(observed))
+        pred = Predictive(resample_observed(full_data(model)), posterior_samples=posterior,
+                          return_sites=list(observed))
         groups["posterior_predictive"] = chain(pred(k_pred, *args, **kwargs))
     attrs = {"sample_stats": {"pareto_k": pareto_k},
              "/": {"inference_library": "numpyro_fedvi", "engine": type(engine).__name__}}

@@ -73,6 +73,12 @@ def test_full_data_groups_and_arviz_functions():
     dt = nfv.to_datatree(ENGINE, exact_posterior(X), X, num_samples=200)
     assert dt.log_likelihood["obs"].shape == (1, 200, N)  # every datum, not a minibatch of B
     assert dt.posterior_predictive["obs"].shape == (1, 200, N)
+    # fresh draws from p(x̃ | x) = N(loc, 1 + scale²), not copies of the data
+    rep = np.asarray(dt.posterior_predictive["obs"])[0]
+    post = exact_posterior(X)
+    assert np.all(rep.std(0) > 0.5)
+    np.testing.assert_allclose(rep.var(), 1 + float(post["scale"]) ** 2, rtol=0.1)
+    assert abs(rep.mean() - float(post["loc"])) < 0.1
     np.testing.assert_array_equal(np.asarray(dt.observed_data["obs"]), np.asarray(X))
     s = summary(dt, var_names=["mu"], kind="stats")
     assert abs(float(s["mean"].iloc[0]) - float(exact_posterior(X)["loc"])) < 0.05
