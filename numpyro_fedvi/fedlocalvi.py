@@ -28,6 +28,7 @@ from numpyro.infer import Trace_ELBO
 from . import vi_solvers as vs
 from .federated import ClientData
 from .objectives import client_loss_fn
+from .prox import as_prox, zero_prox
 from .runner import EarlyStopping, RunResult, revert_non_finite, run_loop, tree_all_finite
 from .structure import inspect_model
 
@@ -67,7 +68,7 @@ class FedLocalVI:
     :param inner_steps: H of (S)LIPPAX, an int or ``"auto"`` = ``inner_steps_for(η, L, inner_eps)``.
     :param sigma: SLIPPAX's oracle noise level σ (smoothing radius δ = ησ/d^{1/4}); ``delta`` overrides δ.
     :param prox: local dual averaging only: ``prox(θ, s) = prox_{sφ}(θ)`` of a convex term φ on the unconstrained
-        params (e.g. ``vi_solvers.prox_l1(λ)``); ``None`` = φ = 0.
+        params (a :mod:`numpyro_fedvi.prox` map, e.g. ``l1_prox(λ)``); ``None`` = φ = 0.
     :param batch_size: rows per client per oracle call, drawn uniformly with replacement; ``None`` = all rows.
     :param crn: common random numbers: ``True`` (or a PRNG key to use) takes ONE Monte-Carlo key for every oracle
         call of the run and for the reported loss (the operator is the exact gradient of that fixed-draw objective);
@@ -128,7 +129,7 @@ class FedLocalVI:
         self.num_total = int(np.sum(np.asarray(clients.counts)))  # N, on the host (traced code needs a constant)
         self.elbo = Trace_ELBO() if loss is None else loss
         self.method, self.inner_steps, self.sigma, self.delta = method, inner_steps, sigma, delta
-        self.prox = vs.prox_zero() if prox is None and method == "local_dual_averaging" else prox
+        self.prox = (zero_prox() if prox is None else as_prox(prox)) if method == "local_dual_averaging" else None
         self.batch_size, self.crn, self.output = batch_size, crn, output
         self.data_plate, self.static_kwargs = data_plate, static_kwargs
         self.solver = self._make_solver()

@@ -33,6 +33,7 @@ from . import vi_solvers as vs
 from .federated import ClientData
 from .fedlocalvi import FedLocalVI, _positive_float
 from .projections import project_simplex
+from .prox import Prox, simplex_prox
 from .runner import RunResult
 
 __all__ = ["RobustFedVI", "RobustResult", "dro_objective", "dro_weights", "robust_federated_vi", "simplex_weight_prox"]
@@ -51,9 +52,9 @@ def dro_objective(group_losses, weights, tau):
     return jnp.sum(weights * group_losses, -1) - 0.5 * tau * jnp.sum(jnp.square(weights - 1.0 / G), -1)
 
 
-def simplex_weight_prox() -> vs.Prox:
+def simplex_weight_prox() -> Prox:
     """φ = indicator of Δ on ``z["w"]``, 0 on ``z["theta"]``: ``prox(z, s) = {theta: θ, w: Π_Δ(w)}``."""
-    return lambda z, s: {"theta": z["theta"], "w": project_simplex(z["w"])}
+    return simplex_prox(sites=["w"])
 
 
 class RobustFedVI(FedLocalVI):

@@ -5,7 +5,8 @@ Operator-level functional core (DESIGN.md layer 3).  A problem is
 * ``operator(z, key, client_index) -> V_m(z)``: a stochastic oracle of client ``m`` (unbiased, variance ≤ σ²), ``z``
   an array or a pytree, ``key`` a fresh PRNG key for THIS call, ``client_index`` an int32 scalar (traced);
 * for composite problems (local dual averaging only) a prox map ``prox(w, s) = prox_{sφ}(w)`` of the convex,
-  possibly non-smooth term φ (``prox_l1``, ``prox_ball``, ``prox_simplex``, ``prox_box`` below).  With the distance
+  possibly non-smooth term φ (a :class:`numpyro_fedvi.prox.Prox`: ``l1_prox``, ``ball_prox``, ``simplex_prox``,
+  ``box_prox``, or any callable ``prox(w, s)``).  With the distance
   generating function ``h = ½‖· − w0‖²`` and ``h_t = h + tηφ`` the mirror map is
   ``∇h_t*(y) = prox_{tηφ}(w0 + y) = prox(w0 + y, tη)`` (:func:`mirror_map`).
 
@@ -54,7 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax, random
 
-from .projections import project_ball, project_box, project_simplex, soft_threshold
+from .prox import as_prox, zero_prox
 
 __all__ = [
     "RoundInfo",
@@ -66,18 +67,13 @@ __all__ = [
     "local_dual_averaging",
     "local_sgd",
     "mirror_map",
-    "prox_ball",
-    "prox_box",
-    "prox_l1",
-    "prox_simplex",
-    "prox_zero",
     "run_rounds",
     "slippax",
     "theory_step_size",
 ]
 
 Operator = Callable[[Any, jax.Array, jax.Array], Any]
-Prox = Callable[[Any, Any], Any]
+ProxMap = Callable[[Any, Any], Any]
 
 
 class VIState(NamedTuple):
@@ -366,12 +362,12 @@ def slippax(eta, num_local_steps: int, L, num_inner_steps: int, sigma, delta=Non
     return _lippax_solver(eta, num_local_steps, L, num_inner_steps, delta_fn, "slippax")
 
 
-def mirror_map(prox: Prox, anchor, y, s):
+def mirror_map(prox: ProxMap, anchor, y, s):
     """``∇h_t*(y) = prox_{sφ}(w0 + y)`` for ``h = ½‖· − w0‖²``, ``s = tη`` (``anchor`` = w0)."""
     return prox(_tmap(jnp.add, anchor, y), s)
 
 
-def local_dual_averaging(eta, num_local_steps: int, prox: Prox | None = None) -> Solver:
+def local_dual_averaging(eta, num_local_steps: int, prox: ProxMap | None = None) -> Solver:
     """Local dual averaging, eq. (13), for ``V + ∂φ`` with ``h = ½‖· − w0‖²`` (w0 = ``z0`` of ``init``).
 
     Dual variables x, z (z_0 = 0); primal ``u_{t−1} = ∇h_{t−1}*(z_{t−1})``, ``v_t = ∇h_t*(x_t)`` with
@@ -379,9 +375,7 @@ def local_dual_averaging(eta, num_local_steps: int, prox: Prox | None = None) ->
     sync (x before the second call).  Output mean of v_t^m.  2 calls per step.  ``prox=None``: φ = 0."""
     K = _positive_int(num_local_steps, "num_local_steps")
     _check_positive(eta, "eta")
-    prox = prox_zero() if prox is None else prox
-    if not callable(prox):
-        raise TypeError(f"prox must be a callable prox(w, s) = prox_(sφ)(w), got {prox!r}.")
+    prox = zero_prox() if prox is None else as_prox(prox)
 
     def init(z0, num_clients, key):
         return _init_state(z0, num_clients, key, dual=True)
@@ -413,44 +407,6 @@ def local_dual_averaging(eta, num_local_steps: int, prox: Prox | None = None) ->
         return _finish_round(state, z, out_sum, K, mean_primal, drift, 2)
 
     return Solver(init, round_, "local_dual_averaging", K, 2)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# prox maps of common composite terms: prox(w, s) = prox_{sφ}(w)
-# ----------------------------------------------------------------------------------------------------------
-
-
-def prox_zero() -> Prox:
-    """φ = 0: the identity."""
-    return lambda w, s: w
-
-
-def prox_l1(lam) -> Prox:
-    """φ = λ‖·‖₁: soft-thresholding at sλ (leafwise)."""
-    _check_positive(lam, "lam", allow_zero=True)
-    return lambda w, s: _tmap(lambda a: soft_threshold(a, s * lam), w)
-
-
-def prox_ball(radius, center=None) -> Prox:
-    """φ = indicator of {‖w − c‖₂ ≤ radius} (one ball for an array; per leaf for a pytree): projection."""
-    _check_positive(radius, "radius", allow_zero=True)
-
-    def prox(w, s):
-        if center is None:
-            return _tmap(lambda a: project_ball(a, radius), w)
-        return _tmap(lambda a, c: c + project_ball(a - c, radius), w, center)
-
-    return prox
-
-
-def prox_simplex(axis: int = -1, total=1.0) -> Prox:
-    """φ = indicator of the simplex {w ≥ 0, Σ w = total} along ``axis``: projection."""
-    return lambda w, s: _tmap(lambda a: project_simplex(a, axis=axis, total=total), w)
-
-
-def prox_box(lower, upper) -> Prox:
-    """φ = indicator of the box [lower, upper]: clipping."""
-    return lambda w, s: _tmap(lambda a: project_box(a, lower, upper), w)
 
 
 # ----------------------------------------------------------------------------------------------------------

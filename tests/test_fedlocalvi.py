@@ -24,9 +24,9 @@ from numpyro.infer.initialization import init_to_value
 from scipy.optimize import minimize
 
 import numpyro_fedvi as nfv
-from numpyro_fedvi import vi_solvers as vs
 from numpyro_fedvi.federated import ClientData
 from numpyro_fedvi.fedlocalvi import METHODS, FedLocalVI
+from numpyro_fedvi.prox import l1_prox
 
 D, M, N = 3, 4, 200
 _rng = np.random.default_rng(0)
@@ -208,7 +208,7 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="inner_steps"):
         FedLocalVI(model, GUIDE, cd, method="local_sgd", inner_steps=3, **ok)
     with pytest.raises(ValueError, match="prox"):
-        FedLocalVI(model, GUIDE, cd, method="lesgd", prox=vs.prox_l1(1.0), **ok)
+        FedLocalVI(model, GUIDE, cd, method="lesgd", prox=l1_prox(1.0), **ok)
     with pytest.raises(ValueError, match="batch_size"):
         FedLocalVI(model, GUIDE, cd, batch_size=0, **ok)
     with pytest.raises(TypeError, match="crn"):

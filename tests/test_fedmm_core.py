@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from jax import lax, random
 
+from numpyro_fedvi.federated import Bernoulli, ClientData, FixedSize, Full, Identity, StochasticQuantizer
 from numpyro_fedvi.fedmm import (
     SurrogateFamily,
     fedmm_direction,
@@ -21,7 +22,6 @@ from numpyro_fedvi.fedmm import (
     sassmm_step,
     theory_step_sizes,
 )
-from numpyro_fedvi.federated import Bernoulli, ClientData, FixedSize, Full, Identity, StochasticQuantizer
 
 K, D, LAM = 3, 2, 0.1
 MEANS = np.array([[-4.0, 0.0], [4.0, 0.0], [0.0, 4.0]])

@@ -14,7 +14,7 @@ import pytest
 from jax import random
 
 from numpyro_fedvi.federated import ClientData, FixedSize, Full, Identity, StochasticQuantizer
-from numpyro_fedvi.fedmm import FedMM, SASSMM, fedmm_init, fedmm_step, gmm_map_em, remark1_toy
+from numpyro_fedvi.fedmm import SASSMM, FedMM, fedmm_init, fedmm_step, gmm_map_em, remark1_toy
 
 K, D = 3, 2
 MEANS = np.array([[-4.0, 0.0], [4.0, 0.0], [0.0, 4.0]])

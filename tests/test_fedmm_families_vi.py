@@ -18,6 +18,7 @@ from numpyro_fedvi.fedmm.core import fedmm_init, fedmm_step, lemma2_check, sassm
 from numpyro_fedvi.fedmm.poisson import poisson_log_marginal, poisson_map_em, poisson_posterior_exp_h
 from numpyro_fedvi.models import gmm
 
+
 @partial(jax.jit, static_argnums=(1, 3))
 def _sassmm(state, family, rows, gamma):
     """One SA-SSMM round on all of ``rows`` (exact oracle); ``rows`` is traced, so batches do not recompile."""

@@ -8,7 +8,6 @@ import numpy as np
 import optax
 import pytest
 from jax import random
-
 from numpyro.infer import SVI, TraceEnum_ELBO
 
 from numpyro_fedvi.models import gmm as G

@@ -1,7 +1,6 @@
 """The shared run loop (numpyro_fedvi.runner.run_loop) on toy step functions: chunking does not change the
 result, early stopping, the NaN guard, stable updates, callbacks, and the SVIRunResult surface."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

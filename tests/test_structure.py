@@ -1,7 +1,6 @@
 """Model structure: global/local classification of guide params, data plate detection, fixed partitions,
 finite-data checks (numpyro_fedvi.structure)."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import numpyro

@@ -14,6 +14,7 @@ import pytest
 
 from numpyro_fedvi import vi_solvers as vs
 from numpyro_fedvi.projections import soft_threshold
+from numpyro_fedvi.prox import ball_prox, box_prox, l1_prox, simplex_prox
 
 N = 3  # x, y ∈ R^3, z ∈ R^6
 M, K, R = 4, 5, 30
@@ -238,7 +239,7 @@ def test_dual_averaging_l1_recovers_sparse_solution():
     lam = 0.5
     zs = composite_solution(lambda w: np.sign(w) * np.maximum(np.abs(w) - 0.3 * lam, 0))
     assert np.sum(zs == 0) >= 3  # the problem has a sparse solution
-    out, infos = _run_da(vs.prox_l1(lam))
+    out, infos = _run_da(l1_prox(lam))
     assert np.linalg.norm(out - zs) < 0.05 * np.linalg.norm(zs)
     last = np.asarray(infos.mean_iterate[-1])
     assert np.all(last[zs == 0] == 0.0)  # the primal iterate has EXACT zeros on the solution's zero set
@@ -249,7 +250,7 @@ def test_dual_averaging_ball_stays_feasible():
     radius = 1.0
     zs = composite_solution(lambda w: w * min(1.0, radius / np.linalg.norm(w)))
     assert abs(np.linalg.norm(zs) - radius) < 1e-6  # the constraint is active
-    out, infos = _run_da(vs.prox_ball(radius))
+    out, infos = _run_da(ball_prox(radius))
     norms = np.linalg.norm(np.asarray(infos.output), axis=-1)
     assert np.all(norms <= radius * (1 + 1e-6))
     assert np.all(np.linalg.norm(np.asarray(infos.mean_iterate), axis=-1) <= radius * (1 + 1e-6))
@@ -263,18 +264,18 @@ def test_dual_averaging_ball_stays_feasible():
 
 def test_prox_maps():
     w = jnp.asarray([2.0, -0.3, 0.1, -1.5])
-    np.testing.assert_allclose(vs.prox_l1(0.5)(w, 2.0), soft_threshold(w, 1.0))
-    np.testing.assert_allclose(vs.prox_l1(0.5)(w, 2.0), [1.0, 0.0, 0.0, -0.5])
-    p = vs.prox_ball(1.0)(w, 3.0)
+    np.testing.assert_allclose(l1_prox(0.5)(w, 2.0), soft_threshold(w, 1.0))
+    np.testing.assert_allclose(l1_prox(0.5)(w, 2.0), [1.0, 0.0, 0.0, -0.5])
+    p = ball_prox(1.0)(w, 3.0)
     np.testing.assert_allclose(np.linalg.norm(p), 1.0, rtol=1e-6)
     np.testing.assert_allclose(p, w / np.linalg.norm(w), rtol=1e-6)
     c = jnp.ones(4)
-    np.testing.assert_allclose(vs.prox_ball(10.0, center=c)(w, 1.0), w, rtol=1e-6)  # inside: identity
-    s = vs.prox_simplex()(w, 1.0)
+    np.testing.assert_allclose(ball_prox(10.0, center=c)(w, 1.0), w, rtol=1e-6)  # inside: identity
+    s = simplex_prox()(w, 1.0)
     assert float(s.sum()) == pytest.approx(1.0) and float(s.min()) >= 0
-    np.testing.assert_allclose(vs.prox_box(-1.0, 1.0)(w, 1.0), [1.0, -0.3, 0.1, -1.0])
+    np.testing.assert_allclose(box_prox(-1.0, 1.0)(w, 1.0), [1.0, -0.3, 0.1, -1.0])
     tree = {"a": w, "b": 2 * w}
-    out = vs.mirror_map(vs.prox_l1(1.0), {"a": jnp.zeros(4), "b": jnp.zeros(4)}, tree, 0.0)  # s = 0: w0 + y
+    out = vs.mirror_map(l1_prox(1.0), {"a": jnp.zeros(4), "b": jnp.zeros(4)}, tree, 0.0)  # s = 0: w0 + y
     np.testing.assert_allclose(out["b"], 2 * w)
 
 

@@ -1,5 +1,6 @@
 """Stochastic and federated majorize-minimization (specs/fedmm.md): functional cores and worked families."""
 
+from ..prox import Prox, box_prox, compose_prox, l1_prox, theta_l_prox
 from .conjugate import ConjugateVI, bayesian_gmm_vi, normal_normal_vi
 from .core import (
     FedMMDirection,
@@ -22,7 +23,6 @@ from .families import gmm_map_em, remark1_toy
 from .fedsvi import FedSVI, quadratic_family
 from .jensen import jensen_em
 from .poisson import poisson_log_marginal, poisson_map_em, poisson_posterior_exp_h
-from .prox import Prox, box_prox, compose_prox, l1_prox, theta_l_prox
 
 __all__ = [
     "SASSMM",

@@ -4,7 +4,7 @@ Quadratic family: ψ = ‖θ‖²/(2ρ), φ = θ/ρ, ``S̄(Z, τ) = τ − ρ G(
 negative ELBO, 𝒮 = R^d and ``T = identity`` (g = 0).  FedMM with it is federated SGD on the unconstrained guide
 params with partial participation, compression and control variates (no gain from surrogate-space aggregation:
 T is affine — the gradient-only fallback for any model).  With a penalty / constraint g on the unconstrained params
-(``prox=``, :mod:`numpyro_fedvi.fedmm.prox`: ℓ1, box, Θ_L for AutoLocationScale guides) ``T = prox_{ρg}``:
+(``prox=``, :mod:`numpyro_fedvi.prox`: ℓ1, box, Θ_L for AutoLocationScale guides) ``T = prox_{ρg}``:
 federated proximal SGD.
 
 Client objective: the user's NumPyro ELBO on the client's rows with every site inside the data plate scaled by
@@ -22,10 +22,10 @@ from numpyro.infer import Trace_ELBO
 
 from ..federated import ClientData
 from ..objectives import client_loss_fn
+from ..prox import as_prox
 from ..structure import inspect_model
 from .core import SurrogateFamily
 from .engine import FedMM, with_projection
-from .prox import as_prox
 
 __all__ = ["FedSVI", "quadratic_family"]
 
@@ -33,9 +33,9 @@ __all__ = ["FedSVI", "quadratic_family"]
 def quadratic_family(loss: Callable, rho: float, objective_key=None, prox=None) -> SurrogateFamily:
     """Ex. 1 of the paper: ``oracle(θ, rows, mask, key) = θ − ρ ∇_θ loss(key, θ, rows, mask)``,
     ``T = prox_{ρg}`` (identity without ``prox``); objective: ``loss`` with the fixed key ``objective_key`` (common
-    random numbers across rounds) plus ``g(θ)`` when the prox knows it (:class:`~numpyro_fedvi.fedmm.prox.Prox`).
+    random numbers across rounds) plus ``g(θ)`` when the prox knows it (:class:`~numpyro_fedvi.prox.Prox`).
 
-    :param prox: ``None``, a :class:`~numpyro_fedvi.fedmm.prox.Prox` (:func:`l1_prox`, :func:`box_prox`,
+    :param prox: ``None``, a :class:`~numpyro_fedvi.prox.Prox` (:func:`l1_prox`, :func:`box_prox`,
         :func:`theta_l_prox`), a list of them on disjoint params, or a callable ``(theta, rho) -> theta``.
     """
     objective_key = random.key(12345) if objective_key is None else objective_key
@@ -69,8 +69,8 @@ class FedSVI(FedMM):
     :param rho: the SGD step of the surrogate (ρ ≤ 1/L of the full-data negative ELBO).
     :param step_size: FedMM's γ (default 1: θ_{t+1} = θ_t − ρ·(aggregated gradient)).
     :param prox: optional ``prox_{ρg}`` on the unconstrained global params (``T`` of the quadratic family):
-        :func:`~numpyro_fedvi.fedmm.prox.l1_prox` (federated lasso), :func:`~numpyro_fedvi.fedmm.prox.box_prox`,
-        :func:`~numpyro_fedvi.fedmm.prox.theta_l_prox` (``σ_min(Σ) ≥ 1/√L`` for AutoLocationScale guides), a list
+        :func:`~numpyro_fedvi.prox.l1_prox` (federated lasso), :func:`~numpyro_fedvi.prox.box_prox`,
+        :func:`~numpyro_fedvi.prox.theta_l_prox` (``σ_min(Σ) ≥ 1/√L`` for AutoLocationScale guides), a list
         of them on disjoint params, or a callable ``(theta, rho) -> theta``.  With γ = 1 and full participation
         one round is a proximal-gradient step ``θ ← prox_{ρg}(θ − ρ∇f(θ))``.
     Other arguments (``projection=`` included) as :class:`~numpyro_fedvi.fedmm.FedMM`.

@@ -36,11 +36,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax, random
-from jax.scipy.special import logsumexp, xlogy
-
 import numpyro
 import numpyro.distributions as dist
+from jax import lax, random
+from jax.scipy.special import logsumexp, xlogy
 from numpyro import handlers
 from numpyro.distributions import constraints
 from numpyro.distributions.transforms import biject_to
