@@ -214,6 +214,17 @@ def _finish_round(state, z, out_sum, K, mean_iterate, drift, calls):
                           oracle_calls=jnp.asarray(K * calls, jnp.int32))
 
 
+def _round_context(state):
+    """(M, client indices, round key) of the round ``state.round``."""
+    M = _num_clients(state.z)
+    return M, jnp.arange(M, dtype=jnp.int32), random.fold_in(state.key, state.round)
+
+
+def _sync(y, sync, drift):
+    """At a synchronisation step: record mean_m ‖y^m − ȳ‖² and replace every y^m by the client mean ȳ."""
+    return _where(sync, _broadcast_mean(y), y), jnp.where(sync, _drift(y), drift)
+
+
 def _round_scan(state, K, body):
     """scan ``body((z, out_sum, drift), k) -> (z, out_sum, drift)`` over the K local steps; the sync is at k = K−1."""
     zero_out = _tmap(jnp.zeros_like, state.output)
@@ -239,16 +250,13 @@ def local_sgd(eta, num_local_steps: int) -> Solver:
         return _init_state(z0, num_clients, key, dual=False)
 
     def round_(state, operator):
-        M = _num_clients(state.z)
-        idx = jnp.arange(M, dtype=jnp.int32)
-        rkey = random.fold_in(state.key, state.round)
+        M, idx, rkey = _round_context(state)
 
         def body(carry, k, sync):
             x, out_sum, drift = carry
             keys = _call_keys(rkey, M, K, 1, k, 0)
             x = jax.vmap(lambda xm, km, m: _axpy(-eta, operator(xm, km, m), xm))(x, keys, idx)
-            drift = jnp.where(sync, _drift(x), drift)
-            x = _where(sync, _broadcast_mean(x), x)
+            x, drift = _sync(x, sync, drift)
             return x, _tmap(jnp.add, out_sum, _client_mean(x)), drift
 
         z, out_sum, drift = _round_scan(state, K, body)
@@ -269,9 +277,7 @@ def lesgd(eta, num_local_steps: int) -> Solver:
         return _init_state(z0, num_clients, key, dual=False)
 
     def round_(state, operator):
-        M = _num_clients(state.z)
-        idx = jnp.arange(M, dtype=jnp.int32)
-        rkey = random.fold_in(state.key, state.round)
+        M, idx, rkey = _round_context(state)
 
         def body(carry, k, sync):
             z, out_sum, drift = carry
@@ -280,8 +286,7 @@ def lesgd(eta, num_local_steps: int) -> Solver:
             x = jax.vmap(lambda zm, km, m: _axpy(-eta, operator(zm, km, m), zm))(z, k0, idx)
             x = _where(sync, _broadcast_mean(x), x)
             z = jax.vmap(lambda zm, xm, km, m: _axpy(-eta, operator(xm, km, m), zm))(z, x, k1, idx)
-            drift = jnp.where(sync, _drift(z), drift)
-            z = _where(sync, _broadcast_mean(z), z)
+            z, drift = _sync(z, sync, drift)
             return z, _tmap(jnp.add, out_sum, _client_mean(x)), drift
 
         z, out_sum, drift = _round_scan(state, K, body)
@@ -300,9 +305,7 @@ def _lippax_solver(eta, K, L, H, delta_fn, name) -> Solver:
         return _init_state(z0, num_clients, key, dual=False)
 
     def round_(state, operator):
-        M = _num_clients(state.z)
-        idx = jnp.arange(M, dtype=jnp.int32)
-        rkey = random.fold_in(state.key, state.round)
+        M, idx, rkey = _round_context(state)
         gamma = eta / (1.0 + eta * L) ** 2
         delta = delta_fn(state)
 
@@ -328,8 +331,7 @@ def _lippax_solver(eta, K, L, H, delta_fn, name) -> Solver:
             z, out_sum, drift = carry
             keys = jax.vmap(lambda c: _call_keys(rkey, M, K, H + 1, k, c), out_axes=1)(jnp.arange(H + 1))
             x, z = jax.vmap(client_step)(z, keys, idx)
-            drift = jnp.where(sync, _drift(z), drift)
-            z = _where(sync, _broadcast_mean(z), z)  # only z is communicated
+            z, drift = _sync(z, sync, drift)  # only z is communicated
             return z, _tmap(jnp.add, out_sum, _client_mean(x)), drift
 
         z, out_sum, drift = _round_scan(state, K, body)
@@ -381,9 +383,7 @@ def local_dual_averaging(eta, num_local_steps: int, prox: ProxMap | None = None)
         return _init_state(z0, num_clients, key, dual=True)
 
     def round_(state, operator):
-        M = _num_clients(state.z)
-        idx = jnp.arange(M, dtype=jnp.int32)
-        rkey = random.fold_in(state.key, state.round)
+        M, idx, rkey = _round_context(state)
         w0 = state.anchor
 
         def primal(y, t):
@@ -398,8 +398,7 @@ def local_dual_averaging(eta, num_local_steps: int, prox: ProxMap | None = None)
             x = _where(sync, _broadcast_mean(x), x)
             v = jax.vmap(lambda xm: primal(xm, t))(x)
             z = jax.vmap(lambda zm, vm, km, m: _axpy(-eta, operator(vm, km, m), zm))(z, v, k1, idx)
-            drift = jnp.where(sync, _drift(z), drift)
-            z = _where(sync, _broadcast_mean(z), z)
+            z, drift = _sync(z, sync, drift)
             return z, _tmap(jnp.add, out_sum, _client_mean(v)), drift
 
         z, out_sum, drift = _round_scan(state, K, body)
