@@ -203,6 +203,11 @@ def _init_state(z0, num_clients, key, *, dual: bool) -> VIState:
                    round=jnp.zeros((), jnp.int32), key=_as_key(key))
 
 
+def _primal_init(z0, num_clients, key) -> VIState:
+    """Every client starts at ``z0`` (LocalSGD, LESGD, (S)LIPPAX)."""
+    return _init_state(z0, num_clients, key, dual=False)
+
+
 def _finish_round(state, z, out_sum, K, mean_iterate, drift, calls):
     """Update the running output mean with the K steps of this round (out_sum = Σ_k mean_m out_k)."""
     t_old = state.step.astype(jnp.float32)
@@ -246,9 +251,6 @@ def local_sgd(eta, num_local_steps: int) -> Solver:
     K = _positive_int(num_local_steps, "num_local_steps")
     _check_positive(eta, "eta")
 
-    def init(z0, num_clients, key):
-        return _init_state(z0, num_clients, key, dual=False)
-
     def round_(state, operator):
         M, idx, rkey = _round_context(state)
 
@@ -262,7 +264,7 @@ def local_sgd(eta, num_local_steps: int) -> Solver:
         z, out_sum, drift = _round_scan(state, K, body)
         return _finish_round(state, z, out_sum, K, _client_mean(z), drift, 1)
 
-    return Solver(init, round_, "local_sgd", K, 1)
+    return Solver(_primal_init, round_, "local_sgd", K, 1)
 
 
 def lesgd(eta, num_local_steps: int) -> Solver:
@@ -272,9 +274,6 @@ def lesgd(eta, num_local_steps: int) -> Solver:
     communications per round).  Output mean of x_t^m over t and m (the averaged x at sync steps).  2 calls/step."""
     K = _positive_int(num_local_steps, "num_local_steps")
     _check_positive(eta, "eta")
-
-    def init(z0, num_clients, key):
-        return _init_state(z0, num_clients, key, dual=False)
 
     def round_(state, operator):
         M, idx, rkey = _round_context(state)
@@ -292,7 +291,7 @@ def lesgd(eta, num_local_steps: int) -> Solver:
         z, out_sum, drift = _round_scan(state, K, body)
         return _finish_round(state, z, out_sum, K, _client_mean(z), drift, 2)
 
-    return Solver(init, round_, "lesgd", K, 2)
+    return Solver(_primal_init, round_, "lesgd", K, 2)
 
 
 def _lippax_solver(eta, K, L, H, delta_fn, name) -> Solver:
@@ -300,9 +299,6 @@ def _lippax_solver(eta, K, L, H, delta_fn, name) -> Solver:
     H = _positive_int(H, "num_inner_steps")
     _check_positive(eta, "eta")
     _check_positive(L, "L")
-
-    def init(z0, num_clients, key):
-        return _init_state(z0, num_clients, key, dual=False)
 
     def round_(state, operator):
         M, idx, rkey = _round_context(state)
@@ -337,7 +333,7 @@ def _lippax_solver(eta, K, L, H, delta_fn, name) -> Solver:
         z, out_sum, drift = _round_scan(state, K, body)
         return _finish_round(state, z, out_sum, K, _client_mean(z), drift, H + 1)
 
-    return Solver(init, round_, name, K, H + 1)
+    return Solver(_primal_init, round_, name, K, H + 1)
 
 
 def lippax(eta, num_local_steps: int, L, num_inner_steps: int) -> Solver:
