@@ -46,12 +46,6 @@ def _positive_float(value, name: str) -> float:
     return float(value)
 
 
-def _positive_int(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}.")
-    return int(value)
-
-
 class FedLocalVI:
     """Federated VI with local-update VI-inequality solvers and NumPyro's SVI surface; one step = one round.
 
@@ -88,13 +82,13 @@ class FedLocalVI:
                             f"got {type(clients).__name__}.")
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}.")
-        self.local_steps = _positive_int(local_steps, "local_steps")
+        self.local_steps = vs._positive_int(local_steps, "local_steps")
         self.step_size = _positive_float(step_size, "step_size")
         self.L = 1.0 / self.step_size if L is None else _positive_float(L, "L")
         if method in ("lippax", "slippax"):
             if inner_steps == "auto":
                 inner_steps = vs.inner_steps_for(self.step_size, self.L, _positive_float(inner_eps, "inner_eps"))
-            inner_steps = _positive_int(inner_steps, "inner_steps")
+            inner_steps = vs._positive_int(inner_steps, "inner_steps")
         elif inner_steps != "auto":
             raise ValueError(f"inner_steps is a (S)LIPPAX option; method={method!r} takes none (got {inner_steps!r}).")
         else:
@@ -118,7 +112,7 @@ class FedLocalVI:
         if prox is not None and not callable(prox):
             raise TypeError(f"prox must be a callable prox(θ, s) = prox_(sφ)(θ), got {prox!r}.")
         if batch_size is not None:
-            batch_size = _positive_int(batch_size, "batch_size")
+            batch_size = vs._positive_int(batch_size, "batch_size")
         is_key = isinstance(crn, jax.Array) and (jnp.issubdtype(crn.dtype, jax.dtypes.prng_key)
                                                  or (crn.dtype == jnp.uint32 and crn.shape == (2,)))
         if not (isinstance(crn, bool) or is_key):
