@@ -64,6 +64,7 @@ from scipy.optimize import minimize
 from numpyro_fedvi import FedLocalVI
 from numpyro_fedvi import vi_solvers as vs
 from numpyro_fedvi.federated import ClientData
+from numpyro_fedvi.models.monotone_game import game_field, game_solution
 
 from ._common import parse_args, save_figure, write_result
 
@@ -93,28 +94,12 @@ def make_game(kind: str, seed: int = 0) -> dict:
         B = 10.0 * U @ np.diag(np.linspace(0.05, 1.0, HALF)) @ W.T
     a, b = rng.normal(size=HALF), rng.normal(size=HALF)
     L = float(np.linalg.norm(B, 2) + EPS)
-    return {"B": B, "a": a, "b": b, "L": L, "zstar": _zstar(B, a, b)}
-
-
-def _V_np(z, B, a, b):
-    x, y = z[:HALF], z[HALF:]
-    return np.concatenate([EPS * np.tanh(x - a) + B @ y, -B.T @ x + EPS * np.tanh(y - b)])
-
-
-def _zstar(B, a, b):
-    z = np.zeros(DIM)
-    for _ in range(50):  # Newton, float64 (J = V' is invertible: B full rank)
-        x, y = z[:HALF], z[HALF:]
-        J = np.block([[np.diag(EPS / np.cosh(x - a) ** 2), B], [-B.T, np.diag(EPS / np.cosh(y - b) ** 2)]])
-        z = z - np.linalg.solve(J, _V_np(z, B, a, b))
-    assert np.linalg.norm(_V_np(z, B, a, b)) < 1e-10
-    return z
+    return {"B": B, "a": a, "b": b, "L": L, "zstar": game_solution(B, a, b, EPS)}
 
 
 def game_operator(B, a, b, sigma):
     def operator(z, key, m):
-        x, y = z[:HALF], z[HALF:]
-        v = jnp.concatenate([EPS * jnp.tanh(x - a) + B @ y, -B.T @ x + EPS * jnp.tanh(y - b)])
+        v = game_field(z, B, a, b, EPS)
         return v + sigma * random.normal(key, v.shape, v.dtype) / math.sqrt(DIM)
 
     return operator

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from numpyro_fedvi import vi_solvers as vs
+from numpyro_fedvi.models.monotone_game import game_field, game_solution
 from numpyro_fedvi.projections import soft_threshold
 from numpyro_fedvi.prox import ball_prox, box_prox, l1_prox, simplex_prox
 
@@ -32,23 +33,10 @@ Z0 = np.ones(2 * N)
 
 
 def V_np(z, eps):
-    x, y = z[:N], z[N:]
-    return np.concatenate([eps * np.tanh(x - A_SHIFT) + B @ y, -B.T @ x + eps * np.tanh(y - B_SHIFT)])
+    return game_field(z, B, A_SHIFT, B_SHIFT, eps)
 
 
-def _zstar(eps):
-    if eps == 0:
-        return np.zeros(2 * N)
-    z = np.zeros(2 * N)
-    for _ in range(30):  # Newton on V(z) = 0, float64 (V is strictly monotone, J invertible)
-        x, y = z[:N], z[N:]
-        J = np.block([[np.diag(eps / np.cosh(x - A_SHIFT) ** 2), B], [-B.T, np.diag(eps / np.cosh(y - B_SHIFT) ** 2)]])
-        z = z - np.linalg.solve(J, V_np(z, eps))
-    assert np.linalg.norm(V_np(z, eps)) < 1e-10
-    return z
-
-
-ZSTAR = {0.0: _zstar(0.0), EPS: _zstar(EPS)}
+ZSTAR = {0.0: game_solution(B, A_SHIFT, B_SHIFT, 0.0), EPS: game_solution(B, A_SHIFT, B_SHIFT, EPS)}
 
 
 NOISE_ROWS = 4099
@@ -65,8 +53,7 @@ def make_operator(eps, sigma):
     a, b = jnp.asarray(A_SHIFT, jnp.float32), jnp.asarray(B_SHIFT, jnp.float32)
 
     def operator(z, key, m):
-        x, y = z[:N], z[N:]
-        v = jnp.concatenate([eps * jnp.tanh(x - a) + Bj @ y, -Bj.T @ x + eps * jnp.tanh(y - b)])
+        v = game_field(z, Bj, a, b, eps)
         return v + sigma * noise(key, v.shape[0])
 
     return operator
