@@ -274,7 +274,7 @@ class FedLocalVI:
             init_state = self.init(rng_key, *args, init_params=init_params, **kwargs)
         elif self.structure is None:
             self._setup(random.split(rng_key)[0], args, kwargs, init_params)
-        result = run_loop(lambda s: self._update_impl(s, args, kwargs), init_state, num_steps,
+        result = run_loop(lambda s, _: self._update_impl(s, args, kwargs), init_state, num_steps,
                           get_params=self.get_params, progress_bar=progress_bar, callbacks=callbacks,
                           early_stopping=early_stopping, stable_update=stable_update, chunk_size=chunk_size,
                           desc=f"{type(self).__name__}[{self.method}]")

@@ -393,7 +393,7 @@ class MPSGD:
             state = init_state
         num_steps = num_steps or self.default_num_steps
         step = self._step_fn(args, kwargs)
-        result = run_loop(step, state, num_steps, get_params=self.get_params, progress_bar=progress_bar,
+        result = run_loop(lambda s, _: step(s), state, num_steps, get_params=self.get_params, progress_bar=progress_bar,
                           callbacks=callbacks, early_stopping=early_stopping, stable_update=stable_update,
                           chunk_size=chunk_size, desc=type(self).__name__)
         steps_run = result.diagnostics["num_steps"]

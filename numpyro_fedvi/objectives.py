@@ -1,13 +1,15 @@
 """Objectives built from the user's own NumPyro ELBO object (never hand-written per model).
 
-``block_loss`` is the negative ELBO of one fixed block ``b`` of the data plate (PD-VI, specs/pdvi.md §2):
+``block_loss`` is the negative ELBO of one fixed block ``b`` of the data plate (PD-VI, specs/pdvi.md §2; a client of
+the federated engines is the same thing: a block of the same model's data plate):
 
     f_b(φ_b, λ) = Σ_{i∈b} [local terms of datum i]  +  (|b|/N) · [global terms]
 
-so that ``Σ_b f_b`` is the full-data negative ELBO.  The block's indices are pinned on the data plate of
-both model and guide (``substitute``), padded entries are masked out, NumPyro's ``N/|b|`` subsample scale is
-undone for sites inside the data plate, global sites are weighted ``|b|/N``, and the local params are
-passed as just the block's rows (no O(N) scatter per evaluation).
+so that ``Σ_b f_b`` is the full-data negative ELBO.  With a subsampled data plate the block's indices are pinned
+on the plate of both model and guide (``substitute``), padded entries are masked out, NumPyro's ``N/|b|``
+subsample scale is undone for sites inside the data plate, global sites are weighted ``|b|/N``, and the local
+params are passed as just the block's rows (no O(N) scatter per evaluation).  With an unsubsampled plate the same
+weights are applied through a mask on the full plate (O(N)).
 """
 
 from __future__ import annotations
@@ -59,24 +61,38 @@ class _PinLocal(Messenger):
 
 
 def block_loss_fn(elbo, model, guide, structure: ModelStructure, static_kwargs: dict | None = None) -> Callable:
-    """Return ``loss(rng_key, global_unc, local_rows_unc, idx, mask, weight, args, kwargs) -> scalar``.
+    """Return ``loss(rng_key, global_unc, local_rows_unc, idx, mask, weight, args, kwargs, local_weight=1.0)``.
 
     ``global_unc``: unconstrained global params; ``local_rows_unc``: canonical (rows-first) unconstrained
     local params of the block's ``P = len(idx)`` rows; ``idx``: data indices (padded), ``mask``: real
-    entries; ``weight``: the block's share ``|b|/N`` of the global terms.
+    entries; ``weight``: the weight of the global terms (``|b|/N`` for a PD-VI block); ``local_weight``: how many
+    times each real row's terms count (1 for a PD-VI block; ``N/|b|`` for a client's unbiased estimate of the
+    full-data negative ELBO).
+
+    Two paths, chosen by how the model declares its data plate:
+    - subsampled plate (``plate("data", N, subsample_size=...)``): the block's indices are pinned on the plate of
+      model and guide (``substitute``), so the model sees only the block's rows — O(|b|);
+    - plain plate (``plate("data", N)`` around ``obs=y``): the model runs on all N rows and every site in the plate
+      is masked to the block — correct for any model, O(N) per evaluation; local params are given as the full
+      table with the block's rows filled in (other rows are masked out and never seen by the loss).
     """
     plate = structure.data_plate
     static_kwargs = dict(static_kwargs or {})
 
-    def loss(rng_key, global_unc, local_rows_unc, idx, mask, weight, args, kwargs):
+    def loss(rng_key, global_unc, local_rows_unc, idx, mask, weight, args, kwargs, local_weight=1.0):
         params = structure.constrain_global(global_unc)
-        local = structure.constrain_local(local_rows_unc)
-        pin = {plate.name: idx}
-        local_scale = idx.shape[0] / plate.size
-        m = _BlockScale(_PinLocal(handlers.substitute(model, data=pin), local), plate.name, mask, local_scale,
-                        weight)
-        g = _BlockScale(_PinLocal(handlers.substitute(guide, data=pin), local), plate.name, mask, local_scale,
-                        weight)
+        if plate.subsampled:
+            local = structure.constrain_local(local_rows_unc)
+            site_mask, local_scale = mask, local_weight * idx.shape[0] / plate.size  # undoes the plate's N/|b|
+            m, g = handlers.substitute(model, data={plate.name: idx}), handlers.substitute(guide, data={plate.name: idx})
+        else:
+            target = jnp.where(mask, idx, plate.size)
+            site_mask = jnp.zeros(plate.size, jnp.int32).at[target].add(1, mode="drop") > 0
+            full = {k: jnp.zeros((plate.size,) + v.shape[1:], v.dtype).at[target].set(v, mode="drop")
+                    for k, v in local_rows_unc.items()}
+            local, local_scale, m, g = structure.constrain_local(full), local_weight, model, guide
+        m = _BlockScale(_PinLocal(m, local), plate.name, site_mask, local_scale, weight)
+        g = _BlockScale(_PinLocal(g, local), plate.name, site_mask, local_scale, weight)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="subsample_size does not match")
             return elbo.loss(rng_key, params, m, g, *args, **kwargs, **static_kwargs)
@@ -87,11 +103,16 @@ def block_loss_fn(elbo, model, guide, structure: ModelStructure, static_kwargs: 
 def full_loss_fn(block_loss: Callable, structure: ModelStructure, partitions: Partitions) -> Callable:
     """``loss(rng_key, global_unc, local_unc, args, kwargs)``: the full-data negative ELBO as ``Σ_b f_b``.
 
-    Blocks are evaluated one after another with ``lax.map`` (memory of one block), all with the same key.
+    Blocks are evaluated one after another with ``lax.map`` (memory of one block), all with the same key; a model
+    with an unsubsampled data plate is evaluated once on all rows.
     """
     size = structure.data_plate.size
 
     def loss(rng_key, global_unc, local_unc, args, kwargs):
+        if not structure.data_plate.subsampled:
+            return block_loss(rng_key, global_unc, local_unc, jnp.arange(size), jnp.ones(size, bool), 1.0, args,
+                              kwargs)
+
         def one(block):
             idx, mask, n_b = block
             rows = {k: v[idx] for k, v in local_unc.items()}

@@ -30,8 +30,9 @@ from numpyro.infer import Trace_ELBO
 
 from .curvature import diag_hessian
 from .objectives import block_loss_fn, full_loss_fn
-from .runner import EarlyStopping, RunResult, revert_non_finite, run_loop, tree_all_finite
-from .structure import ModelStructure, Partitions, check_finite_data, inspect_model, make_partitions
+from .inputs import InputJit, prepare_inputs
+from .runner import EarlyStopping, RunResult, run_loop, tree_all_finite
+from .structure import ModelStructure, Partitions, inspect_model, make_partitions
 
 __all__ = ["Block", "PDVI", "PDVIState", "pdvi_init", "pdvi_step", "prox_solve"]
 
@@ -84,14 +85,17 @@ def pdvi_init(lam0, num_units: int, local, eta, rng_key) -> PDVIState:
     return PDVIState(lam0, zeros, mu, local, eta, jnp.asarray(0, jnp.int32), rng_key)
 
 
-def pdvi_step(state: PDVIState, oracle: Callable, select: Callable) -> tuple[PDVIState, jax.Array]:
+def pdvi_step(state: PDVIState, oracle: Callable, select: Callable, guard: bool = False):
     """One iteration of Algorithm 1.
 
     :param oracle: ``oracle(units, mask, lam0, mu_sel, eta, local, key) -> (lam_sel, local, unit_losses)``:
         solves the (preconditioned) augmented-Lagrangian subproblem of every selected unit against the same
         ``lam0``; ``lam_sel`` has a leading axis over the selected units.
     :param select: ``select(key, step) -> (units, mask)``: the indices of S_t (``mask`` False on padding).
-    :return: the new state and the loss estimate ``(n/|S_t|) Σ_{i∈S_t} f_i(φ_i, λ_i)``.
+    :param guard: when True, a step whose ``lam_sel`` or ``unit_losses`` are not finite changes nothing but the
+        step counter (O(|S_t|) work: the oracle must likewise not write non-finite local rows) and the call
+        returns ``(state, loss, ok)`` for the run loop's NaN guard.
+    :return: the new state and the loss estimate ``(n/|S_t|) Σ_{i∈S_t} f_i(φ_i, λ_i)`` (and ``ok``).
     """
     num_units = jax.tree.leaves(state.mu)[0].shape[0]
     key = random.fold_in(state.rng_key, state.step)
@@ -99,19 +103,22 @@ def pdvi_step(state: PDVIState, oracle: Callable, select: Callable) -> tuple[PDV
     units, mask = select(select_key, state.step)
     mu_sel = jax.tree.map(lambda m: m[units], state.mu)
     lam_sel, local, unit_losses = oracle(units, mask, state.lam0, mu_sel, state.eta, state.local, oracle_key)
+    ok = jnp.all(jnp.where(mask, jnp.isfinite(unit_losses), True)) & tree_all_finite(lam_sel) if guard else True
+    commit = mask & ok
 
     def bcast(x):  # mask over the unit axis of a (S, ...) leaf
-        return mask.reshape((-1,) + (1,) * (x.ndim - 1))
+        return commit.reshape((-1,) + (1,) * (x.ndim - 1))
 
     delta = jax.tree.map(lambda l, l0: jnp.where(bcast(l), _accum(l) - l0, 0.0), lam_sel, state.lam0)
-    target = jnp.where(mask, units, num_units)  # padded selections are dropped by the scatter
+    target = jnp.where(commit, units, num_units)  # padded (or rejected) selections are dropped by the scatter
     mu = jax.tree.map(lambda m, d, e: m.at[target].add(d / e, mode="drop"), state.mu, delta, state.eta)
     h = jax.tree.map(lambda hh, d: hh + jnp.sum(d, 0) / num_units, state.h, delta)
     count = jnp.maximum(jnp.sum(mask), 1)
     lam0 = jax.tree.map(lambda l, hh: jnp.sum(jnp.where(bcast(l), _accum(l), 0.0), 0) / count + hh, lam_sel, h)
+    lam0 = jax.tree.map(lambda new, old: jnp.where(ok, new, old), lam0, state.lam0)
     loss = num_units / count * jnp.sum(jnp.where(mask, unit_losses, 0.0))
     new = PDVIState(lam0, h, mu, local, state.eta, state.step + 1, state.rng_key)
-    return new, loss
+    return (new, loss, ok) if guard else (new, loss)
 
 
 def prox_solve(f: Callable, lam0, mu, eta, phi, optimizer: optax.GradientTransformation, num_steps: int,
@@ -135,13 +142,12 @@ def prox_solve(f: Callable, lam0, mu, eta, phi, optimizer: optax.GradientTransfo
         updates, opt_state = optimizer.update(grad, opt_state, params, value=value, grad=grad, value_fn=value_fn)
         return optax.apply_updates(params, updates), opt_state
 
-    has_local = bool(jax.tree.leaves(phi))
+    alternating = alternating and bool(jax.tree.leaves(phi))  # nothing to alternate with when all params are global
 
     def body(carry, _):
         lam, phi_, s_lam, s_phi = carry
         if alternating:
-            if has_local:
-                phi_, s_phi = opt_step(phi_, s_phi, lambda p: lagrangian(lam, p))
+            phi_, s_phi = opt_step(phi_, s_phi, lambda p: lagrangian(lam, p))
             lam, s_lam = opt_step(lam, s_lam, lambda l: lagrangian(l, phi_))
         else:
             (lam, phi_), s_lam = opt_step((lam, phi_), s_lam, lambda lp: lagrangian(*lp))
@@ -252,38 +258,41 @@ class PDVI:
         return self.structure.data_plate.size if self.dual_granularity == "datum" else self.blocks.num_blocks
 
     def _setup(self, rng_key, args, kwargs, init_params):
-        check_finite_data(args, kwargs)
         structure = inspect_model(self.model, self.guide, rng_key, args, {**kwargs, **self.static_kwargs},
                                   data_plate=self.data_plate, init_params=init_params)
-        blocks = make_partitions(structure.data_plate.size, self.num_partitions, self.partitions)
+        size = structure.data_plate.size
+        if self.blocks is None or self.structure is None or self.structure.data_plate.size != size:
+            blocks = make_partitions(size, self.num_partitions, self.partitions)
+        else:
+            blocks = self.blocks
         if not 1 <= self.partitions_per_step <= blocks.num_blocks:
             raise ValueError(f"partitions_per_step must be in [1, {blocks.num_blocks}], "
                              f"got {self.partitions_per_step}.")
         self.structure, self.blocks = structure, blocks
         self._block_loss = block_loss_fn(self.loss, self.model, self.guide, structure, self.static_kwargs)
 
-    def _unit_data(self, unit):
+    def _unit_data(self, unit, blocks):
         """(data indices, mask, global weight) of one dual owner."""
         n = self.structure.data_plate.size
         if self.dual_granularity == "datum":
             return unit[None], jnp.ones((1,), bool), 1.0 / n
-        return self.blocks.indices[unit], self.blocks.mask[unit], self.blocks.sizes[unit] / n
+        return blocks.indices[unit], blocks.mask[unit], blocks.sizes[unit] / n
 
-    def _select(self, key, step):
-        num_blocks, m = self.blocks.num_blocks, self.partitions_per_step
+    def _select(self, blocks, key, step):
+        num_blocks, m = blocks.num_blocks, self.partitions_per_step
         if self.selection == "random":
             chosen = random.choice(key, num_blocks, (m,), replace=False)
         else:
             chosen = (step * m + jnp.arange(m)) % num_blocks
         if self.dual_granularity == "datum":
-            return self.blocks.indices[chosen].reshape(-1), self.blocks.mask[chosen].reshape(-1)
+            return blocks.indices[chosen].reshape(-1), blocks.mask[chosen].reshape(-1)
         return chosen, jnp.ones((m,), bool)
 
-    def _oracle(self, args, kwargs, base_key):
+    def _oracle(self, blocks, args, kwargs, base_key):
         size = self.structure.data_plate.size
 
         def solve_one(unit, lam0, mu, eta, local, key):
-            idx, mask, weight = self._unit_data(unit)
+            idx, mask, weight = self._unit_data(unit, blocks)
             rows = {k: v[idx] for k, v in local.items()}
             # the Monte-Carlo key is fixed during one solve (common random numbers); with crn="run" it is
             # also the same at every visit, which makes each f_i a deterministic sample-average objective
@@ -300,12 +309,14 @@ class PDVI:
                                               **kwargs, **self.static_kwargs)
                 lam = jax.tree.map(lambda new, old: jnp.asarray(new, old.dtype), lam, lam0)
                 value = f(lam, rows)
-            return lam, rows, value, idx, mask
+            ok = jnp.isfinite(value) & tree_all_finite(lam) & tree_all_finite(rows)
+            return lam, rows, jnp.where(ok, value, jnp.nan), idx, mask
 
         def oracle(units, mask, lam0, mu_sel, eta, local, key):
             lam, rows, values, idx, row_mask = jax.vmap(solve_one, in_axes=(0, None, 0, None, None, None))(
                 units, lam0, mu_sel, eta, local, key)
-            keep = row_mask & mask[:, None]
+            ok = jnp.all(jnp.where(mask, jnp.isfinite(values), True))  # a failed step writes nothing
+            keep = row_mask & mask[:, None] & ok
             target = jnp.where(keep, idx, size).reshape(-1)
             local = {k: v.at[target].set(rows[k].reshape((-1,) + v.shape[1:]).astype(v.dtype), mode="drop")
                      for k, v in local.items()}
@@ -313,32 +324,53 @@ class PDVI:
 
         return oracle
 
-    def _auto_eta(self, lam0, local, rng_key, args, kwargs):
+    def _step(self, state: PDVIState, inputs):
+        """The guarded step of the run loop: ``(state, loss, ok)``; O(selected blocks) work."""
+        blocks, args, kwargs = inputs
+        return pdvi_step(state, self._oracle(blocks, args, kwargs, state.rng_key),
+                         lambda key, step: self._select(blocks, key, step), guard=True)
+
+    def _curvatures(self, point, inputs):
+        """Max |diagonal Hessian| of each global site over the given units at ``point = (λ_0, local, key, units)``."""
+        (lam0, local, key, units), (blocks, args, kwargs) = point, inputs
+
+        def one(unit):
+            idx, mask, weight = self._unit_data(unit, blocks)
+            rows = {k: v[idx] for k, v in local.items()}
+            unit_key = random.fold_in(key, unit)
+            d = diag_hessian(lambda l: self._block_loss(unit_key, l, rows, idx, mask, weight, args, kwargs),
+                             lam0, key=unit_key)
+            return {k: jnp.max(jnp.abs(v)) for k, v in d.items()}
+
+        return {k: jnp.max(v) for k, v in jax.lax.map(one, units).items()}
+
+    def _auto_eta(self, lam0, local, rng_key, inputs):
         """``η_j = c / L̂_j``: max |diagonal Hessian| of block j over up to 8 evenly spaced units (one compile)."""
         units = jnp.asarray(np.unique(np.linspace(0, self.num_units - 1, min(8, self.num_units)).astype(int)))
-
-        @jax.jit  # args/kwargs are closed over (static), as in the run loop
-        def curvatures(lam0, local, key):
-            def one(unit):
-                idx, mask, weight = self._unit_data(unit)
-                rows = {k: v[idx] for k, v in local.items()}
-                unit_key = random.fold_in(key, unit)
-                d = diag_hessian(lambda l: self._block_loss(unit_key, l, rows, idx, mask, weight, args, kwargs),
-                                 lam0, key=unit_key)
-                return {k: jnp.max(jnp.abs(v)) for k, v in d.items()}
-
-            return {k: jnp.max(v) for k, v in jax.lax.map(one, units).items()}
-
-        curv = curvatures(lam0, local, rng_key)
+        curv = self._compiled("curvatures", self._curvatures)((lam0, local, rng_key, units), inputs)
         return {k: self.eta_scale / max(float(c), 1e-8) for k, c in curv.items()}
+
+    def _compiled(self, name, fn):
+        """``fn(state, inputs)`` jitted once per engine (and input shapes): see :class:`~numpyro_fedvi.inputs.InputJit`."""
+        cache = self.__dict__.setdefault("_jit_cache", {})
+        if name not in cache:
+            cache[name] = InputJit(fn)
+        return cache[name]
+
+    def _inputs(self, args, kwargs):
+        return self.blocks, args, kwargs
 
     # SVI surface -----------------------------------------------------------------------------------
     def init(self, rng_key, *args, init_params: dict | None = None, **kwargs) -> PDVIState:
         """Trace model and guide, build the blocks and the duals; returns the initial ``PDVIState``."""
+        args, kwargs = prepare_inputs(args, kwargs)
         rng_key, setup_key, eta_key = random.split(rng_key, 3)
         self._setup(setup_key, args, kwargs, init_params)
         lam0, local = self.structure.init_global, self.structure.init_local
-        eta = self._auto_eta(lam0, local, eta_key, args, kwargs) if self.eta_spec == "auto" else self.eta_spec
+        if self.eta_spec == "auto":
+            eta = self._auto_eta(lam0, local, eta_key, self._inputs(args, kwargs))
+        else:
+            eta = self.eta_spec
         return pdvi_init(lam0, self.num_units, local, _check_eta(eta, self.structure.global_names), rng_key)
 
     def _require_init(self):
@@ -346,19 +378,33 @@ class PDVI:
             raise RuntimeError("Call PDVI.init(rng_key, *args, **kwargs) (or run) before update/evaluate.")
 
     def update(self, state: PDVIState, *args, **kwargs) -> tuple[PDVIState, jax.Array]:
-        """One PD-VI iteration; returns ``(state, loss)`` with loss the scaled negative ELBO of S_t."""
+        """One PD-VI iteration (compiled once per input shapes); returns ``(state, loss)`` with loss the scaled
+        negative ELBO of S_t.  A non-finite step is returned as computed (see :meth:`stable_update`)."""
         self._require_init()
-        return pdvi_step(state, self._oracle(args, kwargs, state.rng_key), self._select)
+        args, kwargs = prepare_inputs(args, kwargs)
+        return self._compiled("update", self._plain_step)(state, self._inputs(args, kwargs))
+
+    def _plain_step(self, state, inputs):
+        blocks, args, kwargs = inputs
+        return pdvi_step(state, self._oracle(blocks, args, kwargs, state.rng_key),
+                         lambda key, step: self._select(blocks, key, step))
 
     def stable_update(self, state: PDVIState, *args, **kwargs) -> tuple[PDVIState, jax.Array]:
-        """Like ``update`` but keeps the old state when the loss or the new state is not finite."""
-        new_state, loss = self.update(state, *args, **kwargs)
-        return revert_non_finite(new_state, state, jnp.isfinite(loss) & tree_all_finite(new_state)), loss
+        """Like ``update`` but a step that produces non-finite values changes nothing except the step counter."""
+        self._require_init()
+        args, kwargs = prepare_inputs(args, kwargs)
+        new_state, loss, _ = self._compiled("stable_update", self._step)(state, self._inputs(args, kwargs))
+        return new_state, loss
 
     def evaluate(self, state: PDVIState, *args, **kwargs) -> jax.Array:
         """Full-data negative ELBO at λ_0 and the stored local params: ``Σ_b f_b(φ_b, λ_0)``."""
         self._require_init()
-        loss = full_loss_fn(self._block_loss, self.structure, self.blocks)
+        args, kwargs = prepare_inputs(args, kwargs)
+        return self._compiled("evaluate", self._evaluate)(state, self._inputs(args, kwargs))
+
+    def _evaluate(self, state, inputs):
+        blocks, args, kwargs = inputs
+        loss = full_loss_fn(self._block_loss, self.structure, blocks)
         key = random.split(state.rng_key)[1]
         return loss(key, self._global_params(state), state.local, args, kwargs)
 
@@ -377,16 +423,18 @@ class PDVI:
         """Run ``num_steps`` iterations in a compiled loop (see ``numpyro_fedvi.runner.run_loop``).
 
         ``init_state`` resumes a previous run (its model args must be the same); ``init_params`` overrides
-        the guide's init values (constrained).  Returns a ``RunResult`` (``params``, ``state``, ``losses``,
-        ``diagnostics``).
+        the guide's init values (constrained).  The compiled loop is kept by the engine: a second run on data of
+        the same shapes does not recompile.  A step with non-finite values writes nothing (O(|S_t|) guard).
+        Returns a ``RunResult`` (``params``, ``state``, ``losses``, ``diagnostics``).
         """
+        args, kwargs = prepare_inputs(args, kwargs)
         if init_state is None:
             state = self.init(rng_key, *args, init_params=init_params, **kwargs)
         else:
             if self.structure is None:
                 self._setup(random.split(rng_key, 3)[1], args, kwargs, init_params)
             state = init_state
-        return run_loop(lambda s: self.update(s, *args, **kwargs), state, num_steps,
+        return run_loop(self._step, state, num_steps, inputs=self._inputs(args, kwargs),
                         get_params=self.get_params, progress_bar=progress_bar, callbacks=callbacks,
                         early_stopping=early_stopping, stable_update=stable_update, chunk_size=chunk_size,
-                        desc=type(self).__name__)
+                        desc=type(self).__name__, cache=self.__dict__.setdefault("_run_cache", {}))

@@ -1,10 +1,11 @@
 """The one run loop shared by every engine.
 
-``run_loop`` drives a pure ``step(state) -> (state, loss)`` function with a compiled ``lax.scan`` in
+``run_loop`` drives a pure ``step(state, inputs) -> (state, loss)`` function with a compiled ``lax.while_loop`` in
 fixed-size chunks and a tqdm progress bar updated between chunks (the speed of a scan with the feedback
 of a bar), host-side callbacks between chunks, early stopping on the relative change of an exponentially
 smoothed loss, and a NaN guard that keeps the last finite state.  Every chunk has the same length, so the
-scan is compiled once per run; steps past ``num_steps`` or after a stop are skipped with ``lax.cond``.
+loop is compiled once per engine, settings and input shapes (cached by the engine across runs); the loop stops
+inside a chunk at ``num_steps`` or a stop, so no step is ever padded or copied.
 """
 
 from __future__ import annotations
@@ -21,10 +22,13 @@ from jax import lax
 from numpyro.infer.svi import SVIRunResult
 from tqdm.auto import tqdm
 
+from .inputs import merge_inputs, split_inputs
+
 __all__ = ["EarlyStopping", "RunResult", "revert_non_finite", "run_loop", "tree_all_finite"]
 
 # reasons a run ended
-COMPLETED, EARLY_STOPPED, NON_FINITE, CALLBACK = "completed", "early_stopping", "non_finite", "callback"
+COMPLETED, EARLY_STOPPED, NON_FINITE, CALLBACK, INTERRUPTED = (
+    "completed", "early_stopping", "non_finite", "callback", "interrupted")
 _REASONS = (COMPLETED, EARLY_STOPPED, NON_FINITE)
 
 
@@ -47,7 +51,8 @@ class RunResult(SVIRunResult):
 
     Unpacks like ``SVIRunResult`` (three fields).  ``diagnostics`` holds ``num_steps`` (steps actually
     run), ``stop_reason`` (``"completed"``, ``"early_stopping"``, ``"non_finite"`` or ``"callback"``),
-    ``non_finite_step`` (the first non-finite step or ``None``) and any engine-specific entries.
+    ``non_finite_step`` (the first non-finite step or ``None``), ``skipped_steps`` (``stable_update``) and any
+    engine-specific entries.  ``stop_reason="interrupted"`` after Ctrl-C.
     """
 
     def __new__(cls, params, state, losses, diagnostics=None):
@@ -67,6 +72,11 @@ def tree_all_finite(tree) -> jax.Array:
     return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
 
 
+def _is_float_or_key(x) -> bool:
+    dtype = jnp.result_type(x) if not hasattr(x, "dtype") else x.dtype
+    return jnp.issubdtype(dtype, jnp.inexact) or jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
 def revert_non_finite(new_state, old_state, finite):
     """``stable_update`` semantics: where ``finite`` is False keep the old floating-point leaves (params,
     duals, optimizer moments) but let integer and key leaves (step counters, PRNG keys) move on, so the next
@@ -79,114 +89,156 @@ def revert_non_finite(new_state, old_state, finite):
 
 class _Carry(NamedTuple):
     state: Any
-    t: jax.Array        # steps taken so far
+    t: jax.Array        # steps taken so far in this run
     ema: jax.Array      # smoothed loss
     calm: jax.Array     # consecutive calm steps
     reason: jax.Array   # index into _REASONS
 
 
-def _make_chunk(step_fn, chunk_size, num_steps, early_stopping, stable_update):
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _make_chunk(step_fn, chunk_size, early_stopping, stable_update):
+    """``chunk(carry, limit, arrays, static) -> (carry, losses, steps)``: at most ``chunk_size`` steps in a
+    ``lax.while_loop`` (in-place carry, no per-step copy of the state), stopping at ``limit`` steps or a stop."""
     es = early_stopping
+    ftype = jnp.result_type(float)
 
-    def one(carry: _Carry, _):
-        def advance(c: _Carry):
-            new_state, loss = step_fn(c.state)
-            loss = jnp.asarray(loss, jnp.result_type(float))
-            finite = jnp.isfinite(loss) & tree_all_finite(new_state)
+    def advance(c: _Carry, inputs):
+        out = step_fn(c.state, inputs)
+        if len(out) == 3:  # a guarded step: the engine already kept its last finite values (O(touched) work)
+            state, loss, ok = out
+            ok = ok & jnp.isfinite(loss)
+            if not stable_update:  # stopping: also keep the counters of the last finite step
+                state = jax.tree.map(lambda n, o: n if _is_float_or_key(n) else jnp.where(ok, n, o), state, c.state)
+        else:
+            new_state, loss = out
+            ok = jnp.isfinite(loss) & tree_all_finite(new_state)
             if stable_update:  # skip the step, keep going (numpyro's stable_update semantics)
-                state = revert_non_finite(new_state, c.state, finite)
-                reason = c.reason
+                state = revert_non_finite(new_state, c.state, ok)
             else:
-                state = lax.cond(finite, lambda: new_state, lambda: c.state)
-                reason = jnp.where(finite, c.reason, _REASONS.index(NON_FINITE))
-            loss = jnp.where(finite, loss, jnp.nan)
-            ema, calm = c.ema, c.calm
-            if es is not None:
-                new_ema = jnp.where(c.t == 0, loss, es.decay * c.ema + (1 - es.decay) * loss)
-                new_ema = jnp.where(finite, new_ema, c.ema)
-                quiet = jnp.abs(new_ema - c.ema) <= es.rtol * jnp.abs(c.ema)
-                calm = jnp.where(finite & (c.t > 0) & quiet, c.calm + 1, 0)
-                ema = new_ema
-                stop = (calm >= es.patience) & (c.t + 1 >= es.min_steps)
-                reason = jnp.where(stop & (reason == 0), _REASONS.index(EARLY_STOPPED), reason)
-            return _Carry(state, c.t + 1, ema, calm, reason), loss
+                state = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new_state, c.state)
+        loss = jnp.where(ok, jnp.asarray(loss, ftype), jnp.nan)
+        reason = c.reason if stable_update else jnp.where(ok, c.reason, _REASONS.index(NON_FINITE))
+        ema, calm = c.ema, c.calm
+        if es is not None:
+            new_ema = jnp.where(c.t == 0, loss, es.decay * c.ema + (1 - es.decay) * loss)
+            new_ema = jnp.where(ok, new_ema, c.ema)
+            quiet = jnp.abs(new_ema - c.ema) <= es.rtol * jnp.abs(c.ema)
+            calm = jnp.where(ok & (c.t > 0) & quiet, c.calm + 1, 0)
+            ema = new_ema
+            stop = (calm >= es.patience) & (c.t + 1 >= es.min_steps)
+            reason = jnp.where(stop & (reason == 0), _REASONS.index(EARLY_STOPPED), reason)
+        return _Carry(state, c.t + 1, ema, calm, reason), loss
 
-        def skip(c: _Carry):
-            return c, jnp.asarray(jnp.nan, jnp.result_type(float))
+    def chunk(carry: _Carry, limit, arrays, static):
+        inputs = merge_inputs(arrays, static)
 
-        active = (carry.t < num_steps) & (carry.reason == 0)
-        return lax.cond(active, advance, skip, carry)
+        def cond(loop):
+            i, c, _ = loop
+            return (i < chunk_size) & (c.t < limit) & (c.reason == 0)
 
-    @jax.jit
-    def chunk(carry):
-        return lax.scan(one, carry, None, length=chunk_size)
+        def body(loop):
+            i, c, buf = loop
+            c, loss = advance(c, inputs)
+            return i + 1, c, buf.at[i].set(loss)
 
-    return chunk
+        buf = jnp.full((chunk_size,), jnp.nan, ftype)
+        steps, carry, buf = lax.while_loop(cond, body, (jnp.asarray(0), carry, buf))
+        return carry, buf, steps
+
+    return jax.jit(chunk, static_argnums=3)
 
 
 def run_loop(
-    step_fn: Callable[[Any], tuple[Any, jax.Array]],
+    step_fn: Callable,
     init_state: Any,
     num_steps: int,
     *,
     get_params: Callable[[Any], Any],
+    inputs: Any = ((), {}),
     progress_bar: bool = True,
     callbacks: Sequence[Callable[[int, Any, np.ndarray], Any]] = (),
     early_stopping: EarlyStopping | None = None,
     stable_update: bool = False,
     chunk_size: int | None = None,
     desc: str = "",
+    cache: dict | None = None,
 ) -> RunResult:
     """Run ``step_fn`` for ``num_steps`` steps from ``init_state``.
 
-    :param step_fn: pure ``state -> (state, loss)``; traced once inside ``lax.scan``.
+    :param step_fn: pure ``step_fn(state, inputs) -> (state, loss)``, or ``-> (state, loss, ok)`` for a GUARDED
+        step that itself keeps its last finite values when ``ok`` is False (engines with large states, e.g. PD-VI's
+        local table, revert only what a step touched).  Traced once per compiled chunk.
+    :param inputs: the model's ``(args, kwargs)`` (see :mod:`numpyro_fedvi.inputs`): array leaves are traced
+        arguments of the compiled loop, other leaves static, so a second run on same-shaped data reuses it.
     :param get_params: maps the final state to the params returned in the result.
     :param progress_bar: show a tqdm bar updated between chunks (with the last loss).  ``False`` runs one
-        scan of ``num_steps`` steps unless callbacks ask for chunks.
+        compiled loop unless callbacks ask for chunks.
     :param callbacks: host functions ``cb(step, state, losses)`` called after each chunk; a truthy return
         stops the run.  ``losses`` holds the losses of all steps run so far.
     :param early_stopping: an :class:`EarlyStopping` rule (evaluated inside the compiled loop).
     :param stable_update: skip non-finite steps instead of stopping at the first one.
-    :param chunk_size: steps per compiled chunk (default ``ceil(num_steps / 50)`` with a bar or callbacks).
+    :param chunk_size: steps per compiled chunk (default: ``ceil(num_steps / 50)`` rounded up to a power of two
+        with a bar or callbacks, so runs of similar length share one compilation).
+    :param cache: a dict owned by the engine that keeps the compiled chunks across runs (key: ``step_fn`` and the
+        loop's static settings; pass a bound method as ``step_fn`` so the key is stable).
+
+    Ctrl-C (``KeyboardInterrupt``) between or during chunks returns the state and losses of the last finished
+    chunk with ``stop_reason="interrupted"``.
     """
-    if not isinstance(num_steps, (int, np.integer)) or num_steps < 1:
+    if isinstance(num_steps, bool) or not isinstance(num_steps, (int, np.integer)) or num_steps < 1:
         raise ValueError(f"num_steps must be a positive integer, got {num_steps!r}.")
     num_steps = int(num_steps)
     if early_stopping is not None and not isinstance(early_stopping, EarlyStopping):
         raise TypeError("early_stopping must be a numpyro_fedvi.EarlyStopping(...) or None.")
     chunked = progress_bar or bool(callbacks)
     if chunk_size is None:
-        chunk_size = max(1, math.ceil(num_steps / 50)) if chunked else num_steps
-    chunk_size = int(min(max(1, chunk_size), num_steps))
-    chunk = _make_chunk(step_fn, chunk_size, num_steps, early_stopping, stable_update)
+        chunk_size = _next_pow2(math.ceil(num_steps / 50) if chunked else num_steps)
+    chunk_size = int(max(1, chunk_size))
+    key = (step_fn, chunk_size, early_stopping, bool(stable_update))
+    cache = {} if cache is None else cache
+    if key not in cache:
+        cache[key] = _make_chunk(step_fn, chunk_size, early_stopping, stable_update)
+    chunk = cache[key]
+    arrays, static = split_inputs(inputs)
 
     ftype = jnp.result_type(float)
     carry = _Carry(init_state, jnp.asarray(0), jnp.asarray(jnp.nan, ftype), jnp.asarray(0), jnp.asarray(0))
+    limit = jnp.asarray(num_steps)
     losses: list[np.ndarray] = []
     stop_reason = COMPLETED
     bar = tqdm(total=num_steps, desc=desc or None, disable=not progress_bar, leave=True)
     done = 0
     try:
         while done < num_steps:
-            carry, chunk_losses = chunk(carry)
-            t = int(carry.t)
-            losses.append(np.asarray(chunk_losses)[: t - done])
-            bar.update(t - done)
-            done_before, done = done, t
-            finite = [x for x in losses[-1] if np.isfinite(x)]
-            if finite:
+            new_carry, chunk_losses, steps = chunk(carry, limit, arrays, static)
+            steps = int(steps)  # waits for the chunk: an interrupt before this line keeps the previous carry
+            chunk_losses = np.asarray(chunk_losses)[:steps]
+            carry = new_carry
+            losses.append(chunk_losses)
+            bar.update(steps)
+            done += steps
+            finite = chunk_losses[np.isfinite(chunk_losses)]
+            if finite.size:
                 bar.set_postfix_str(f"loss {finite[-1]:.4g}", refresh=False)
             reason = _REASONS[int(carry.reason)]
             if reason != COMPLETED:
                 stop_reason = reason
                 break
-            if t == done_before:  # nothing advanced (cannot happen unless num_steps reached)
+            if steps == 0:
                 break
-            all_losses = np.concatenate(losses)
-            if any([bool(cb(t, carry.state, all_losses)) for cb in callbacks]):  # every callback sees the chunk
-                if t < num_steps:
-                    stop_reason = CALLBACK
-                break
+            if callbacks:
+                all_losses = np.concatenate(losses)
+                if any([bool(cb(done, carry.state, all_losses)) for cb in callbacks]):  # every callback sees it
+                    if done < num_steps:
+                        stop_reason = CALLBACK
+                    break
+    except KeyboardInterrupt:
+        stop_reason = INTERRUPTED
+        warnings.warn(f"Interrupted after {done} steps; returning the state and losses reached so far "
+                      "(resume with run(..., init_state=result.state)).", RuntimeWarning, stacklevel=2)
     finally:
         bar.close()
 
@@ -202,6 +254,11 @@ def run_loop(
             RuntimeWarning,
             stacklevel=2,
         )
+    skipped = int(np.sum(~np.isfinite(loss_arr))) if stable_update else 0
+    if stable_update and skipped > max(1, 0.05 * len(loss_arr)):
+        warnings.warn(f"stable_update skipped {skipped} of {len(loss_arr)} steps (non-finite loss or state); "
+                      "the result may be poor: lower the step size(s).", RuntimeWarning, stacklevel=2)
     state = carry.state
-    diagnostics = {"num_steps": len(loss_arr), "stop_reason": stop_reason, "non_finite_step": non_finite_step}
+    diagnostics = {"num_steps": len(loss_arr), "stop_reason": stop_reason, "non_finite_step": non_finite_step,
+                   "skipped_steps": skipped}
     return RunResult(get_params(state), state, jnp.asarray(loss_arr), diagnostics)

@@ -38,11 +38,14 @@ __all__ = [
 
 @dataclass(frozen=True)
 class DataPlate:
-    """The subsampled plate that indexes the data: its name, full size ``N`` and batch dim (negative)."""
+    """The plate that indexes the data: its name, full size ``N``, batch dim (negative) and whether the model
+    declares it with a subsample size (then a block is evaluated through the plate's indices, O(block); otherwise
+    through a mask on the full plate, O(N))."""
 
     name: str
     size: int
     dim: int
+    subsampled: bool = True
 
 
 @dataclass(frozen=True)
@@ -213,6 +216,15 @@ def _plate_dims(*traces) -> dict[str, int]:
     return dims
 
 
+def _observation_plates(model_trace) -> list[str]:
+    """Plates that enclose every observed sample site of the model (candidates for an unsubsampled data plate)."""
+    observed = [s for s in model_trace.values() if s["type"] == "sample" and s.get("is_observed")]
+    if not observed:
+        return []
+    common = set.intersection(*[{f.name for f in s["cond_indep_stack"]} for s in observed])
+    return sorted(common)
+
+
 def inspect_model(
     model,
     guide,
@@ -226,12 +238,13 @@ def inspect_model(
 ) -> ModelStructure:
     """Trace ``guide`` and ``model`` (replayed against the guide) once and describe their params.
 
-    The data plate is the model's only subsampled plate, or the plate named by ``data_plate`` (which may be
-    declared without a subsample size: the engines pin its indices themselves).
+    The data plate is the plate named by ``data_plate``, else the model's only subsampled plate, else the only plate
+    that encloses every observed site (``numpyro.plate("data", N)`` around ``obs=...``).  A subsampled data plate
+    is evaluated block by block through its indices; an unsubsampled one through a mask on the full plate.
 
     :param data_plate: name of the data plate (needed when there is no or more than one subsampled plate).
     :param init_params: constrained values overriding the guide's ``numpyro.param`` init values.
-    :param require_data_plate: raise when no subsampled plate exists (engines with local latents need one).
+    :param require_data_plate: raise when the data plate cannot be found.
     """
     kwargs = dict(kwargs or {})
     model_key, guide_key = random.split(rng_key)
@@ -258,17 +271,21 @@ def inspect_model(
         raise ValueError(f"The model has several subsampled plates {subsampled}; name the one that indexes the "
                          "data with data_plate='...'.")
     else:
-        plate_name = None
-        if require_data_plate:
+        candidates = _observation_plates(model_trace)
+        plate_name = candidates[0] if len(candidates) == 1 else None
+        if plate_name is None and require_data_plate:
+            found = (f"plates holding every observation: {candidates}" if candidates else
+                     "no plate holds every observed site")
             raise ValueError(
-                "The model has no subsampled plate, so the data plate is unknown. Either name it with "
-                "data_plate='...' or declare it with a subsample size, e.g. `with numpyro.plate('data', N, "
-                "subsample_size=100): ...`; slice the observations with the plate's indices (or "
-                "numpyro.subsample) and put local (per-datum) params inside it with "
-                "`numpyro.param(..., event_dim=...)`.")
+                f"The data plate is ambiguous ({found}). Name it with data_plate='...': the plate whose "
+                "size is the number of data points, e.g. `with numpyro.plate('data', N): numpyro.sample('y', ..., "
+                "obs=y)`. Declaring it with a subsample size (`subsample_size=...`, observations sliced by the "
+                "plate's indices) lets the engines touch only a block's rows.")
     plate = None
     if plate_name is not None:
-        plate = DataPlate(plate_name, int(plates[plate_name][0]), int(_plate_dims(guide_trace, model_trace)[plate_name]))
+        size, sub = plates[plate_name]
+        plate = DataPlate(plate_name, int(size), int(_plate_dims(guide_trace, model_trace)[plate_name]),
+                          subsampled=sub is not None and sub < size)
 
     infos: dict[str, ParamInfo] = {}
     init_global: dict[str, jax.Array] = {}
@@ -283,6 +300,8 @@ def inspect_model(
         event_dim = site["kwargs"].get("event_dim")
         in_plate = plate is not None and any(f.name == plate.name for f in site["cond_indep_stack"])
         local_axis = None
+        if in_plate and event_dim is None and not plate.subsampled:
+            in_plate = False  # NumPyro cannot tell its data axis: a (full-size) global param under the mask path
         if in_plate:
             if event_dim is None:
                 raise ValueError(

@@ -18,7 +18,7 @@ def init_state():
     return {"x": jnp.array([1.0, -2.0, 0.5]), "t": jnp.asarray(0, jnp.int32)}
 
 
-def gd_step(state, nan_steps=(), nan_in_state=False):
+def gd_step(state, inputs=None, nan_steps=(), nan_in_state=False):
     """One gradient step on the quadratic; the loss (or the state) is NaN at the steps in ``nan_steps``."""
     x, t = state["x"], state["t"]
     loss = 0.5 * jnp.sum(A * (x - 1.0) ** 2) + 1.0
@@ -116,7 +116,7 @@ def test_early_stopping_triggers_with_rule_as_documented():
 @pytest.mark.parametrize("k,chunk_size", [(6, 4), (8, 4), (0, 3)])
 def test_nan_guard_stops_and_keeps_last_finite_state(k, chunk_size, nan_in_state):
     with pytest.warns(RuntimeWarning, match=f"step {k}"):
-        res = run_loop(lambda s: gd_step(s, (k,), nan_in_state), init_state(), 20, get_params=ident,
+        res = run_loop(lambda s, _: gd_step(s, None, (k,), nan_in_state), init_state(), 20, get_params=ident,
                        progress_bar=True, chunk_size=chunk_size)
     assert res.diagnostics["stop_reason"] == "non_finite"
     assert res.diagnostics["non_finite_step"] == k
@@ -132,7 +132,7 @@ def test_stable_update_skips_non_finite_steps_and_keeps_going():
     """Like numpyro's SVI.stable_update: a non-finite step is skipped (its loss is NaN, the params stay), the
     run goes on with the NEXT step.  Counters in the state must move on, or a pure step function would
     repeat the same failing step forever."""
-    res = run_loop(lambda s: gd_step(s, (3, 7)), init_state(), 20, get_params=ident, progress_bar=True,
+    res = run_loop(lambda s, _: gd_step(s, None, (3, 7)), init_state(), 20, get_params=ident, progress_bar=True,
                    chunk_size=6, stable_update=True)
     assert res.diagnostics["stop_reason"] == "completed" and res.diagnostics["num_steps"] == 20
     assert res.diagnostics["non_finite_step"] == 3
@@ -147,7 +147,7 @@ def test_stable_update_with_random_failures_makes_progress():
     """A step that fails at random (its randomness drawn from a PRNG key in the state): skipped steps must not
     freeze the key, otherwise every later step fails too."""
 
-    def step(state):
+    def step(state, inputs=None):
         key, sub = random.split(state["key"])
         x = state["x"]
         loss = jnp.where(random.uniform(sub) < 0.3, jnp.nan, 0.5 * jnp.sum(A * x**2))

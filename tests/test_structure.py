@@ -135,18 +135,37 @@ def _global_guide(x):
     numpyro.sample("mu", dist.Normal(numpyro.param("loc", 0.0), 1.0))
 
 
-def test_error_no_subsampled_plate():
+def test_plain_plate_around_observations_is_the_data_plate():
     def model(x):
         mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
         with numpyro.plate("data", N):
             numpyro.sample("y", dist.Normal(mu, 1.0), obs=x)
 
-    with pytest.raises(ValueError, match="subsample") as e:
+    s = inspect_model(model, _global_guide, random.key(0), (X,))
+    assert s.data_plate.name == "data" and s.data_plate.size == N and not s.data_plate.subsampled
+    assert s.global_names == ("loc",)
+
+
+def test_error_ambiguous_plain_plates():
+    def model(x):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+        with numpyro.plate("data", N), numpyro.plate("rep", 1, dim=-2):
+            numpyro.sample("y", dist.Normal(mu, 1.0), obs=x)
+
+    with pytest.raises(ValueError, match="ambiguous") as e:
         inspect_model(model, _global_guide, random.key(0), (X,))
-    assert "data_plate" in str(e.value)
-    # engines without local latents may opt out
+    assert "data_plate" in str(e.value) and "'data', 'rep'" in str(e.value)
     s = inspect_model(model, _global_guide, random.key(0), (X,), require_data_plate=False)
     assert s.data_plate is None and s.global_names == ("loc",)
+    s = inspect_model(model, _global_guide, random.key(0), (X,), data_plate="data")
+    assert s.data_plate.name == "data"
+
+    def no_plate(x):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+        numpyro.sample("y", dist.Normal(mu, 1.0).expand([N]).to_event(1), obs=x)
+
+    with pytest.raises(ValueError, match="no plate holds every observed site"):
+        inspect_model(no_plate, _global_guide, random.key(0), (X,))
 
 
 def _two_plate_model(x):

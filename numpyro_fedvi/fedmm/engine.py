@@ -91,7 +91,7 @@ class _Engine:
             if init_stat is None:
                 raise ValueError("run needs init_stat (the initial statistic Ŝ_0) or init_state=.")
             init_state = self.init(rng_key, data, init_stat)
-        return run_loop(lambda s: self.update(s, data), init_state, num_steps, get_params=self.get_params,
+        return run_loop(lambda s, _: self.update(s, data), init_state, num_steps, get_params=self.get_params,
                         progress_bar=progress_bar, callbacks=callbacks, early_stopping=early_stopping,
                         stable_update=stable_update, chunk_size=chunk_size, desc=type(self).__name__)
 
