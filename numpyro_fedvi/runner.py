@@ -95,13 +95,13 @@ class _Carry(NamedTuple):
     reason: jax.Array   # index into _REASONS
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
+_CHUNK_BUFFER = 256  # compiled loss buffer: the most steps between two host syncs by default
 
 
 def _make_chunk(step_fn, chunk_size, early_stopping, stable_update):
-    """``chunk(carry, limit, arrays, static) -> (carry, losses, steps)``: at most ``chunk_size`` steps in a
-    ``lax.while_loop`` (in-place carry, no per-step copy of the state), stopping at ``limit`` steps or a stop."""
+    """``chunk(carry, stop_at, arrays, static) -> (carry, losses, steps)``: at most ``chunk_size`` steps in a
+    ``lax.while_loop`` (in-place carry, no per-step copy of the state), stopping when the run has taken ``stop_at``
+    steps (traced: any chunk length up to ``chunk_size`` reuses one compilation) or at a stop."""
     es = early_stopping
     ftype = jnp.result_type(float)
 
@@ -132,12 +132,12 @@ def _make_chunk(step_fn, chunk_size, early_stopping, stable_update):
             reason = jnp.where(stop & (reason == 0), _REASONS.index(EARLY_STOPPED), reason)
         return _Carry(state, c.t + 1, ema, calm, reason), loss
 
-    def chunk(carry: _Carry, limit, arrays, static):
+    def chunk(carry: _Carry, stop_at, arrays, static):
         inputs = merge_inputs(arrays, static)
 
         def cond(loop):
             i, c, _ = loop
-            return (i < chunk_size) & (c.t < limit) & (c.reason == 0)
+            return (i < chunk_size) & (c.t < stop_at) & (c.reason == 0)
 
         def body(loop):
             i, c, buf = loop
@@ -180,8 +180,8 @@ def run_loop(
         stops the run.  ``losses`` holds the losses of all steps run so far.
     :param early_stopping: an :class:`EarlyStopping` rule (evaluated inside the compiled loop).
     :param stable_update: skip non-finite steps instead of stopping at the first one.
-    :param chunk_size: steps per compiled chunk (default: ``ceil(num_steps / 50)`` rounded up to a power of two
-        with a bar or callbacks, so runs of similar length share one compilation).
+    :param chunk_size: steps per compiled chunk (default: ``ceil(num_steps / 50)`` steps, at most 256, with a bar
+        or callbacks, else 256; the compiled loop does not depend on ``num_steps``).
     :param cache: a dict owned by the engine that keeps the compiled chunks across runs (key: ``step_fn`` and the
         loop's static settings; pass a bound method as ``step_fn`` so the key is stable).
 
@@ -194,26 +194,28 @@ def run_loop(
     if early_stopping is not None and not isinstance(early_stopping, EarlyStopping):
         raise TypeError("early_stopping must be a numpyro_fedvi.EarlyStopping(...) or None.")
     chunked = progress_bar or bool(callbacks)
-    if chunk_size is None:
-        chunk_size = _next_pow2(math.ceil(num_steps / 50) if chunked else num_steps)
-    chunk_size = int(max(1, chunk_size))
-    key = (step_fn, chunk_size, early_stopping, bool(stable_update))
+    if chunk_size is None:  # steps between host syncs; the compiled buffer is fixed, so no recompile per num_steps
+        buffer = _CHUNK_BUFFER
+        per_chunk = min(math.ceil(num_steps / 50), buffer) if chunked else buffer
+    else:
+        buffer = per_chunk = int(max(1, chunk_size))
+    key = (step_fn, buffer, early_stopping, bool(stable_update))
     cache = {} if cache is None else cache
     if key not in cache:
-        cache[key] = _make_chunk(step_fn, chunk_size, early_stopping, stable_update)
+        cache[key] = _make_chunk(step_fn, buffer, early_stopping, stable_update)
     chunk = cache[key]
     arrays, static = split_inputs(inputs)
 
     ftype = jnp.result_type(float)
     carry = _Carry(init_state, jnp.asarray(0), jnp.asarray(jnp.nan, ftype), jnp.asarray(0), jnp.asarray(0))
-    limit = jnp.asarray(num_steps)
     losses: list[np.ndarray] = []
     stop_reason = COMPLETED
     bar = tqdm(total=num_steps, desc=desc or None, disable=not progress_bar, leave=True)
     done = 0
     try:
         while done < num_steps:
-            new_carry, chunk_losses, steps = chunk(carry, limit, arrays, static)
+            stop_at = jnp.asarray(min(done + per_chunk, num_steps))
+            new_carry, chunk_losses, steps = chunk(carry, stop_at, arrays, static)
             steps = int(steps)  # waits for the chunk: an interrupt before this line keeps the previous carry
             chunk_losses = np.asarray(chunk_losses)[:steps]
             carry = new_carry

@@ -200,3 +200,45 @@ def test_run_result_replace_keeps_diagnostics():
 def test_early_stopping_type_checked():
     with pytest.raises(TypeError, match="EarlyStopping"):
         run_loop(gd_step, init_state(), 5, get_params=ident, progress_bar=False, early_stopping={"rtol": 1e-3})
+
+
+def test_ctrl_c_returns_the_state_and_losses_reached():
+    def interrupt(step, state, losses):
+        if step >= 8:
+            raise KeyboardInterrupt
+
+    with pytest.warns(RuntimeWarning, match="Interrupted after 8 steps"):
+        res = run_loop(gd_step, init_state(), 40, get_params=ident, progress_bar=False, chunk_size=4,
+                       callbacks=[interrupt])
+    assert res.diagnostics["stop_reason"] == "interrupted" and res.diagnostics["num_steps"] == 8
+    ref = run_loop(gd_step, init_state(), 8, get_params=ident, progress_bar=False)
+    np.testing.assert_array_equal(np.asarray(res.state["x"]), np.asarray(ref.state["x"]))
+    np.testing.assert_array_equal(np.asarray(res.losses), np.asarray(ref.losses))
+
+
+def test_compiled_loop_is_cached_across_runs_and_num_steps():
+    traces = []
+
+    def step(state, inputs):
+        traces.append(1)
+        return gd_step(state, inputs)
+
+    cache = {}
+    for n, bar in [(5, False), (37, False), (300, False), (11, True), (600, True)]:
+        res = run_loop(step, init_state(), n, get_params=ident, progress_bar=bar, cache=cache)
+        assert res.diagnostics["num_steps"] == n and int(res.state["t"]) == n
+    assert len(traces) == 1 and len(cache) == 1
+
+
+def test_inputs_are_traced_not_baked_in():
+    def step(state, inputs):
+        (scale,), _ = inputs
+        new, loss = gd_step(state)
+        return new, loss * scale
+
+    cache = {}
+    a = run_loop(step, init_state(), 5, get_params=ident, progress_bar=False, inputs=((jnp.asarray(1.0),), {}),
+                 cache=cache)
+    b = run_loop(step, init_state(), 5, get_params=ident, progress_bar=False, inputs=((jnp.asarray(2.0),), {}),
+                 cache=cache)
+    np.testing.assert_allclose(np.asarray(b.losses), 2 * np.asarray(a.losses), rtol=1e-6)
