@@ -30,6 +30,7 @@ from numpyro.infer import Trace_ELBO
 
 from .curvature import diag_hessian
 from .objectives import block_loss_fn, full_loss_fn
+from .particles import SCHEMES, ControlledDraws
 from .inputs import InputJit, prepare_inputs
 from .runner import EarlyStopping, RunResult, run_loop, tree_all_finite
 from .structure import ModelStructure, Partitions, inspect_model, make_partitions
@@ -189,9 +190,10 @@ class PDVI:
     :param num_partitions: split the data plate into this many contiguous fixed blocks (data order).
     :param partitions: or give the blocks: a list of index arrays or a length-N array of block ids.
     :param partitions_per_step: blocks visited per iteration (``|S_t|``; oracles run in parallel).
-    :param eta: float (PD-VI), dict ``{site: η_j}`` (P²D-VI), or ``"auto"``: ``η_j = eta_scale / L̂_j``
-        with ``L̂_j`` the largest diagonal second derivative of block ``j`` of a block loss at the initial
-        state (max over up to 8 evenly spaced blocks; specs/pdvi.md §4 suggests c ∈ [0.3, 10]).
+    :param eta: ``"auto"`` (default, P²D-VI): ``η_j = eta_scale / L̂_j`` with ``L̂_j`` the largest diagonal
+        second derivative of block ``j`` of a block loss at the initial state (max over up to 8 evenly spaced
+        blocks; specs/pdvi.md §4 suggests c ∈ [0.3, 10]); a float (PD-VI, Oracle I: one η for every coordinate —
+        the theory needs η ≲ 1/(22 L), and a block of |b| data has L ∝ |b|), or a dict ``{site: η_j}``.
     :param eta_scale: the constant ``c`` of ``eta="auto"`` (default 1.0).
     :param local_optimizer: optax optimizer of the oracle (default ``optax.lbfgs()``); re-initialised on
         every oracle call.
@@ -212,15 +214,21 @@ class PDVI:
         first; ``block``: a :class:`Block`).  ``f_b`` must be this model's block negative ELBO; the engine
         still evaluates it with ``loss`` at the solution for the reported loss.  See
         ``numpyro_fedvi.models.gmm.block_cavi_solver``.
-    :param data_plate: name of the data plate when the model has several subsampled plates.
+    :param oracle_draws: how the oracle draws the Monte-Carlo noise of ``loss`` (specs/pdvi.md §3a): the oracle
+        holds its key fixed during a solve, so it minimises a sample average whose error stays in the local rows
+        and duals; ``"orthogonal"`` (default: antithetic, moment-matched draws with global–local cross moments 0,
+        :class:`~numpyro_fedvi.particles.ControlledDraws`) makes that average exact for Gaussian-quadratic terms;
+        ``None`` uses ``loss`` as given (the paper's generic oracle; ``crn`` then matters more).
+    :param oracle_particles: particles of the controlled draws (even; default 4).
+    :param data_plate: name of the data plate when it cannot be found (see ``inspect_model``).
     """
 
     def __init__(self, model, guide, loss=None, *, num_partitions: int | None = None, partitions=None,
-                 partitions_per_step: int = 1, eta: float | dict | str = 1.0, eta_scale: float = 1.0,
+                 partitions_per_step: int = 1, eta: float | dict | str = "auto", eta_scale: float = 1.0,
                  local_optimizer: optax.GradientTransformation | None = None, local_steps: int = 10,
                  dual_granularity: str = "partition", selection: str = "random", alternating: bool = True,
-                 crn: str = "oracle", block_solver: Callable | None = None,
-                 data_plate: str | None = None, **static_kwargs):
+                 crn: str = "oracle", block_solver: Callable | None = None, oracle_draws: str | None = "orthogonal",
+                 oracle_particles: int = 4, data_plate: str | None = None, **static_kwargs):
         if dual_granularity not in ("partition", "datum"):
             raise ValueError(f"dual_granularity must be 'partition' or 'datum', got {dual_granularity!r}.")
         if selection not in ("random", "cyclic"):
@@ -235,6 +243,12 @@ class PDVI:
             raise ValueError(f"eta_scale must be positive, got {eta_scale!r}.")
         self.model, self.guide = model, guide
         self.loss = Trace_ELBO() if loss is None else loss
+        if oracle_draws is not None and oracle_draws not in SCHEMES:
+            raise ValueError(f"oracle_draws must be None or one of {SCHEMES}, got {oracle_draws!r}.")
+        self.oracle_draws, self.oracle_particles = oracle_draws, int(oracle_particles)
+        # the oracle's objective: the user's ELBO on controlled draws (specs/pdvi.md §3a), or the ELBO as given
+        self.oracle_loss = self.loss if oracle_draws is None else ControlledDraws(self.loss, self.oracle_particles,
+                                                                                  oracle_draws)
         self.num_partitions, self.partitions = num_partitions, partitions
         self.partitions_per_step = int(partitions_per_step)
         self.eta_spec, self.eta_scale = eta, float(eta_scale)
@@ -269,7 +283,7 @@ class PDVI:
             raise ValueError(f"partitions_per_step must be in [1, {blocks.num_blocks}], "
                              f"got {self.partitions_per_step}.")
         self.structure, self.blocks = structure, blocks
-        self._block_loss = block_loss_fn(self.loss, self.model, self.guide, structure, self.static_kwargs)
+        self._block_loss = block_loss_fn(self.oracle_loss, self.model, self.guide, structure, self.static_kwargs)
 
     def _unit_data(self, unit, blocks):
         """(data indices, mask, global weight) of one dual owner."""

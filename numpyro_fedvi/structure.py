@@ -24,6 +24,7 @@ from jax import random
 from numpyro import handlers
 from numpyro.distributions import constraints
 from numpyro.distributions.transforms import Transform, biject_to
+from numpyro.primitives import Messenger
 
 __all__ = [
     "DataPlate",
@@ -216,6 +217,15 @@ def _plate_dims(*traces) -> dict[str, int]:
     return dims
 
 
+class _FirstIndices(Messenger):
+    """Give every subsampled plate its first ``subsample_size`` indices (the structure does not depend on which
+    rows; this skips NumPyro's host-side shuffle, compiled anew on every call)."""
+
+    def process_message(self, msg):
+        if msg["type"] == "plate" and msg["value"] is None:
+            msg["value"] = jnp.arange(msg["args"][1])
+
+
 def _observation_plates(model_trace) -> list[str]:
     """Plates that enclose every observed sample site of the model (candidates for an unsubsampled data plate)."""
     observed = [s for s in model_trace.values() if s["type"] == "sample" and s.get("is_observed")]
@@ -248,14 +258,15 @@ def inspect_model(
     """
     kwargs = dict(kwargs or {})
     model_key, guide_key = random.split(rng_key)
-    guide_init = handlers.seed(guide, guide_key)
+    guide_init = handlers.seed(_FirstIndices(guide), guide_key)
     if init_params:
         guide_init = handlers.substitute(guide_init, data=init_params)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="subsample_size does not match")
         guide_trace = handlers.trace(guide_init).get_trace(*args, **kwargs)
         guide_params = {n: s["value"] for n, s in guide_trace.items() if s["type"] == "param"}
-        model_run = handlers.substitute(handlers.replay(handlers.seed(model, model_key), guide_trace), guide_params)
+        model_run = handlers.substitute(handlers.replay(handlers.seed(_FirstIndices(model), model_key), guide_trace),
+                                        guide_params)
         model_trace = handlers.trace(model_run).get_trace(*args, **kwargs)
 
     plates = _plates(guide_trace, model_trace)
