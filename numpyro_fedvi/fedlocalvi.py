@@ -1,9 +1,16 @@
 """FedLocalVI: federated ELBO minimisation with the local-update VI-inequality solvers (specs/federated_vi_solvers.md).
 
+The model is the user's SVI model, unchanged (DESIGN.md "The model contract"); the clients are blocks of its data
+plate, given like PD-VI's ``partitions=``::
+
+    FedLocalVI(model, guide, Trace_ELBO(), clients=site_ids, method="local_sgd", local_steps=5,
+               step_size=1e-3).run(key, num_rounds, X, y)
+
 Client ``m`` holds the rows ``D_m`` (``N_m`` of ``N``).  Its operator is the gradient, in the guide's unconstrained
-GLOBAL params θ, of its share of the federated negative ELBO (``objectives.client_loss_fn``: likelihood of the
-client's rows scaled by ``N/b``, prior/KL once), weighted so that the client MEAN — the solvers average uniformly —
-is the gradient of the full-data negative ELBO ``F = Σ_m μ_m F_m`` (μ_m = N_m/N)::
+GLOBAL params θ, of its share of the federated negative ELBO (``objectives.client_loss_from_blocks`` — or
+``client_loss_fn`` for a ClientData of rows: likelihood of the client's rows scaled by ``N/b``, prior/KL once),
+weighted so that the client MEAN — the solvers average uniformly — is the gradient of the full-data negative ELBO
+``F = Σ_m μ_m F_m`` (μ_m = N_m/N)::
 
     V_m(θ) = M μ_m ∇_θ F_m(θ; rows of D_m),     (1/M) Σ_m V_m = ∇F.
 
@@ -26,11 +33,13 @@ from jax import random
 from numpyro.infer import Trace_ELBO
 
 from . import vi_solvers as vs
-from .federated import ClientData
-from .objectives import client_loss_fn
+from .federated import ClientData, check_clients, client_minibatch
+from .fedmm.engine import strong_types
+from .inputs import InputJit, prepare_inputs
+from .objectives import block_loss_fn, client_loss_fn, client_loss_from_blocks, full_loss_fn
 from .prox import as_prox, zero_prox
 from .runner import EarlyStopping, RunResult, revert_non_finite, run_loop, tree_all_finite
-from .structure import inspect_model
+from .structure import Partitions, inspect_model
 
 __all__ = ["METHODS", "FedLocalVI"]
 
@@ -46,15 +55,60 @@ def _positive_float(value, name: str) -> float:
     return float(value)
 
 
+def _check_elbo(loss, engine: str):
+    if loss is not None and not callable(getattr(loss, "loss", None)):
+        raise TypeError(f"loss must be a NumPyro ELBO (e.g. Trace_ELBO()), got {type(loss).__name__}; the clients go "
+                        f"in clients= (one client id per row of the data plate, a list of index arrays, or a "
+                        f"ClientData) or num_clients=M — e.g. {engine}(model, guide, Trace_ELBO(), clients=site_ids, "
+                        "...).")
+
+
+def _client_spec(loss, legacy, clients, num_clients, engine: str):
+    """``(loss, clients, num_clients)`` from the call forms ``(model, guide, loss, clients=...)`` and the lower
+    layer's ``(model, guide, client_data, loss)``."""
+    if isinstance(loss, ClientData):  # lower layer: FedLocalVI(model, guide, client_data, loss, ...)
+        if clients is not None or num_clients is not None:
+            raise ValueError(f"{engine} got a ClientData as third argument and clients=/num_clients=; give one.")
+        if len(legacy) > 1:
+            raise TypeError(f"{engine}(model, guide, client_data, loss, ...) takes no further positional arguments.")
+        return (legacy[0] if legacy else None), loss, None
+    if legacy:
+        raise TypeError(f"{engine}(model, guide, loss, *, clients=..., ...): the options are keyword arguments.")
+    _check_elbo(loss, engine)
+    if clients is None and num_clients is None:
+        raise TypeError(f"{engine} needs its clients: clients= (one client id 0..M-1 per row of the model's data "
+                        "plate, or a list of index arrays, as PDVI's partitions=), num_clients=M (contiguous chunks), "
+                        "or a numpyro_fedvi.federated.ClientData of each client's rows (model(rows, *args)).")
+    return loss, clients, num_clients
+
+
 class FedLocalVI:
     """Federated VI with local-update VI-inequality solvers and NumPyro's SVI surface; one step = one round.
 
-    ``model(rows, *args, **kwargs)`` takes one client's rows (a pytree with a leading row axis) and declares its
-    observations inside ``numpyro.plate(data_plate, rows_count)``; the guide takes the same arguments and has only
-    GLOBAL params.  ``get_params`` returns constrained guide params for ``Predictive``.
+    **The user's model, unchanged** (the same ``model(X, y)`` as for ``numpyro.infer.SVI``, observations in a data
+    plate ``numpyro.plate("data", N)`` with or without ``subsample_size``)::
 
-    :param clients: the clients' rows, a :class:`~numpyro_fedvi.federated.ClientData`.
+        engine = FedLocalVI(model, guide, Trace_ELBO(), clients=site_ids, method="local_sgd", local_steps=5,
+                            step_size=1e-3)
+        result = engine.run(random.key(0), 300, X, y)
+        Predictive(model, guide=guide, params=result.params, num_samples=1000)(random.key(1), X, y)
+
+    ``clients``: a length-N integer array of client ids ``0..M-1`` or a list of index arrays (as PD-VI's
+    ``partitions=``), or ``num_clients=M`` (contiguous chunks).  A client's objective is the model's ELBO restricted
+    to its rows: through the plate's indices when it is subsampled (O(client rows)), else through a mask on the full
+    plate (O(N) per oracle call).
+
+    **Lower layer** (data that never sits in one process): ``clients`` a
+    :class:`~numpyro_fedvi.federated.ClientData` of each client's rows (also accepted as the third positional
+    argument: ``FedLocalVI(model, guide, client_data, loss, ...)``) and ``model(rows, *args, **kwargs)`` with its
+    observations inside ``numpyro.plate(data_plate, rows_count)``.
+
+    The guide has only GLOBAL params (per-datum params: use PDVI for local latents).  ``get_params`` returns
+    constrained guide params for ``Predictive``; ``run(..., init_state=result.state)`` resumes bitwise.
+
     :param loss: a NumPyro ELBO (default ``Trace_ELBO()``); more ``num_particles`` = less oracle noise.
+    :param clients: client ids / index arrays of the data plate, or a ClientData (see above).
+    :param num_clients: M contiguous clients (instead of ``clients``).
     :param method: ``"local_sgd"``, ``"lesgd"``, ``"lippax"``, ``"slippax"`` or ``"local_dual_averaging"``.
     :param local_steps: K, local steps per round.
     :param step_size: η (on the full-data negative ELBO: η ≤ 1/L of ``F``; see ``vi_solvers.theory_step_size``).
@@ -63,23 +117,35 @@ class FedLocalVI:
     :param sigma: SLIPPAX's oracle noise level σ (smoothing radius δ = ησ/d^{1/4}); ``delta`` overrides δ.
     :param prox: local dual averaging only: ``prox(θ, s) = prox_{sφ}(θ)`` of a convex term φ on the unconstrained
         params (a :mod:`numpyro_fedvi.prox` map, e.g. ``l1_prox(λ)``); ``None`` = φ = 0.
-    :param batch_size: rows per client per oracle call, drawn uniformly with replacement; ``None`` = all rows.
+    :param batch_size: rows per client per oracle call, ``None`` = all rows; drawn uniformly with replacement
+        (O(batch)) from a subsampled data plate or a ClientData, without replacement under an unsubsampled plate
+        (a mask cannot count a row twice).
     :param crn: common random numbers: ``True`` (or a PRNG key to use) takes ONE Monte-Carlo key for every oracle
         call of the run and for the reported loss (the operator is the exact gradient of that fixed-draw objective);
         ``False`` draws fresh per call (unbiased oracle).
     :param output: ``"last"`` (the synchronised server iterate after the round) or ``"average"`` (the theorems'
         output: mean of the output sequence over all local steps and clients); ``get_params(which=...)`` overrides.
-    :param data_plate: name of the plate that holds the observations.
+    :param data_plate: name of the data plate (default: the only subsampled plate, else the only plate around every
+        observation).
+    Extra keyword arguments are passed to model and guide.
     """
 
-    def __init__(self, model, guide, clients: ClientData, loss=None, *, method: str = "local_sgd",
-                 local_steps: int, step_size: float, L: float | None = None, inner_steps="auto",
-                 inner_eps: float = 1e-3, sigma: float | None = None, delta: float | None = None,
+    def __init__(self, model, guide, loss=None, *legacy, clients=None, num_clients: int | None = None,
+                 method: str = "local_sgd", local_steps: int, step_size: float, L: float | None = None,
+                 inner_steps="auto", inner_eps: float = 1e-3, sigma: float | None = None, delta: float | None = None,
                  prox: Callable | None = None, batch_size: int | None = None, crn: bool = False,
-                 output: str = "last", data_plate: str = "data", **static_kwargs):
-        if not isinstance(clients, ClientData):
-            raise TypeError("clients must be a numpyro_fedvi.federated.ClientData (ClientData.from_list / from_ids), "
-                            f"got {type(clients).__name__}.")
+                 output: str = "last", data_plate: str | None = None, **static_kwargs):
+        loss, clients, num_clients = _client_spec(loss, legacy, clients, num_clients, type(self).__name__)
+        _check_elbo(loss, type(self).__name__)
+        if isinstance(clients, ClientData):
+            if num_clients is not None:
+                raise ValueError("give clients= (ids, index arrays or a ClientData) or num_clients=, not both.")
+            self._plate_clients, self.num_clients = None, clients.num_clients
+            self.num_total = int(np.sum(np.asarray(clients.counts)))  # N, on the host (traced code needs a constant)
+        else:
+            self.num_clients = check_clients(clients, num_clients)
+            self._plate_clients, self.num_total = (clients, num_clients), None  # N: the data plate's size (init)
+            clients = None  # built from the data plate at init
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}.")
         self.local_steps = vs._positive_int(local_steps, "local_steps")
@@ -120,7 +186,6 @@ class FedLocalVI:
         if output not in ("last", "average"):
             raise ValueError(f"output must be 'last' or 'average', got {output!r}.")
         self.model, self.guide, self.clients = model, guide, clients
-        self.num_total = int(np.sum(np.asarray(clients.counts)))  # N, on the host (traced code needs a constant)
         self.elbo = Trace_ELBO() if loss is None else loss
         self.method, self.inner_steps, self.sigma, self.delta = method, inner_steps, sigma, delta
         self.prox = (zero_prox() if prox is None else as_prox(prox)) if method == "local_dual_averaging" else None
@@ -128,8 +193,6 @@ class FedLocalVI:
         self.data_plate, self.static_kwargs = data_plate, static_kwargs
         self.solver = self._make_solver()
         self.structure = None
-        self._update_jit = jax.jit(self._update_impl)
-        self._evaluate_jit = jax.jit(self._evaluate_impl, static_argnames="which")
 
     # -- construction ---------------------------------------------------------------------------------------------
     def _make_solver(self) -> vs.Solver:
@@ -144,22 +207,49 @@ class FedLocalVI:
             return vs.slippax(eta, K, self.L, self.inner_steps, self.sigma, delta=self.delta)
         return vs.local_dual_averaging(eta, K, self.prox)
 
+    @property
+    def _plate_mode(self) -> bool:
+        return self._plate_clients is not None
+
     def _setup(self, rng_key, args, kwargs, init_params=None):
-        rows0 = self.clients.client(0)
-        structure = inspect_model(self.model, self.guide, rng_key, (rows0, *args), {**kwargs, **self.static_kwargs},
-                                  data_plate=self.data_plate, init_params=init_params)
+        kw = {**kwargs, **self.static_kwargs}
+        if self._plate_mode:
+            structure = inspect_model(self.model, self.guide, rng_key, args, kw, data_plate=self.data_plate,
+                                      init_params=init_params)
+            plate = structure.data_plate
+            clients = ClientData.from_plate(plate.size, *self._plate_clients, plate_name=plate.name)
+        else:
+            structure = inspect_model(self.model, self.guide, rng_key, (self.clients.client(0), *args), kw,
+                                      data_plate=self.data_plate, init_params=init_params)
         if structure.local_names:
             raise ValueError(f"{type(self).__name__} supports guides with global params only; local params "
-                             f"{list(structure.local_names)} live inside the data plate {self.data_plate!r} "
+                             f"{list(structure.local_names)} live inside the data plate {structure.data_plate.name!r} "
                              "(use PDVI for local latents).")
         if not structure.init_global:
             raise ValueError("the guide has no numpyro.param sites to optimise.")
+        if self._plate_mode:
+            self.clients, self.num_total = clients, plate.size
+            self._block_loss = block_loss_fn(self.elbo, self.model, self.guide, structure, self.static_kwargs)
         self.structure = structure
         return structure
 
-    def _client_loss(self, args, kwargs):
-        return client_loss_fn(self.elbo, self.model, self.guide, self.structure, self.data_plate,
+    def _inputs(self, args, kwargs):
+        """What a compiled round reads: ``(client data, model args, model kwargs)`` (traced, never closed over)."""
+        return self.clients, args, kwargs
+
+    def _client_loss(self, inputs):
+        """``loss(key, θ, rows, mask)`` of one client (rows: data-plate indices, or the client's own rows)."""
+        _, args, kwargs = inputs
+        if self._plate_mode:
+            return client_loss_from_blocks(self._block_loss, self.num_total, args, kwargs)
+        return client_loss_fn(self.elbo, self.model, self.guide, self.structure, self.structure.data_plate.name,
                               self.num_total, args, {**kwargs, **self.static_kwargs})
+
+    def _compiled(self, name, fn) -> InputJit:
+        cache = self.__dict__.setdefault("_jit_cache", {})
+        if name not in cache:
+            cache[name] = InputJit(fn)
+        return cache[name]
 
     # -- problem hooks (overridden by numpyro_fedvi.robust.RobustFedVI) ---------------------------------------------
     def _initial_point(self, theta0):
@@ -170,32 +260,36 @@ class FedLocalVI:
         """The guide's unconstrained params inside the solver's variable z."""
         return z
 
-    def _rows(self, key, m, mc_key):
-        """Client m's rows for one oracle call (all rows, or ``batch_size`` drawn uniformly with replacement) and
-        the Monte-Carlo key of the call (``mc_key`` under common random numbers)."""
-        cd, b = self.clients, self.batch_size
+    def _rows(self, key, m, mc_key, cd: ClientData):
+        """Client m's rows for one oracle call (all rows, or ``batch_size`` drawn uniformly: with replacement, or
+        without under an unsubsampled data plate) and the Monte-Carlo key of the call (``mc_key`` under common
+        random numbers)."""
         rows, mask = jax.tree.map(lambda a: a[m], cd.data), cd.mask[m]
-        if b is not None:
+        if self.batch_size is not None:
             key, bkey = random.split(key)
-            idx = random.randint(bkey, (b,), 0, cd.counts[m])
-            rows, mask = jax.tree.map(lambda a: a[idx], rows), jnp.ones((b,), bool)
+            replace = not (self._plate_mode and not self.structure.data_plate.subsampled)
+            rows, mask = client_minibatch(bkey, rows, mask, self.batch_size, replace=replace)
         return rows, mask, key if mc_key is None else mc_key
 
-    def _operator(self, loss, mc_key) -> vs.Operator:
+    def _operator(self, loss, mc_key, cd: ClientData) -> vs.Operator:
         """``V_m(θ) = M μ_m ∇_θ F_m(θ)`` on client m's rows."""
-        weight = self.clients.num_clients * self.clients.weights
+        weight = cd.num_clients * cd.weights
         grad = jax.grad(loss, argnums=1)
 
         def operator(theta, key, m):
-            rows, mask, key = self._rows(key, m, mc_key)
+            rows, mask, key = self._rows(key, m, mc_key, cd)
             g = grad(key, theta, rows, mask)
             return jax.tree.map(lambda gi: weight[m].astype(gi.dtype) * gi, g)
 
         return operator
 
-    def _objective(self, loss, z, key):
-        """The reported loss: the full-data negative ELBO ``Σ_m μ_m F_m`` (all rows) at z."""
-        cd = self.clients
+    def _objective(self, loss, z, key, inputs):
+        """The reported loss: the full-data negative ELBO ``Σ_m μ_m F_m`` (all rows) at z — for blocks of the data
+        plate in ONE pass over the N rows (:func:`~numpyro_fedvi.objectives.full_loss_fn`), not one per client."""
+        cd, args, kwargs = inputs
+        if self._plate_mode:
+            full = full_loss_fn(self._block_loss, self.structure, Partitions(cd.data, cd.mask, cd.counts))
+            return full(key, self._theta(z), {}, args, kwargs)
         per_client = jax.vmap(loss, in_axes=(None, None, 0, 0))(key, self._theta(z), cd.data, cd.mask)
         return jnp.sum(cd.weights.astype(per_client.dtype) * per_client)
 
@@ -223,27 +317,32 @@ class FedLocalVI:
 
     # -- SVI surface ------------------------------------------------------------------------------------------------
     def init(self, rng_key, *args, init_params: dict | None = None, **kwargs) -> vs.VIState:
-        """Trace model and guide on client 0's rows; every client starts at the guide's init params (or the
-        constrained ``init_params``).  Returns the solver state (``vi_solvers.VIState``)."""
+        """Trace model and guide once (on the model's arguments, or on client 0's rows for a ClientData) and build
+        the clients; every client starts at the guide's init params (or the constrained ``init_params``).  Returns
+        the solver state (``vi_solvers.VIState``)."""
+        args, kwargs = prepare_inputs(args, kwargs)
         setup_key, rng_key = random.split(rng_key)
         structure = self._setup(setup_key, args, kwargs, init_params)
-        z0 = self._initial_point(structure.init_global)
-        return self.solver.init(z0, self.clients.num_clients, rng_key)
+        z0 = strong_types(self._initial_point(structure.init_global))  # no weak types: no retrace after round 1
+        return self.solver.init(z0, self.num_clients, rng_key)
 
-    def _update_impl(self, state, args, kwargs):
-        loss = self._client_loss(args, kwargs)
-        state, _ = self.solver.round(state, self._operator(loss, self._mc_key(state)))
-        return state, self._objective(loss, self._iterate(state), self._eval_key(state))
+    def _step(self, state, inputs):
+        """One round: ``(state, loss)`` with the loss at the new iterate."""
+        loss = self._client_loss(inputs)
+        state, _ = self.solver.round(state, self._operator(loss, self._mc_key(state), inputs[0]))
+        return state, self._objective(loss, self._iterate(state), self._eval_key(state), inputs)
 
     def _require_init(self):
         if self.structure is None:
             raise RuntimeError(f"call {type(self).__name__}.init(...) (or run) first.")
 
     def update(self, state: vs.VIState, *args, **kwargs):
-        """One communication round (K local steps on every client, then the synchronisation); the loss is the
-        full-data negative ELBO at ``get_params(new_state)`` (with a key fixed for the run: comparable losses)."""
+        """One communication round (K local steps on every client, then the synchronisation; compiled once per input
+        shapes); the loss is the full-data negative ELBO at ``get_params(new_state)`` (with a key fixed for the run:
+        comparable losses)."""
         self._require_init()
-        return self._update_jit(state, args, kwargs)
+        args, kwargs = prepare_inputs(args, kwargs)
+        return self._compiled("update", self._step)(state, self._inputs(args, kwargs))
 
     def stable_update(self, state: vs.VIState, *args, **kwargs):
         """Like ``update`` but keeps the old iterates when the loss or the new state is not finite."""
@@ -253,11 +352,14 @@ class FedLocalVI:
     def evaluate(self, state: vs.VIState, *args, rng_key=None, which: str | None = None, **kwargs) -> jax.Array:
         """Full-data negative ELBO at ``get_params(state, which)`` (key: ``rng_key`` or the run's fixed key)."""
         self._require_init()
-        return self._evaluate_jit(state, rng_key, args, kwargs, which=which or self.output)
+        args, kwargs = prepare_inputs(args, kwargs)
+        return self._compiled("evaluate", self._evaluate)(state, (self._inputs(args, kwargs), rng_key,
+                                                                  which or self.output))
 
-    def _evaluate_impl(self, state, rng_key, args, kwargs, which):
+    def _evaluate(self, state, inputs):
+        inputs, rng_key, which = inputs
         key = self._eval_key(state) if rng_key is None else rng_key
-        return self._objective(self._client_loss(args, kwargs), self._iterate(state, which), key)
+        return self._objective(self._client_loss(inputs), self._iterate(state, which), key, inputs)
 
     def get_params(self, state: vs.VIState, which: str | None = None) -> dict:
         """Constrained guide params (for ``Predictive``) of the last synchronised iterate or the average output."""
@@ -267,17 +369,19 @@ class FedLocalVI:
     def run(self, rng_key, num_steps: int, *args, progress_bar: bool = True, stable_update: bool = False,
             init_state: vs.VIState | None = None, init_params: dict | None = None, callbacks=(),
             early_stopping: EarlyStopping | None = None, chunk_size: int | None = None, **kwargs) -> RunResult:
-        """``num_steps`` communication rounds in the shared compiled loop (from ``init`` or ``init_state``:
-        resuming gives the same iterates as an uninterrupted run).  ``result.diagnostics`` adds
-        ``oracle_calls_per_client``."""
+        """``num_steps`` communication rounds in the shared compiled loop: ``run(rng_key, num_rounds, *model_args)``
+        (from ``init`` or ``init_state``: resuming gives bitwise the iterates of an uninterrupted run; a second run
+        on same-shaped inputs reuses the compiled loop).  ``result.diagnostics`` adds ``oracle_calls_per_client``."""
+        args, kwargs = prepare_inputs(args, kwargs)
         if init_state is None:
             init_state = self.init(rng_key, *args, init_params=init_params, **kwargs)
         elif self.structure is None:
             self._setup(random.split(rng_key)[0], args, kwargs, init_params)
-        result = run_loop(lambda s, _: self._update_impl(s, args, kwargs), init_state, num_steps,
+        result = run_loop(self._step, init_state, num_steps, inputs=self._inputs(args, kwargs),
                           get_params=self.get_params, progress_bar=progress_bar, callbacks=callbacks,
                           early_stopping=early_stopping, stable_update=stable_update, chunk_size=chunk_size,
-                          desc=f"{type(self).__name__}[{self.method}]")
+                          desc=f"{type(self).__name__}[{self.method}]",
+                          cache=self.__dict__.setdefault("_run_cache", {}))
         rounds = int(result.state.round)
         result.diagnostics["oracle_calls_per_client"] = rounds * self.local_steps * self.solver.calls_per_step
         return result

@@ -24,7 +24,7 @@ from numpyro.primitives import Messenger
 
 from .structure import ModelStructure, Partitions
 
-__all__ = ["block_loss_fn", "client_loss_fn", "full_loss_fn"]
+__all__ = ["block_loss_fn", "client_loss_fn", "client_loss_from_blocks", "full_loss_fn"]
 
 
 class _BlockScale(Messenger):
@@ -139,5 +139,24 @@ def client_loss_fn(elbo, model, guide, structure, data_plate: str, num_total: in
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="subsample_size does not match")
             return elbo.loss(rng_key, structure.constrain_global(theta), m, g, rows, *args, **kwargs)
+
+    return loss
+
+
+def client_loss_from_blocks(block_loss: Callable, num_total: int, args=(), kwargs=None) -> Callable:
+    """``loss(rng_key, theta_unconstrained, idx, mask)``: one client's share of the federated negative ELBO when the
+    client is a block of the user's data plate (``FedSVI(..., clients=ids)``) — ``client_loss_fn``'s contract with the
+    client's rows given as data-plate INDICES ``idx`` (padded; ``mask`` True on real rows).
+
+    ``block_loss`` (:func:`block_loss_fn`) on ``idx`` with every data-plate term counted ``num_total / Σ mask`` times
+    and the global terms (prior, global KL) once: an unbiased estimate of the full-data negative ELBO, and with
+    ``μ_i = N_i/N`` the sum ``Σ_i μ_i loss_i`` is the full-data negative ELBO.  O(rows) through the plate's indices
+    when the data plate is subsampled, O(N) through a mask otherwise (then ``idx`` must not repeat a row: draw
+    minibatches without replacement).  Global-only guides (no local params)."""
+    kwargs = dict(kwargs or {})
+
+    def loss(rng_key, theta, idx, mask, *_):
+        local_weight = num_total / jnp.maximum(jnp.sum(mask), 1)
+        return block_loss(rng_key, theta, {}, idx, mask, 1.0, args, kwargs, local_weight=local_weight)
 
     return loss

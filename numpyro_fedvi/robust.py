@@ -1,8 +1,15 @@
 """Distributionally robust (agnostic) federated VI: a saddle-point inference problem (specs/federated_vi_solvers.md,
 "Use in a variational-INFERENCE library").
 
+The model is the user's SVI model, unchanged (DESIGN.md "The model contract"); the groups are blocks of its data plate,
+given like PD-VI's ``partitions=``::
+
+    RobustFedVI(model, guide, Trace_ELBO(8), clients=site_ids, tau=0.5, local_steps=5, step_size=0.2
+                ).run(key, num_rounds, X, y)
+
 Groups g = 1..G (one per client: hospitals, sites) with ``N_g`` rows; ``L_g(θ)`` is group g's negative ELBO per datum
-(``objectives.client_loss_fn`` with the group's likelihood scaled to ``N`` rows and the KL once, divided by N:
+(``objectives.client_loss_from_blocks`` / ``client_loss_fn``: the group's likelihood scaled to ``N`` rows and the KL
+once, divided by N:
 ``L_g = −E_q mean_{i∈g} log p(y_i | ·) + KL(q‖p)/N``).  The robust posterior solves
 
     min_θ max_{w∈Δ_G}  Φ(θ, w) = Σ_g w_g L_g(θ) − (τ/2)‖w − 1/G‖²,
@@ -32,6 +39,7 @@ from jax import random
 from . import vi_solvers as vs
 from .federated import ClientData
 from .fedlocalvi import FedLocalVI, _positive_float
+from .inputs import prepare_inputs
 from .projections import project_simplex
 from .prox import Prox, simplex_prox
 from .runner import RunResult
@@ -61,11 +69,15 @@ class RobustFedVI(FedLocalVI):
     """Worst-group-robust federated VI (see module docstring) on NumPyro's SVI surface; one step = one round of
     local dual averaging on the saddle operator, every group/client running K local steps.
 
-    ``RobustFedVI(model, guide, groups, Trace_ELBO(num_particles=8), tau=0.5, local_steps=5, step_size=0.2)``;
-    ``run(key, num_rounds)``; ``get_params(state)`` gives the robust guide params (``Predictive``),
-    ``group_weights(state)`` the group weights w ∈ Δ, ``group_losses(params)`` the per-datum L_g of any params.
+    ``RobustFedVI(model, guide, Trace_ELBO(num_particles=8), clients=group_ids, tau=0.5, local_steps=5,
+    step_size=0.2)`` on the user's SVI model; ``run(key, num_rounds, X, y)``; ``get_params(state)`` gives the robust
+    guide params (``Predictive(model, guide=guide, params=...)(key, X, y)``), ``group_weights(state)`` the group
+    weights w ∈ Δ, ``group_losses(params, X, y)`` the per-datum L_g of any params.
 
-    :param groups: one client per group, a :class:`~numpyro_fedvi.federated.ClientData`.
+    :param clients: the groups: a length-N integer array of group ids ``0..G-1`` or a list of index arrays (blocks
+        of the data plate, as PD-VI's ``partitions=``), or ``num_clients=G``; lower layer: a
+        :class:`~numpyro_fedvi.federated.ClientData` of each group's rows (also accepted as the third positional
+        argument, ``RobustFedVI(model, guide, groups, loss, ...)``, with ``model(rows, *args)``).
     :param tau: τ > 0, the strength of the pull of w toward 1/G (τ → ∞: the average posterior).
     :param step_size: η of dual averaging for θ, on the PER-DATUM scale (``L_g`` is per datum; η ≲ 1/L_θ).
     :param weight_step_size: η_w for w (default ``min(η, 1/τ)``: the w-block is τ-strongly concave and τ-smooth):
@@ -76,35 +88,37 @@ class RobustFedVI(FedLocalVI):
     Other arguments as :class:`~numpyro_fedvi.FedLocalVI` (``batch_size``, ``crn``, ``data_plate``).
     """
 
-    def __init__(self, model, guide, groups: ClientData, loss=None, *, tau: float, local_steps: int,
-                 step_size: float, weight_step_size: float | None = None, batch_size: int | None = None,
-                 crn=False, output: str = "last", data_plate: str = "data", **static_kwargs):
+    def __init__(self, model, guide, loss=None, *legacy, clients=None, num_clients: int | None = None, tau: float,
+                 local_steps: int, step_size: float, weight_step_size: float | None = None,
+                 batch_size: int | None = None, crn=False, output: str = "last", data_plate: str | None = None,
+                 **static_kwargs):
         self.tau = _positive_float(tau, "tau")
         self.weight_step_size = (min(_positive_float(step_size, "step_size"), 1.0 / self.tau)
                                  if weight_step_size is None else _positive_float(weight_step_size, "weight_step_size"))
-        super().__init__(model, guide, groups, loss, method="local_dual_averaging", local_steps=local_steps,
-                         step_size=step_size, prox=simplex_weight_prox(), batch_size=batch_size, crn=crn,
-                         output=output, data_plate=data_plate, **static_kwargs)
-        if groups.num_clients < 2:
-            raise ValueError(f"groups must hold at least 2 groups (one client each), got {groups.num_clients}.")
+        super().__init__(model, guide, loss, *legacy, clients=clients, num_clients=num_clients,
+                         method="local_dual_averaging", local_steps=local_steps, step_size=step_size,
+                         prox=simplex_weight_prox(), batch_size=batch_size, crn=crn, output=output,
+                         data_plate=data_plate, **static_kwargs)
+        if self.num_clients < 2:
+            raise ValueError(f"the clients must form at least 2 groups (one client each), got {self.num_clients}.")
 
     # -- problem hooks ----------------------------------------------------------------------------------------------
     def _initial_point(self, theta0):
-        G = self.clients.num_clients
+        G = self.num_clients
         dtype = jnp.result_type(*jax.tree.leaves(theta0))
         return {"theta": theta0, "w": jnp.full((G,), 1.0 / G, dtype)}
 
     def _theta(self, z):
         return z["theta"]
 
-    def _operator(self, loss, mc_key) -> vs.Operator:
+    def _operator(self, loss, mc_key, cd: ClientData) -> vs.Operator:
         """``V_g(θ, w) = (G w_g ∇L_g(θ), c·P[τ(w − 1/G) − G L_g(θ) e_g])`` with ``L_g = F_g/N`` on group g's rows."""
-        G, N, tau = self.clients.num_clients, float(self.num_total), self.tau
+        G, N, tau = cd.num_clients, float(self.num_total), self.tau
         scale_w = self.weight_step_size / self.step_size
         value_and_grad = jax.value_and_grad(lambda key, th, rows, mask: loss(key, th, rows, mask) / N, argnums=1)
 
         def operator(z, key, g):
-            rows, mask, key = self._rows(key, g, mc_key)
+            rows, mask, key = self._rows(key, g, mc_key, cd)
             value, grad = value_and_grad(key, z["theta"], rows, mask)
             w = z["w"]
             v_theta = jax.tree.map(lambda gi: (G * w[g]).astype(gi.dtype) * gi, grad)
@@ -114,13 +128,12 @@ class RobustFedVI(FedLocalVI):
 
         return operator
 
-    def _group_losses(self, loss, theta, key):
-        cd = self.clients
+    def _group_losses(self, loss, theta, key, cd: ClientData):
         return jax.vmap(loss, in_axes=(None, None, 0, 0))(key, theta, cd.data, cd.mask) / self.num_total
 
-    def _objective(self, loss, z, key):
+    def _objective(self, loss, z, key, inputs):
         """The robust objective ``ψ(θ) = max_{w∈Δ} Φ(θ, w)`` (all rows of every group)."""
-        losses = self._group_losses(loss, self._theta(z), key)
+        losses = self._group_losses(loss, self._theta(z), key, inputs[0])
         return dro_objective(losses, dro_weights(losses, self.tau), self.tau)
 
     # -- results ----------------------------------------------------------------------------------------------------
@@ -133,10 +146,15 @@ class RobustFedVI(FedLocalVI):
         """``(L_g)_g``: every group's negative ELBO per datum at constrained guide ``params`` (from this or any other
         engine).  Key: ``rng_key``, else the ``crn`` key when one was given, else ``random.key(0)``."""
         self._require_init()
+        args, kwargs = prepare_inputs(args, kwargs)
         theta, _ = self.structure.unconstrain(params)
         if rng_key is None:
             rng_key = self.crn if not isinstance(self.crn, bool) else random.key(0)
-        return self._group_losses(self._client_loss(args, kwargs), theta, rng_key)
+        return self._compiled("group_losses", self._group_losses_at)(theta, (rng_key, self._inputs(args, kwargs)))
+
+    def _group_losses_at(self, theta, inputs):
+        key, inputs = inputs
+        return self._group_losses(self._client_loss(inputs), theta, key, inputs[0])
 
 
 class RobustResult(NamedTuple):
@@ -150,10 +168,14 @@ class RobustResult(NamedTuple):
     engine: RobustFedVI
 
 
-def robust_federated_vi(rng_key, model, guide, groups: ClientData, num_rounds: int, *args, loss=None, tau: float,
+def robust_federated_vi(rng_key, model, guide, groups, num_rounds: int, *args, loss=None, tau: float,
                         local_steps: int = 5, step_size: float, progress_bar: bool = False, **options) -> RobustResult:
-    """Run :class:`RobustFedVI` for ``num_rounds`` rounds and collect the robust posterior and the group weights."""
-    engine = RobustFedVI(model, guide, groups, loss, tau=tau, local_steps=local_steps, step_size=step_size, **options)
+    """Run :class:`RobustFedVI` for ``num_rounds`` rounds and collect the robust posterior and the group weights.
+
+    ``groups``: group ids / index arrays of the model's data plate (``*args`` = the model's arguments, e.g. X, y),
+    or a ClientData of each group's rows (lower layer)."""
+    engine = RobustFedVI(model, guide, loss, clients=groups, tau=tau, local_steps=local_steps, step_size=step_size,
+                         **options)
     result = engine.run(rng_key, num_rounds, *args, progress_bar=progress_bar)
     return RobustResult(result.params, engine.group_weights(result.state),
                         engine.group_losses(result.params, *args), result, engine)

@@ -4,6 +4,14 @@ needs equal shapes: pad and mask").
 ``ClientData(data, mask, counts)``: every leaf of ``data`` has shape ``(n_clients, max_rows, ...)``; client ``i`` owns
 the rows ``[:counts[i]]`` (``mask[i, j] = j < counts[i]``); padding rows repeat the client's last real row, so any
 function of them stays finite, but they must always be masked out.  Client weights are ``μ_i = N_i/N``.
+
+Two uses (DESIGN.md "The model contract"):
+
+* clients as BLOCKS OF THE DATA PLATE of the user's one model (``FedSVI(..., clients=ids)``): ``data`` holds each
+  client's row INDICES ``(n_clients, max_rows)`` int32 (:meth:`ClientData.from_plate`, built from the same
+  ``clients=`` argument as PD-VI's ``partitions=``), so row minibatching picks index subsets;
+* clients that hold their own rows (data never pooled in one process): ``data`` holds the rows themselves and the
+  model is written ``model(rows, *args)`` (:meth:`ClientData.from_list` / :meth:`ClientData.from_ids`).
 """
 
 from __future__ import annotations
@@ -16,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import random
 
-__all__ = ["ClientData", "sample_rows", "take_rows"]
+__all__ = ["ClientData", "check_clients", "client_minibatch", "sample_rows", "take_rows"]
 
 
 def _leaf_name(path) -> str:
@@ -168,6 +176,28 @@ class ClientData(NamedTuple):
         clients = [jax.tree_util.tree_unflatten(treedef, [leaf[g] for leaf in leaves]) for g in groups]
         return _stack(clients, [f"client {k} (id {u})" for k, u in enumerate(uniq.tolist())])
 
+    @classmethod
+    def from_plate(cls, size: int, clients=None, num_clients: int | None = None, plate_name: str = "data"
+                   ) -> ClientData:
+        """Clients as blocks of a data plate of ``size`` rows: ``data`` = each client's row indices
+        ``(n_clients, max_rows)`` int32 (padded, masked), ``counts`` = the N_i.
+
+        ``clients``: a length-``size`` integer array of client ids ``0..M-1`` (every id used) or a list of index
+        arrays that together cover ``range(size)`` exactly once (as PD-VI's ``partitions=``); or ``num_clients=M``:
+        contiguous chunks in data order (sizes differ by at most one).
+        """
+        from ..structure import make_partitions  # the one partition builder (structure.py)
+
+        check_clients(clients, num_clients)
+        try:
+            blocks = make_partitions(int(size), num_clients, clients)
+        except (ValueError, TypeError) as err:
+            given = f"num_clients={num_clients!r}" if clients is None else "clients="
+            raise type(err)(f"{given} does not split the {int(size)} rows of the data plate {plate_name!r} into "
+                            f"clients: {err} Give one client id (0..M-1) per row of the data plate, a list of index "
+                            f"arrays covering every row once, or num_clients=M.") from err
+        return cls(blocks.indices, blocks.mask, blocks.sizes)
+
     def client(self, i: int):
         """The unpadded pytree of client ``i`` (host-side; negative ``i`` counts from the end)."""
         if not isinstance(i, (int, np.integer)) or isinstance(i, bool):
@@ -223,3 +253,71 @@ def take_rows(client_data: ClientData, indices):
         raise ValueError(f"indices must have shape (num_clients={client_data.num_clients}, batch), got "
                          f"{indices.shape}.")
     return jax.tree_util.tree_map(lambda leaf: jax.vmap(lambda rows, i: rows[i])(leaf, indices), client_data.data)
+
+
+def check_clients(clients, num_clients) -> int:
+    """Validate a ``clients=`` / ``num_clients=`` argument before the data are seen; returns the number of clients M.
+
+    ``clients`` is a 1-D integer array of client ids ``0..M-1`` (one per row of the data plate, each id used) or a
+    list (or 2-D array) of integer index arrays, one per client; ``num_clients`` a positive int.  Exactly one of the
+    two.  Whether they cover the data plate is checked when its size is known (:meth:`ClientData.from_plate`).
+    """
+    if (clients is None) == (num_clients is None):
+        raise ValueError("give exactly one of clients= (a client id per row of the data plate, or a list of index "
+                         "arrays) or num_clients=M (contiguous chunks).")
+    if num_clients is not None:
+        if isinstance(num_clients, bool) or not isinstance(num_clients, (int, np.integer)) or num_clients < 1:
+            raise ValueError(f"num_clients must be a positive int, got {num_clients!r}.")
+        return int(num_clients)
+    if isinstance(clients, ClientData):
+        raise TypeError("clients= here takes client ids or index arrays; a ClientData is the lower layer "
+                        "(model(rows, *args)), see the engine's docstring.")
+    if isinstance(clients, jax.core.Tracer):
+        raise TypeError("clients is a traced value: give the client ids on the host, outside jit/vmap.")
+    if isinstance(clients, (list, tuple)) or np.ndim(clients) == 2:
+        blocks = [np.asarray(b) for b in clients]
+        if not blocks:
+            raise ValueError("clients is an empty list; give one index array per client.")
+        for i, b in enumerate(blocks):
+            if b.size == 0:
+                raise ValueError(f"clients[{i}] is empty; every client needs at least one row.")
+            if b.dtype.kind not in "iu":
+                raise TypeError(f"clients[{i}] has dtype {b.dtype}; a client is an array of integer row indices.")
+        return len(blocks)
+    ids = np.asarray(clients)
+    if ids.ndim != 1:
+        raise ValueError(f"clients must be a 1-D array of client ids (one per row) or a list of index arrays, got "
+                         f"an array of shape {ids.shape}.")
+    if ids.dtype.kind not in "iu":
+        raise TypeError(f"client ids must be integers 0..M-1, got dtype {ids.dtype}; convert labels with "
+                        "np.unique(labels, return_inverse=True)[1].")
+    uniq = np.unique(ids)
+    if uniq.size == 0 or uniq[0] < 0 or uniq[-1] != uniq.size - 1:
+        missing = sorted(set(range(int(uniq[-1]) + 1)) - set(uniq.tolist()))[:5] if uniq.size and uniq[0] >= 0 \
+            else []
+        raise ValueError("client ids must be 0..M-1 with every id used"
+                         + (f" (ids {missing} have no rows)" if missing else f" (got ids {uniq[:5].tolist()}...)")
+                         + "; relabel with np.unique(ids, return_inverse=True)[1].")
+    return int(uniq.size)
+
+
+def client_minibatch(key, rows, mask, batch_size: int, *, replace: bool = True):
+    """One client's minibatch: ``batch_size`` of its real rows (``mask`` True) drawn uniformly; ``(rows_b, mask_b)``.
+
+    ``rows`` is a pytree with a leading (padded) row axis — the client's rows or its data-plate indices.
+    ``replace=True``: with replacement (O(batch), every draw valid; the same draws as the federated engines' row
+    sampling on ClientData).  ``replace=False``: a uniform random subset without replacement (needs when duplicated
+    rows would collapse, e.g. a mask on an unsubsampled data plate); draws past the client's row count are flagged
+    invalid, and ``batch_size >= max_rows`` returns every row (the exact oracle).  jit-friendly, ``batch_size``
+    static.
+    """
+    count = jnp.sum(mask)
+    if replace:
+        j = random.randint(key, (batch_size,), 0, count)
+        return jax.tree.map(lambda a: a[j], rows), jnp.ones((batch_size,), bool)
+    width = mask.shape[0]
+    if batch_size >= width:
+        return rows, mask
+    u = jnp.where(mask, random.uniform(key, (width,)), 2.0)  # padding sorts last
+    j = jnp.argsort(u)[:batch_size]
+    return jax.tree.map(lambda a: a[j], rows), jnp.arange(batch_size) < count

@@ -3,6 +3,7 @@
 ``SASSMM(family, step_size=...)`` and ``FedMM(family, step_size=..., cv_step=α, participation=..., compressor=...)``
 have NumPyro's SVI surface — ``init``, ``update``, ``stable_update``, ``evaluate``, ``get_params``, ``run`` — where
 one step is one round and the loss is the family's objective at the broadcast θ_t (or ``E^s`` without one).
+``update``/``evaluate`` are compiled once per engine and data shapes; ``run`` keeps its compiled loop across runs.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import numpy as np
 from jax import random
 
 from ..federated import ClientData, Full, Identity
+from ..inputs import InputJit, prepare_inputs
 from ..runner import EarlyStopping, RunResult, revert_non_finite, run_loop, tree_all_finite
 from .core import (
     FedMMState,
@@ -30,7 +32,7 @@ from .core import (
     sassmm_step,
 )
 
-__all__ = ["SASSMM", "FedMM", "with_projection"]
+__all__ = ["SASSMM", "FedMM", "strong_types", "with_projection"]
 
 
 def _check_step_size(step_size):
@@ -54,6 +56,12 @@ def with_projection(family: SurrogateFamily, projection: Callable | None) -> Sur
     return dataclasses.replace(family, project=projection)
 
 
+def strong_types(tree):
+    """``tree`` as arrays without weak types (as ``SVI.init`` does): a state whose leaves change from weak to strong
+    types after one round would retrace the compiled round / run loop at the second call or a resumed run."""
+    return jax.tree.map(lambda x: jax.lax.convert_element_type(x, jnp.result_type(x)), tree)
+
+
 def _check_batch_size(batch_size):
     if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer))
                                    or batch_size < 1):
@@ -61,7 +69,13 @@ def _check_batch_size(batch_size):
 
 
 class _Engine:
-    """Shared surface: ``get_params``, ``stable_update``, ``run`` over ``update``."""
+    """Shared surface: ``get_params``, ``update``, ``stable_update``, ``evaluate``, ``run``.
+
+    One round is the pure ``_step(state, inputs) -> (state, loss)``; ``inputs`` is what the round reads (the data, the
+    client data, the model's arguments), passed to the compiled functions as traced arguments (never closed over),
+    so an eager ``update`` loop and a second ``run`` on same-shaped inputs reuse one compilation
+    (:class:`~numpyro_fedvi.inputs.InputJit`, ``run_loop(..., cache=...)``).
+    """
 
     def __init__(self, family: SurrogateFamily, step_size, batch_size, to_params: Callable | None,
                  projection: Callable | None = None):
@@ -73,27 +87,73 @@ class _Engine:
         self.family = with_projection(family, projection)
         self.step_size, self.batch_size, self.to_params = step_size, batch_size, to_params
 
+    # hooks (FedSVI builds its family from the model's arguments inside the compiled round) ---------------------
+    def _family_for(self, inputs, exact: bool = False) -> SurrogateFamily:
+        """The family of the round (``exact``: without any minibatching inside the oracle)."""
+        return self.family
+
+    def _data_of(self, inputs):
+        """The rows (SASSMM) or the ClientData (FedMM) inside ``inputs``."""
+        return inputs
+
+    def _objective_fn(self, inputs):
+        """``None`` (report the family's objective through the core) or ``theta -> loss`` (the engine's own)."""
+        return None
+
+    def _has_objective(self) -> bool:
+        return self.family.objective is not None
+
+    def _compiled(self, name: str, fn: Callable) -> InputJit:
+        cache = self.__dict__.setdefault("_jit_cache", {})
+        if name not in cache:
+            cache[name] = InputJit(fn)
+        return cache[name]
+
+    def _prepare(self, data):
+        (data,), _ = prepare_inputs((data,), {})
+        return data
+
+    # SVI surface -------------------------------------------------------------------------------------------------
     def get_params(self, state):
         """``to_params(θ_t)`` (e.g. NumPyro guide params for ``Predictive``) or θ_t itself."""
         return self.to_params(state.theta) if self.to_params is not None else state.theta
 
-    def stable_update(self, state, data):
+    def update(self, state, data):
+        """One round (compiled once per data shapes); returns ``(state, loss)``."""
+        return self._compiled("update", self._step)(state, self._prepare(data))
+
+    def stable_update(self, state, *args, **kwargs):
         """Like ``update`` but keeps the old state when the loss or the new state is not finite."""
-        new_state, loss = self.update(state, data)
+        new_state, loss = self.update(state, *args, **kwargs)
         return revert_non_finite(new_state, state, jnp.isfinite(loss) & tree_all_finite(new_state)), loss
+
+    def evaluate(self, state, data):
+        """The family's objective at θ_t over all rows (see the subclasses)."""
+        if not self._has_objective():
+            raise ValueError("this family has no objective to evaluate.")
+        return self._compiled("evaluate", self._evaluate)(state, self._prepare(data))
+
+    def _run(self, init_state, num_steps, inputs, *, progress_bar, stable_update, callbacks, early_stopping,
+             chunk_size) -> RunResult:
+        return run_loop(self._step, init_state, num_steps, inputs=inputs, get_params=self.get_params,
+                        progress_bar=progress_bar, callbacks=callbacks, early_stopping=early_stopping,
+                        stable_update=stable_update, chunk_size=chunk_size, desc=type(self).__name__,
+                        cache=self.__dict__.setdefault("_run_cache", {}))
 
     def run(self, rng_key, num_steps: int, data, init_stat=None, *, progress_bar: bool = True,
             stable_update: bool = False, init_state=None, callbacks=(), early_stopping: EarlyStopping | None = None,
             chunk_size: int | None = None) -> RunResult:
         """``num_steps`` rounds in the shared compiled loop, from ``init(rng_key, data, init_stat)`` or
-        ``init_state`` (resume).  Returns a ``RunResult`` (params = ``get_params`` of the last state)."""
+        ``init_state`` (resume: bitwise the uninterrupted run).  The compiled loop is kept by the engine (a second
+        run on same-shaped data does not recompile).  Returns a ``RunResult`` (params = ``get_params`` of the last
+        state)."""
+        data = self._prepare(data)
         if init_state is None:
             if init_stat is None:
                 raise ValueError("run needs init_stat (the initial statistic Ŝ_0) or init_state=.")
             init_state = self.init(rng_key, data, init_stat)
-        return run_loop(lambda s, _: self.update(s, data), init_state, num_steps, get_params=self.get_params,
-                        progress_bar=progress_bar, callbacks=callbacks, early_stopping=early_stopping,
-                        stable_update=stable_update, chunk_size=chunk_size, desc=type(self).__name__)
+        return self._run(init_state, num_steps, data, progress_bar=progress_bar, stable_update=stable_update,
+                         callbacks=callbacks, early_stopping=early_stopping, chunk_size=chunk_size)
 
 
 class SASSMM(_Engine):
@@ -114,8 +174,8 @@ class SASSMM(_Engine):
 
     def init(self, rng_key, data, init_stat) -> SASSMMState:
         """``Ŝ_0 = project(init_stat)``, ``θ_0 = T(Ŝ_0)``."""
-        _num_rows(data)
-        return sassmm_init(self.family, init_stat, rng_key)
+        _num_rows(self._prepare(data))
+        return sassmm_init(self.family, strong_types(init_stat), rng_key)
 
     def _batch_fn(self, data):
         n = _num_rows(data)
@@ -129,15 +189,19 @@ class SASSMM(_Engine):
 
         return draw
 
-    def update(self, state: SASSMMState, data):
-        """One round; the loss is the objective on the round's rows at θ_t (``E^s`` without an objective)."""
+    def _step(self, state: SASSMMState, data):
         state, info = sassmm_step(state, self.family, self._batch_fn(data), self.step_size)
         return state, info.get("objective", info["E_s"])
 
+    def update(self, state: SASSMMState, data):
+        """One round; the loss is the objective on the round's rows at θ_t (``E^s`` without an objective)."""
+        return super().update(state, data)
+
     def evaluate(self, state: SASSMMState, data):
         """The family's objective on all rows at θ_t."""
-        if self.family.objective is None:
-            raise ValueError("this family has no objective to evaluate.")
+        return super().evaluate(state, data)
+
+    def _evaluate(self, state, data):
         return self.family.objective(state.theta, data, jnp.ones((_num_rows(data),), bool))
 
 
@@ -158,6 +222,8 @@ class FedMM(_Engine):
     :param projection: the server's projection onto 𝒮 (Algorithm 2, step 4): ``None`` uses ``family.project``;
         a callable ``s -> s`` replaces it (e.g. a tighter convex set, or the PSD / simplex projections of
         :mod:`numpyro_fedvi.projections` on a family built without one).  It is applied to Ŝ_0 too.
+
+    ``client_data`` is a :class:`~numpyro_fedvi.federated.ClientData`.
     """
 
     def __init__(self, family: SurrogateFamily, *, step_size=1.0, cv_step: float = 0.0, participation=None,
@@ -179,35 +245,61 @@ class FedMM(_Engine):
             raise ValueError(f"aggregate must be 'surrogate' or 'parameter', got {aggregate!r}.")
         self.cv_step, self.init_control_variates, self.aggregate = float(cv_step), init_control_variates, aggregate
 
+    def _core_batch_size(self, inputs):
+        """Rows per client drawn by the core (``None``: the oracle gets every row of its client)."""
+        return self.batch_size
+
     def init(self, rng_key, client_data: ClientData, init_stat) -> FedMMState:
         """Validate the participation law against the clients, warn when α > 1/(1+ω_p), build the state."""
+        client_data = self._prepare(client_data)
         if not isinstance(client_data, ClientData):
             raise TypeError("FedMM needs a numpyro_fedvi.federated.ClientData (ClientData.from_list / from_ids), "
                             f"got {type(client_data).__name__}.")
+        return self._init_state(rng_key, client_data, init_stat)
+
+    def _init_state(self, rng_key, inputs, init_stat) -> FedMMState:
+        client_data, family = self._data_of(inputs), self._family_for(inputs, exact=True)
+        init_stat = strong_types(init_stat)
         n = client_data.num_clients
         self.participation.validate(n)
         p = float(self.participation.prob(n))
-        s0 = self.family.project(jax.tree.map(jnp.asarray, init_stat))
-        omega = float(self.compressor.omega(s0 if self.aggregate == "surrogate" else self.family.T(s0)))
+        s0 = family.project(jax.tree.map(jnp.asarray, init_stat))
+        omega = float(self.compressor.omega(s0 if self.aggregate == "surrogate" else family.T(s0)))
         omega_p = omega + (1 - p) * (1 + omega) / p
         if omega_p > 0 and self.cv_step > 1 / (1 + omega_p) + 1e-12:
             warnings.warn(f"cv_step={self.cv_step} exceeds the theory bound 1/(1+ω_p) = {1 / (1 + omega_p):.3g} "
-                          f"(ω = {omega:.3g}, p = {p:.3g}).", UserWarning, stacklevel=2)
-        return fedmm_init(self.family, init_stat, client_data, rng_key, self.init_control_variates, self.aggregate)
+                          f"(ω = {omega:.3g}, p = {p:.3g}).", UserWarning, stacklevel=3)
+        return fedmm_init(family, init_stat, client_data, rng_key, self.init_control_variates, self.aggregate)
+
+    def _step(self, state: FedMMState, inputs):
+        """One round: ``(state, loss)``; the loss is at θ_t (before the update, like ``SVI.update``)."""
+        family, client_data = self._family_for(inputs), self._data_of(inputs)
+        objective = self._objective_fn(inputs)
+        if objective is not None:  # the engine's own (cheaper) full objective: the core does not evaluate one
+            family = dataclasses.replace(family, objective=None)
+            loss = objective(state.theta)
+        state, info = fedmm_step(state, family, client_data, step_size_fn=self.step_size, alpha=self.cv_step,
+                                 participation=self.participation, compressor=self.compressor,
+                                 batch_size=self._core_batch_size(inputs), aggregate=self.aggregate)
+        if objective is None:
+            loss = info.get("objective", info.get("E_s", info.get("E_p")))
+        return state, loss
 
     def update(self, state: FedMMState, client_data: ClientData):
         """One round; the loss is Σ_i μ_i objective_i(θ_t) over all rows (``E^s``/``E^p`` without an objective)."""
-        state, info = fedmm_step(state, self.family, client_data, step_size_fn=self.step_size, alpha=self.cv_step,
-                                 participation=self.participation, compressor=self.compressor,
-                                 batch_size=self.batch_size, aggregate=self.aggregate)
-        return state, info.get("objective", info.get("E_s", info.get("E_p")))
+        return super().update(state, client_data)
 
     def evaluate(self, state: FedMMState, client_data: ClientData):
         """``Σ_i μ_i objective_i(θ_t)`` over all rows."""
-        if self.family.objective is None:
-            raise ValueError("this family has no objective to evaluate.")
-        per_client = jax.vmap(self.family.objective, in_axes=(None, 0, 0))(state.theta, client_data.data,
-                                                                           client_data.mask)
+        return super().evaluate(state, client_data)
+
+    def _evaluate(self, state, inputs):
+        objective = self._objective_fn(inputs)
+        if objective is not None:
+            return objective(state.theta)
+        family, client_data = self._family_for(inputs), self._data_of(inputs)
+        per_client = jax.vmap(family.objective, in_axes=(None, 0, 0))(state.theta, client_data.data,
+                                                                      client_data.mask)
         return jnp.sum(client_data.weights.astype(per_client.dtype) * per_client)
 
 

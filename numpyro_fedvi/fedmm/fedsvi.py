@@ -1,5 +1,11 @@
 """FedSVI: FedMM with the quadratic surrogate on ANY NumPyro model + guide (specs/fedmm.md "Families", Ex. 1).
 
+The model is the one the user runs under ``numpyro.infer.SVI`` (DESIGN.md "The model contract"): ``model(X, y)``
+with its observations in a data plate (``numpyro.plate("data", N)``, with or without ``subsample_size``); a client
+is a block of that plate, given exactly like PD-VI's ``partitions=``::
+
+    FedSVI(model, guide, Trace_ELBO(), clients=site_ids, rho=1e-3).run(key, num_rounds, X, y)
+
 Quadratic family: ψ = ‖θ‖²/(2ρ), φ = θ/ρ, ``S̄(Z, τ) = τ − ρ G(Z, τ)`` with ``G`` an unbiased gradient of the client's
 negative ELBO, 𝒮 = R^d and ``T = identity`` (g = 0).  FedMM with it is federated SGD on the unconstrained guide
 params with partial participation, compression and control variates (no gain from surrogate-space aggregation:
@@ -9,7 +15,7 @@ federated proximal SGD.
 
 Client objective: the user's NumPyro ELBO on the client's rows with every site inside the data plate scaled by
 ``N_total / b`` (padding masked) and the prior / KL counted once, so ``Σ_i μ_i f_i`` (μ_i = N_i/N) is the full-data
-negative ELBO (specs/fedmm.md "Pitfalls").
+negative ELBO (specs/fedmm.md "Pitfalls"; :func:`~numpyro_fedvi.objectives.client_loss_from_blocks`).
 """
 
 from __future__ import annotations
@@ -17,17 +23,32 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 from jax import random
 from numpyro.infer import Trace_ELBO
 
-from ..federated import ClientData
-from ..objectives import client_loss_fn
+from ..federated import ClientData, check_clients, client_minibatch
+from ..inputs import prepare_inputs
+from ..objectives import block_loss_fn, client_loss_fn, client_loss_from_blocks, full_loss_fn
 from ..prox import as_prox
-from ..structure import inspect_model
+from ..runner import EarlyStopping, RunResult
+from ..structure import Partitions, inspect_model
 from .core import SurrogateFamily
 from .engine import FedMM, with_projection
 
 __all__ = ["FedSVI", "quadratic_family"]
+
+
+def _objective_key():
+    """The fixed key of the reported objective (common random numbers across rounds: comparable losses)."""
+    return random.key(12345)
+
+
+def _check_elbo(loss, engine: str):
+    if loss is not None and not callable(getattr(loss, "loss", None)):
+        raise TypeError(f"loss must be a NumPyro ELBO (e.g. Trace_ELBO()), got {type(loss).__name__}; the clients go "
+                        f"in clients= (one client id per row of the data plate, or a list of index arrays) or "
+                        f"num_clients=M — e.g. {engine}(model, guide, Trace_ELBO(), clients=site_ids, ...).")
 
 
 def quadratic_family(loss: Callable, rho: float, objective_key=None, prox=None) -> SurrogateFamily:
@@ -38,7 +59,7 @@ def quadratic_family(loss: Callable, rho: float, objective_key=None, prox=None) 
     :param prox: ``None``, a :class:`~numpyro_fedvi.prox.Prox` (:func:`l1_prox`, :func:`box_prox`,
         :func:`theta_l_prox`), a list of them on disjoint params, or a callable ``(theta, rho) -> theta``.
     """
-    objective_key = random.key(12345) if objective_key is None else objective_key
+    objective_key = _objective_key() if objective_key is None else objective_key
     grad = jax.grad(loss, argnums=1)
     prox = as_prox(prox)
 
@@ -60,28 +81,59 @@ def quadratic_family(loss: Callable, rho: float, objective_key=None, prox=None) 
 class FedSVI(FedMM):
     """Federated SVI on a NumPyro model + guide: FedMM with the quadratic surrogate (``rho`` = SGD step).
 
-    ``model(rows, *args, **kwargs)`` takes one client's rows (a pytree with a leading row axis) and declares its
-    observations inside ``numpyro.plate(data_plate, rows_count)``; the guide takes the same arguments and has only
-    GLOBAL params (no per-datum params).  ``FedSVI(model, guide, Trace_ELBO(), rho=1e-3, participation=...,
-    compressor=..., cv_step=...)``; ``run(rng_key, num_rounds, client_data, *args)``; ``get_params`` returns the
-    constrained guide params (``Predictive(model, guide=guide, params=...)``).
+    One round (specs/fedmm.md Algorithm 2 with Ex. 1): every active client i computes
+    ``𝖲_i = θ_t − ρ ∇_θ f_i(θ_t)`` on its rows (``f_i``: its unbiased estimate of the full-data negative ELBO),
+    sends the compressed ``𝖲_i − θ_t − V_i``; the server aggregates with weights ``μ_i = N_i/N``, steps by γ and
+    applies ``T = prox_{ρg}`` (identity without ``prox``).  With γ = 1, full participation and no minibatching a
+    round is one full-batch gradient step of the SVI loss on the guide's unconstrained params.
 
+    **The user's model, unchanged** (the same ``model(X, y)`` as for ``numpyro.infer.SVI``)::
+
+        engine = FedSVI(model, guide, Trace_ELBO(), clients=site_ids, rho=1e-3)
+        result = engine.run(random.key(0), 500, X, y)          # like SVI.run
+        Predictive(model, guide=guide, params=result.params, num_samples=1000)(random.key(1), X, y)
+
+    ``clients``: a length-N integer array of client ids ``0..M-1`` (one per row of the data plate) or a list of index
+    arrays (as PD-VI's ``partitions=``), or ``num_clients=M`` (contiguous chunks).  A client's loss is the model's
+    ELBO restricted to its rows — through the plate's indices when the model declares ``plate("data", N,
+    subsample_size=...)`` (O(client rows) per evaluation), else through a mask on ``plate("data", N)`` (O(N)).
+
+    **Lower layer** (data that never sits in one process): a :class:`~numpyro_fedvi.federated.ClientData` of each
+    client's rows and ``model(rows, *args)`` with its observations in ``numpyro.plate(data_plate, rows_count)``;
+    pass it as ``clients=`` or as the first argument of ``init`` / ``update`` / ``run`` / ``evaluate``
+    (``run(rng_key, num_rounds, client_data, *args)``).
+
+    The guide must have GLOBAL params only (no per-datum params; use PDVI for local latents).  ``get_params``
+    returns the constrained guide params (``Predictive(model, guide=guide, params=...)`` on the model's arguments).
+    The loss of each round is the full-data negative ELBO at θ_t (a fixed Monte-Carlo key: comparable across
+    rounds) plus the prox's penalty when it knows one.
+
+    :param loss: a NumPyro ELBO (default ``Trace_ELBO()``).
     :param rho: the SGD step of the surrogate (ρ ≤ 1/L of the full-data negative ELBO).
+    :param clients: client ids / index arrays (blocks of the data plate), or a ClientData (lower layer).
+    :param num_clients: M contiguous clients in data order (instead of ``clients``).
+    :param data_plate: name of the data plate (default: the only subsampled plate, else the only plate around
+        every observation).
     :param step_size: FedMM's γ (default 1: θ_{t+1} = θ_t − ρ·(aggregated gradient)).
+    :param batch_size: rows per client per round; ``None`` = all rows (exact oracle).  Drawn with replacement
+        (O(batch)) from a subsampled data plate or a ClientData; without replacement under an unsubsampled plate
+        (a mask cannot count a row twice).
     :param prox: optional ``prox_{ρg}`` on the unconstrained global params (``T`` of the quadratic family):
         :func:`~numpyro_fedvi.prox.l1_prox` (federated lasso), :func:`~numpyro_fedvi.prox.box_prox`,
         :func:`~numpyro_fedvi.prox.theta_l_prox` (``σ_min(Σ) ≥ 1/√L`` for AutoLocationScale guides), a list
         of them on disjoint params, or a callable ``(theta, rho) -> theta``.  With γ = 1 and full participation
         one round is a proximal-gradient step ``θ ← prox_{ρg}(θ − ρ∇f(θ))``.
-    Other arguments (``projection=`` included) as :class:`~numpyro_fedvi.fedmm.FedMM`.
+    Other arguments (``cv_step``, ``participation``, ``compressor``, ``init_control_variates``, ``projection``) as
+    :class:`~numpyro_fedvi.fedmm.FedMM`; extra keyword arguments are passed to model and guide.
     """
 
-    def __init__(self, model, guide, loss=None, *, rho: float, data_plate: str = "data", step_size=1.0,
-                 cv_step: float = 0.0, participation=None, compressor=None, batch_size: int | None = None,
-                 init_control_variates: str = "zero", prox=None, projection: Callable | None = None,
-                 **static_kwargs):
+    def __init__(self, model, guide, loss=None, *, rho: float, clients=None, num_clients: int | None = None,
+                 data_plate: str | None = None, step_size=1.0, cv_step: float = 0.0, participation=None,
+                 compressor=None, batch_size: int | None = None, init_control_variates: str = "zero", prox=None,
+                 projection: Callable | None = None, **static_kwargs):
         if not (isinstance(rho, (int, float)) and rho > 0):
             raise ValueError(f"rho must be a positive float (the SGD step of the quadratic surrogate), got {rho!r}.")
+        _check_elbo(loss, "FedSVI")
         placeholder = SurrogateFamily(oracle=lambda *a: None, T=lambda s: s)
         super().__init__(placeholder, step_size=step_size, cv_step=cv_step, participation=participation,
                          compressor=compressor, batch_size=batch_size, init_control_variates=init_control_variates,
@@ -89,44 +141,168 @@ class FedSVI(FedMM):
         self.prox = as_prox(prox)
         self.model, self.guide, self.elbo = model, guide, Trace_ELBO() if loss is None else loss
         self.rho, self.data_plate, self.static_kwargs = float(rho), data_plate, static_kwargs
+        self._fixed_rows = None      # a ClientData given at construction (lower layer)
+        self._plate_clients = None   # (clients, num_clients): blocks of the data plate
+        if isinstance(clients, ClientData):
+            if num_clients is not None:
+                raise ValueError("give clients= (ids, index arrays or a ClientData) or num_clients=, not both.")
+            self._fixed_rows = clients
+            self.num_clients = clients.num_clients
+        elif clients is not None or num_clients is not None:
+            self.num_clients = check_clients(clients, num_clients)
+            self._plate_clients = (clients, num_clients)
+        else:
+            self.num_clients = None  # a ClientData comes with every call
         self.structure = None
+        self.client_data = self._fixed_rows  # the clients (indices of the data plate once built)
 
-    def _build(self, rng_key, client_data: ClientData, args, kwargs):
-        if not isinstance(client_data, ClientData):
-            raise TypeError("FedSVI needs a numpyro_fedvi.federated.ClientData, got "
-                            f"{type(client_data).__name__}.")
-        rows0 = client_data.client(0)
-        structure = inspect_model(self.model, self.guide, rng_key, (rows0, *args), {**kwargs, **self.static_kwargs},
-                                  data_plate=self.data_plate)
+    # -- inputs -----------------------------------------------------------------------------------------------------
+    @property
+    def _plate_mode(self) -> bool:
+        return self._plate_clients is not None
+
+    def _split(self, args, kwargs, where: str):
+        """``(client_data, model args, model kwargs)`` of a call, converted and checked (prepare_inputs)."""
+        args, kwargs = prepare_inputs(args, kwargs)
+        if self._plate_mode or self._fixed_rows is not None:
+            if args and isinstance(args[0], ClientData):
+                raise TypeError(f"this FedSVI was built with clients=; call {where}(..., *model_args) with the "
+                                "model's own arguments, not a ClientData.")
+            return self.client_data, args, kwargs
+        if not args or not isinstance(args[0], ClientData):
+            got = type(args[0]).__name__ if args else "nothing"
+            raise TypeError("FedSVI needs its clients: clients= (one client id per row of the model's data plate, "
+                            "as PDVI's partitions=) or num_clients=M at construction, then "
+                            f"{where}(..., *model_args); or a numpyro_fedvi.federated.ClientData as the first "
+                            f"argument of {where} (lower layer: model(rows, *args)). Got {got}.")
+        return args[0], args[1:], kwargs
+
+    def _build(self, rng_key, client_data, args, kwargs, init_params=None):
+        kw = {**kwargs, **self.static_kwargs}
+        if self._plate_mode:
+            structure = inspect_model(self.model, self.guide, rng_key, args, kw, data_plate=self.data_plate,
+                                      init_params=init_params)
+            plate = structure.data_plate
+            client_data = ClientData.from_plate(plate.size, *self._plate_clients, plate_name=plate.name)
+            self._block_loss = block_loss_fn(self.elbo, self.model, self.guide, structure, self.static_kwargs)
+        else:
+            structure = inspect_model(self.model, self.guide, rng_key, (client_data.client(0), *args), kw,
+                                      data_plate=self.data_plate, init_params=init_params)
         if structure.local_names:
             raise ValueError(f"FedSVI supports guides with global params only; local params {structure.local_names} "
-                             "live inside the data plate (use PDVI for local latents).")
+                             f"live inside the data plate {structure.data_plate.name!r} (use PDVI for local latents).")
+        if not structure.init_global:
+            raise ValueError("the guide has no numpyro.param sites to optimise.")
         if self.prox is not None and self.prox.sites is not None:
             missing = sorted(self.prox.sites - set(structure.global_names))
             if missing:
                 raise ValueError(f"prox acts on params {missing} that the guide does not have; its params are "
                                  f"{sorted(structure.global_names)}.")
-        loss = client_loss_fn(self.elbo, self.model, self.guide, structure, self.data_plate,
-                              int(client_data.total), args, {**kwargs, **self.static_kwargs})
         self.structure = structure
-        self.family = with_projection(quadratic_family(loss, self.rho, prox=self.prox), self.projection)
+        if self._plate_mode:
+            self.client_data = client_data
         self.to_params = structure.constrain_global
+        self.family = self._family_for((client_data, args, kwargs))  # concrete (e.g. for lemma2_check)
         return structure.init_global
 
-    def init(self, rng_key, client_data: ClientData, *args, **kwargs):
-        """Trace model and guide on client 0's rows; Ŝ_0 = the guide's unconstrained init params, θ_0 = T(Ŝ_0)
-        (= Ŝ_0 without prox)."""
-        build_key, rng_key = random.split(rng_key)
-        theta0 = self._build(build_key, client_data, args, kwargs)
-        return super().init(rng_key, client_data, theta0)
+    def _require_init(self):
+        if self.structure is None:
+            raise RuntimeError("call FedSVI.init(rng_key, *args) (or run) first.")
 
-    def run(self, rng_key, num_steps: int, client_data: ClientData, *args, progress_bar: bool = True,
-            init_state=None, callbacks=(), early_stopping=None, chunk_size=None, stable_update=False, **kwargs):
-        """``num_steps`` communication rounds (see :meth:`FedMM.run`)."""
+    def get_params(self, state) -> dict:
+        """Constrained guide params of θ_t (``Predictive(model, guide=guide, params=...)`` on the model's args)."""
+        self._require_init()
+        return super().get_params(state)
+
+    # -- hooks of FedMM -----------------------------------------------------------------------------------------------
+    def _masked_plate(self) -> bool:
+        return self._plate_mode and not self.structure.data_plate.subsampled
+
+    def _family_for(self, inputs, exact: bool = False) -> SurrogateFamily:
+        client_data, args, kwargs = inputs
+        if self._plate_mode:
+            loss = client_loss_from_blocks(self._block_loss, self.structure.data_plate.size, args, kwargs)
+            if self.batch_size is not None and self._masked_plate() and not exact:
+                loss = _without_replacement(loss, self.batch_size)
+        else:
+            loss = client_loss_fn(self.elbo, self.model, self.guide, self.structure, self.structure.data_plate.name,
+                                  jnp.sum(client_data.counts), args, {**kwargs, **self.static_kwargs})
+        return with_projection(quadratic_family(loss, self.rho, prox=self.prox), self.projection)
+
+    def _data_of(self, inputs):
+        return inputs[0]
+
+    def _core_batch_size(self, inputs):
+        return None if self._masked_plate() else self.batch_size  # the masked path draws inside the oracle
+
+    def _objective_fn(self, inputs):
+        """Blocks of the data plate: the full-data negative ELBO in ONE pass over the N rows (one masked evaluation,
+        or the clients one after another through the plate's indices), not one pass per client."""
+        if not self._plate_mode:
+            return None
+        client_data, args, kwargs = inputs
+        full = full_loss_fn(self._block_loss, self.structure,
+                            Partitions(client_data.data, client_data.mask, client_data.counts))
+        key = _objective_key()
+
+        def objective(theta):
+            value = full(key, theta, {}, args, kwargs)
+            return value if self.prox is None else value + self.prox.value(theta)
+
+        return objective
+
+    def _has_objective(self) -> bool:
+        return True
+
+    # -- SVI surface --------------------------------------------------------------------------------------------------
+    def _init(self, rng_key, client_data, args, kwargs, init_params):
+        build_key, rng_key = random.split(rng_key)
+        theta0 = self._build(build_key, client_data, args, kwargs, init_params)
+        return self._init_state(rng_key, (self.client_data if self._plate_mode else client_data, args, kwargs),
+                                theta0)
+
+    def init(self, rng_key, *args, init_params: dict | None = None, **kwargs):
+        """Trace model and guide once (on the model's arguments, or on client 0's rows for a ClientData), build the
+        clients; Ŝ_0 = the guide's unconstrained init params (or the constrained ``init_params``), θ_0 = T(Ŝ_0)."""
+        client_data, args, kwargs = self._split(args, kwargs, "init")
+        return self._init(rng_key, client_data, args, kwargs, init_params)
+
+    def update(self, state, *args, **kwargs):
+        """One round (compiled once per input shapes): ``update(state, *model_args)`` (or ``update(state,
+        client_data, *args)``); returns ``(state, loss)`` with the loss at θ_t."""
+        self._require_init()
+        client_data, args, kwargs = self._split(args, kwargs, "update")
+        return self._compiled("update", self._step)(state, (client_data, args, kwargs))
+
+    def evaluate(self, state, *args, **kwargs):
+        """The full-data negative ELBO at θ_t (the fixed objective key; + the prox's penalty)."""
+        self._require_init()
+        client_data, args, kwargs = self._split(args, kwargs, "evaluate")
+        return self._compiled("evaluate", self._evaluate)(state, (client_data, args, kwargs))
+
+    def run(self, rng_key, num_steps: int, *args, progress_bar: bool = True, init_state=None,
+            init_params: dict | None = None, callbacks=(), early_stopping: EarlyStopping | None = None,
+            chunk_size=None, stable_update=False, **kwargs) -> RunResult:
+        """``num_steps`` communication rounds in the shared compiled loop: ``run(rng_key, num_rounds, *model_args)``
+        (or ``run(rng_key, num_rounds, client_data, *args)``).  ``init_state`` resumes (bitwise the uninterrupted
+        run); a second run on same-shaped inputs reuses the compiled loop.  See :meth:`FedMM.run`."""
+        client_data, args, kwargs = self._split(args, kwargs, "run")
         if init_state is None:
-            init_state = self.init(rng_key, client_data, *args, **kwargs)
+            init_state = self._init(rng_key, client_data, args, kwargs, init_params)
         elif self.structure is None:
-            self._build(random.split(rng_key)[0], client_data, args, kwargs)
-        return super().run(rng_key, num_steps, client_data, progress_bar=progress_bar, init_state=init_state,
-                           callbacks=callbacks, early_stopping=early_stopping, chunk_size=chunk_size,
-                           stable_update=stable_update)
+            self._build(random.split(rng_key)[0], client_data, args, kwargs, init_params)
+        inputs = (self.client_data if self._plate_mode else client_data, args, kwargs)
+        return self._run(init_state, num_steps, inputs, progress_bar=progress_bar, stable_update=stable_update,
+                         callbacks=callbacks, early_stopping=early_stopping, chunk_size=chunk_size)
+
+
+def _without_replacement(loss, batch_size: int):
+    """A client loss on ``batch_size`` of its rows drawn without replacement (the oracle's key is split into the
+    draw's key and the Monte-Carlo key)."""
+
+    def batched(key, theta, idx, mask):
+        draw_key, mc_key = random.split(key)
+        idx, mask = client_minibatch(draw_key, idx, mask, batch_size, replace=False)
+        return loss(mc_key, theta, idx, mask)
+
+    return batched
