@@ -31,6 +31,8 @@ from numpyro.infer import Predictive
 from numpyro.infer.util import log_density, log_likelihood
 from numpyro.primitives import Messenger
 
+from .inputs import prepare_inputs
+
 __all__ = ["full_data", "importance_log_weights", "pareto_k_hat", "resample_observed", "to_datatree"]
 
 
@@ -99,13 +101,16 @@ def importance_log_weights(model, guide, params, draws, args=(), kwargs=None):
 
 def pareto_k_hat(log_weights) -> float:
     """PSIS Pareto shape k̂ of importance log weights (1-d; Vehtari et al. 2024); ``-inf`` when all weights are equal
-    (q is the posterior up to round-off)."""
+    (q is the posterior up to round-off); ``nan`` with too few draws for a tail fit (S < 25)."""
     log_weights = np.asarray(log_weights, np.float64).ravel()
     if not np.all(np.isfinite(log_weights)):
         return float("nan")
     if np.ptp(log_weights) <= 1e-12 * max(1.0, np.max(np.abs(log_weights))):
         return float("-inf")
-    return float(array_stats.psislw(-log_weights)[1])  # psislw smooths the NEGATED input (loo's convention)
+    try:
+        return float(array_stats.psislw(-log_weights)[1])  # psislw smooths the NEGATED input (loo's convention)
+    except ValueError:  # too few draws for a Pareto tail (fewer than 5 in the tail: S < 25)
+        return float("nan")
 
 
 def _observed_sites(model, latent_draw, key, args, kwargs):
@@ -123,7 +128,8 @@ def to_datatree(engine, result, *args, num_samples: int = 1000, rng_key=None, lo
 
     :param engine: a fitted engine with ``.model`` and ``.guide`` (its ``static_kwargs`` are passed on).
     :param result: the engine's ``RunResult`` (or ``SVIRunResult``), or a dict of constrained guide params.
-    :param args, kwargs: the model's data arguments (the FULL data set, as given to ``run``).
+    :param args, kwargs: the model's data arguments (the FULL data set, as given to ``run``): JAX / NumPy arrays,
+        lists or pandas objects (converted as by ``run``; NaN / inf raise ``ValueError``).
     :param num_samples: iid draws S (``draw`` dimension; ``chain`` has length 1).
     :param coords, dims: passed to ``arviz_base.from_dict`` (name the dimensions of your sites).
     """
@@ -131,7 +137,7 @@ def to_datatree(engine, result, *args, num_samples: int = 1000, rng_key=None, lo
         raise ValueError(f"num_samples must be an int >= 2, got {num_samples!r}.")
     model, guide = _model_and_guide(engine)
     params = _params(result)
-    kwargs = {**kwargs, **getattr(engine, "static_kwargs", {})}
+    args, kwargs = prepare_inputs(args, {**kwargs, **getattr(engine, "static_kwargs", {})})
     key = random.key(0) if rng_key is None else rng_key
     k_draw, k_trace, k_pred = random.split(key, 3)
 

@@ -29,6 +29,7 @@ from jax import lax, random
 from numpyro import handlers
 from numpyro.infer.util import potential_energy
 
+from .inputs import InputJit, prepare_inputs, split_inputs
 from .projections import project_scale_diag, project_scale_full_with_inverse, project_scale_tril
 from .runner import EarlyStopping, RunResult, revert_non_finite, run_loop, tree_all_finite
 from .schedules import batch_growth, constant, dynamic_batching, theorem4
@@ -201,7 +202,8 @@ class MPSGD:
     :param step_size: ``None`` = 1/(2 L_step) (theory), a float, or a schedule ``k -> γ_k``.
     :param smoothness: L of the potential (float) or ``"auto"`` (:func:`estimate_smoothness` at the MAP with
         safety factor 2).  Used for the step size and, unless ``projection_smoothness`` is given, for the
-        projection threshold 1/√L.
+        projection threshold 1/√L.  ``"auto"`` is estimated once per engine and input shapes (on the first data
+        of those shapes, with the first run's key) and reused by later runs; pass a float to fix it.
     :param projection_smoothness: a separate L for the projection (an under-estimate can cut off the optimum).
     :param num_particles: N (int) or a schedule ``k -> N_k``; drawn ``chunk_size`` at a time.
     :param step_schedule: ``None`` (constant γ) or a dynamic-batching strategy ``"S1"``, ``"S2"``, ``"S3"``
@@ -209,13 +211,23 @@ class MPSGD:
     :param preconditioner: ``"theory"`` (λ_μ = 1, λ_Σ = 1/(2(d−1+κ)), Theorem 4 ii), ``"identity"``, or a
         tuple ``(λ_μ, λ_Σ)`` in (0, 1]².
     :param averaging: ``"tau"`` (weighted average of Theorems 6/7; ``get_params`` returns it) or ``"none"``.
-    :param averaging_a: the constant ``a`` in τ = 1/(1 + aγ²/N); default: chosen at ``run`` so that τ = K/(K+1)
-        for the initial γ and N (Theorem 4's value), or with K = 1000 when only ``init``/``update`` are used.
+    :param averaging_a: the constant ``a ≥ 0`` in τ_k = 1/(1 + aγ_k²/N_k).  Default: with ``budget=E``, Theorem 4's
+        value ``a = N/(γ²K)`` (τ = K/(K+1) for its K); otherwise ``a = 0``, the γ-weighted uniform average
+        Σγ_kθ^k/Σγ_k (the K → ∞ limit of τ = K/(K+1)).  ``a`` never depends on the ``num_steps`` of a ``run``
+        call, so a run resumed from ``result.state`` is bitwise equal to an uninterrupted one (the average too).
     :param budget: gradient budget E (Theorem 4); ``run(rng_key, None, ...)`` then runs K steps.
     :param init_scale: initial Σ = init_scale·I (default 1/√L, the paper's Σ0 = I/√L).
+    :param chunk_size: draws per inner chunk of the gradient estimator (default N for a constant N).
 
-    Data subsampling: when the model has a subsampled plate, each chunk of draws also sees a fresh random
-    minibatch (NumPyro semantics); the paper's theory covers the Monte-Carlo-only case.
+    Data subsampling: a model with a subsampled plate (``plate("data", N, subsample_size=B)``) runs unchanged.
+    The potential ``f`` is then NumPyro's minibatch estimate (the plate's N/B scaling) and each chunk of draws
+    sees a fresh random minibatch, so the gradient stays unbiased (more noise, O(B) per draw); ``evaluate``
+    likewise estimates the NegELBO on a minibatch.  The paper's theory covers the Monte-Carlo-only case (a plain
+    plate or no plate).  Local latents inside a subsampled plate are not supported by ``AutoLocationScale``.
+
+    Inputs (``*args, **kwargs`` of ``init/update/evaluate/run``) may be JAX/NumPy arrays, lists or pandas
+    objects; NaN/inf raise a ``ValueError`` naming the argument before anything compiles.  ``update``,
+    ``stable_update``, ``evaluate`` and the run loop are compiled once per input shapes and kept by the engine.
     """
 
     def __init__(self, model, guide, *, step_size: float | Callable | None = None, smoothness: float | str = "auto",
@@ -236,6 +248,9 @@ class MPSGD:
             raise ValueError(f"step_schedule must be None, 'S1', 'S2' or 'S3', got {step_schedule!r}.")
         if averaging not in ("tau", "none"):
             raise ValueError(f"averaging must be 'tau' or 'none', got {averaging!r}.")
+        if averaging_a is not None and not (isinstance(averaging_a, (int, float)) and math.isfinite(averaging_a)
+                                            and averaging_a >= 0):
+            raise ValueError(f"averaging_a must be a finite float >= 0, got {averaging_a!r}.")
         if isinstance(preconditioner, str):
             if preconditioner not in ("theory", "identity"):
                 raise ValueError(f"preconditioner must be 'theory', 'identity' or (λ_μ, λ_Σ); got {preconditioner!r}.")
@@ -263,6 +278,17 @@ class MPSGD:
 
         return potential
 
+    def _smoothness(self, rng_key, args, kwargs, init_loc) -> float:
+        """``smoothness="auto"``: estimated once per input shapes (and static inputs), then cached on the engine."""
+        if self.smoothness != "auto":
+            return float(self.smoothness)
+        arrays, static = split_inputs((args, kwargs))
+        key = (static, tuple((a.shape, str(a.dtype)) for a in arrays), tuple(init_loc.shape))
+        cache = self.__dict__.setdefault("_smoothness_cache", {})
+        if key not in cache:
+            cache[key], _ = estimate_smoothness(self._potential(args, kwargs), init_loc, key=rng_key)
+        return cache[key]
+
     def _setup(self, rng_key, args, kwargs):
         with handlers.trace() as tr, handlers.seed(rng_seed=rng_key):
             self.guide(*args, **kwargs, **self.static_kwargs)
@@ -270,11 +296,7 @@ class MPSGD:
         self.dim, self.scale_type, self.base = guide.latent_dim, guide.scale_type, guide.base
         self.kurtosis = float(self.base.kurtosis)
         init_loc = tr[guide.loc_name]["value"]
-        potential = self._potential(args, kwargs)
-        if self.smoothness == "auto":
-            self.L, _ = estimate_smoothness(potential, init_loc, key=rng_key)
-        else:
-            self.L = float(self.smoothness)
+        self.L = self._smoothness(rng_key, args, kwargs, init_loc)
         self.L_proj = float(self.projection_smoothness or self.L)
         if isinstance(self.preconditioner, str):
             lam = (1.0, 1.0) if self.preconditioner == "identity" else \
@@ -304,17 +326,31 @@ class MPSGD:
         self._init_loc = init_loc
         self._setup_done = True
 
-    def _avg_a(self, num_steps):
-        """Default a: τ = K/(K+1) for the initial γ and N (Theorem 4's value)."""
+    def _avg_a(self) -> float:
+        """The averaging constant a (a property of the engine's settings, never of a run's length)."""
         if self.averaging_a is not None:
             return float(self.averaging_a)
-        gamma0, n0 = float(self._gamma(0)), float(self._batch(0))
-        return n0 / (gamma0**2 * num_steps)
+        if self.default_num_steps is not None:  # budget=E: Theorem 4's τ = K/(K+1) for its K
+            gamma0, n0 = float(self._gamma(0)), float(self._batch(0))
+            return n0 / (gamma0**2 * self.default_num_steps)
+        return 0.0
+
+    def _config(self):
+        """What the compiled step bakes in (besides the inputs' shapes): its cache key."""
+        return (self.L, self.L_proj, self.lambda_loc, self.lambda_scale, self._chunk, self.dim)
+
+    def _compiled(self, name, fn):
+        """``fn(state, inputs)`` jitted once per engine settings and input shapes (see :class:`InputJit`)."""
+        cache = self.__dict__.setdefault("_jit_cache", {})
+        key = (name, self._config())
+        if key not in cache:
+            cache[key] = InputJit(fn)
+        return cache[key]
 
     # SVI surface ------------------------------------------------------------------------------------
-    def init(self, rng_key, *args, init_params: dict | None = None, num_steps: int | None = None,
-             **kwargs) -> MPSGDState:
+    def init(self, rng_key, *args, init_params: dict | None = None, **kwargs) -> MPSGDState:
         """Set up guide, L, schedules; initial state (μ0 from the guide's init_loc_fn, Σ0 = I/√L or init_scale)."""
+        args, kwargs = prepare_inputs(args, kwargs)
         setup_key, rng_key = random.split(rng_key)
         self._setup(setup_key, args, kwargs)
         loc = self._init_loc
@@ -327,36 +363,53 @@ class MPSGD:
                                  f"{self.guide.loc_name!r} and {self.guide.scale_name!r}.")
             loc = init_params.get(self.guide.loc_name, loc)
             scale = init_params.get(self.guide.scale_name, scale)
-        steps = num_steps or self.default_num_steps or 1000
-        return mpsgd_init(loc, scale, self.scale_type, self._min_scale, rng_key, self._avg_a(steps))
+        return mpsgd_init(loc, scale, self.scale_type, self._min_scale, rng_key, self._avg_a())
 
     def _require_init(self):
         if not self._setup_done:
             raise RuntimeError("Call MPSGD.init(rng_key, *args, **kwargs) (or run) before update/evaluate.")
 
-    def _step_fn(self, args, kwargs):
-        return make_mpsgd_step(self._potential(args, kwargs), self.base, self.scale_type, step_size=self._gamma,
+    def _step(self, state: MPSGDState, inputs):
+        """``(state, loss)`` of one iteration; ``inputs = (args, kwargs)`` (traced by the run loop)."""
+        args, kwargs = inputs
+        step = make_mpsgd_step(self._potential(args, kwargs), self.base, self.scale_type, step_size=self._gamma,
                                num_particles=self._batch, chunk_size=self._chunk, lambda_loc=self.lambda_loc,
                                lambda_scale=self.lambda_scale, min_scale=self._min_scale,
                                averaging=self.averaging == "tau")
+        return step(state)
+
+    def _stable_step(self, state: MPSGDState, inputs):
+        new_state, loss = self._step(state, inputs)
+        return revert_non_finite(new_state, state, jnp.isfinite(loss) & tree_all_finite(new_state)), loss
 
     def update(self, state: MPSGDState, *args, **kwargs) -> tuple[MPSGDState, jax.Array]:
-        """One MPSGD iteration; the loss is the Monte-Carlo negative ELBO at the iterate before the update."""
+        """One MPSGD iteration (compiled once per input shapes); the loss is the Monte-Carlo negative ELBO at the
+        iterate before the update."""
         self._require_init()
-        return self._step_fn(args, kwargs)(state)
+        args, kwargs = prepare_inputs(args, kwargs)
+        return self._compiled("update", self._step)(state, (args, kwargs))
 
     def stable_update(self, state: MPSGDState, *args, **kwargs) -> tuple[MPSGDState, jax.Array]:
         """Like ``update`` but keeps the old state when the loss or the new state is not finite."""
-        new_state, loss = self.update(state, *args, **kwargs)
-        return revert_non_finite(new_state, state, jnp.isfinite(loss) & tree_all_finite(new_state)), loss
+        self._require_init()
+        args, kwargs = prepare_inputs(args, kwargs)
+        return self._compiled("stable_update", self._stable_step)(state, (args, kwargs))
 
     def evaluate(self, state: MPSGDState, *args, num_samples: int = 100, rng_key=None, which: str | None = None,
                  **kwargs) -> jax.Array:
         """Negative ELBO with ``num_samples`` fixed draws (common random numbers: the same ``rng_key``, default
         ``random.key(0)``, gives the same z for every state), at the average or the last iterate."""
         self._require_init()
-        loc, scale = self._pick(state, which)
+        self._pick(state, which)  # validates `which` before compiling
+        if isinstance(num_samples, bool) or not isinstance(num_samples, (int, np.integer)) or num_samples < 1:
+            raise ValueError(f"num_samples must be a positive integer, got {num_samples!r}.")
+        args, kwargs = prepare_inputs(args, kwargs)
         key = random.key(0) if rng_key is None else rng_key
+        return self._compiled("evaluate", self._evaluate)(state, (key, int(num_samples), which, args, kwargs))
+
+    def _evaluate(self, state, inputs):
+        key, num_samples, which, args, kwargs = inputs
+        loc, scale = self._pick(state, which)
         z = self.base.sample(key, (num_samples,)).astype(loc.dtype)
         f = jax.vmap(self._potential(args, kwargs), in_axes=(0, None))(loc + _apply_scale(self.scale_type, scale, z),
                                                                        random.fold_in(key, 1))
@@ -380,24 +433,31 @@ class MPSGD:
             early_stopping: EarlyStopping | None = None, chunk_size: int | None = None, **kwargs) -> RunResult:
         """Run ``num_steps`` iterations (``None`` with ``budget=E``: Theorem 4's K) in the shared compiled loop.
 
-        ``result.params`` is the averaged iterate (``averaging="tau"``); ``result.diagnostics["last_params"]``
-        the last one, plus ``L``, ``num_particles`` (N_0), ``lambda`` and ``gradient_evaluations``.
+        ``init_state`` resumes a previous run (same model args): the result is bitwise equal to one uninterrupted
+        run of the total length (the averaged iterate included).  The compiled loop is kept by the engine, so a
+        second run on inputs of the same shapes does not recompile.  ``result.params`` is the averaged iterate
+        (``averaging="tau"``); ``result.diagnostics["last_params"]`` the last one, plus ``L``, ``num_particles``
+        (N_0), ``lambda`` and ``gradient_evaluations`` (of this call).
         """
-        if init_state is None:
-            if num_steps is None and self.budget is None:
+        if num_steps is None:
+            if self.budget is None:
                 raise ValueError("num_steps=None needs budget=E (Theorem 4 then fixes K).")
-            state = self.init(rng_key, *args, init_params=init_params, num_steps=num_steps, **kwargs)
+        elif isinstance(num_steps, bool) or not isinstance(num_steps, (int, np.integer)) or num_steps < 1:
+            raise ValueError(f"num_steps must be a positive integer, got {num_steps!r}.")
+        args, kwargs = prepare_inputs(args, kwargs)
+        if init_state is None:
+            state = self.init(rng_key, *args, init_params=init_params, **kwargs)
         else:
-            if not self._setup_done:
-                self._setup(random.split(rng_key)[0], args, kwargs)
+            self._setup(random.split(rng_key)[0], args, kwargs)  # cheap after the first run: L is cached
             state = init_state
         num_steps = num_steps or self.default_num_steps
-        step = self._step_fn(args, kwargs)
-        result = run_loop(lambda s, _: step(s), state, num_steps, get_params=self.get_params, progress_bar=progress_bar,
-                          callbacks=callbacks, early_stopping=early_stopping, stable_update=stable_update,
-                          chunk_size=chunk_size, desc=type(self).__name__)
+        result = run_loop(self._step, state, num_steps, inputs=(args, kwargs), get_params=self.get_params,
+                          progress_bar=progress_bar, callbacks=callbacks, early_stopping=early_stopping,
+                          stable_update=stable_update, chunk_size=chunk_size, desc=type(self).__name__,
+                          cache=self.__dict__.setdefault("_run_cache", {}).setdefault(self._config(), {}))
         steps_run = result.diagnostics["num_steps"]
-        grads = int(np.sum(np.asarray(jax.vmap(self._batch)(jnp.arange(steps_run))))) if steps_run else 0
+        ks = int(state.step) + np.arange(steps_run)
+        grads = int(np.sum(np.asarray(jax.vmap(self._batch)(jnp.asarray(ks))))) if steps_run else 0
         result.diagnostics.update(last_params=self.get_params(result.state, "last"), L=self.L, L_proj=self.L_proj,
                                   num_particles=int(self._batch(0)), gradient_evaluations=grads,
                                   **{"lambda": (self.lambda_loc, self.lambda_scale)})

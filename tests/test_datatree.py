@@ -153,6 +153,19 @@ def test_pareto_k_hat_of_known_tails():
     for c in (0.1, 0.45):
         assert abs(pareto_k_hat(c * z**2) - 2 * c) < 0.15
     assert pareto_k_hat(np.zeros(100)) == -np.inf
+    assert np.isnan(pareto_k_hat(z[:20]))  # too few draws for a Pareto tail: undefined, not an error
+
+
+def test_numpy_and_pandas_inputs():
+    import pandas as pd
+
+    a = nfv.to_datatree(ENGINE, exact_posterior(X), np.asarray(X), num_samples=30)
+    b = nfv.to_datatree(ENGINE, exact_posterior(X), pd.Series(np.asarray(X)), num_samples=30)
+    np.testing.assert_array_equal(np.asarray(a.posterior["mu"]), np.asarray(b.posterior["mu"]))
+    bad = np.asarray(X).copy()
+    bad[0] = np.nan
+    with pytest.raises(ValueError, match="NaN"):
+        nfv.to_datatree(ENGINE, exact_posterior(X), bad, num_samples=30)
 
 
 def test_deterministic_sites_of_a_reparameterised_model():

@@ -222,3 +222,47 @@ def test_data_subsampling_draws_fresh_minibatches():
     # τ-averaged mean carries minibatch noise of a few posterior sds at most
     assert abs(float(res.params["auto_loc"][0]) - post_mean) < 3 * post_sd
     assert abs(float(res.params["auto_scale"][0]) / post_sd - 1) < 0.15
+
+
+def test_resume_is_bitwise_equal_including_the_average(monkeypatch):
+    """The averaging constant a never depends on a run's num_steps (default a = 0 without a budget; Theorem 4's
+    a with budget=E), so run(K) + run(K, init_state) == run(2K) for the averaged iterate too.  smoothness="auto"
+    is estimated once per input shapes and later runs reuse the compiled loop (no retrace)."""
+    import numpyro_fedvi.mpsgd as mpsgd_module
+
+    calls, traces = [], []
+    estimate = mpsgd_module.estimate_smoothness
+    monkeypatch.setattr(mpsgd_module, "estimate_smoothness", lambda *a, **k: calls.append(1) or estimate(*a, **k))
+
+    def counting_model(a, y=None):
+        traces.append(1)
+        model(a, y)
+
+    for kw in ({}, {"budget": 64}):
+        engine = MPSGD(counting_model, AutoLocationScale(counting_model, scale="tril"), num_particles=4, **kw)
+        full = engine.run(random.key(3), 20, np.asarray(A), np.asarray(Y), progress_bar=False, chunk_size=10)
+        n = len(traces)
+        half = engine.run(random.key(3), 10, A, Y, progress_bar=False, chunk_size=10)
+        rest = engine.run(random.key(3), 10, A, Y, progress_bar=False, chunk_size=10, init_state=half.state)
+        assert len(traces) == n                      # no retrace after the first run
+        for f in ("loc", "scale", "avg_loc", "avg_scale", "log_weight_sum", "log_alpha", "avg_a", "step"):
+            np.testing.assert_array_equal(getattr(rest.state, f), getattr(full.state, f), err_msg=f)
+        np.testing.assert_array_equal(np.concatenate([half.losses, rest.losses]), full.losses)
+        assert rest.diagnostics["gradient_evaluations"] == half.diagnostics["gradient_evaluations"]
+    assert len(calls) == 2                           # once per engine (same input shapes every run)
+    assert float(full.state.avg_a) > 0               # budget: Theorem 4's τ = K/(K+1)
+
+
+def test_inputs_are_checked_and_converted():
+    engine = MPSGD(model, AutoLocationScale(model, scale="diag"), smoothness=2 * L_TRUE)
+    with pytest.raises(ValueError, match="must be a positive integer, got 0"):
+        engine.run(random.key(0), 0, A, Y)
+    bad = np.asarray(Y).copy()
+    bad[3] = np.nan
+    with pytest.raises(ValueError, match="positional argument 1 holds NaN"):
+        engine.run(random.key(0), 5, A, bad)
+    res = engine.run(random.key(0), 5, np.asarray(A).tolist(), np.asarray(Y), progress_bar=False)
+    state, loss = engine.stable_update(res.state, A, Y)
+    assert np.isfinite(float(loss)) and int(state.step) == 6
+    with pytest.raises(ValueError, match="averaging_a"):
+        MPSGD(model, AutoLocationScale(model), averaging_a=-1.0)
