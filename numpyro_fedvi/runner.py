@@ -165,6 +165,7 @@ def run_loop(
     chunk_size: int | None = None,
     desc: str = "",
     cache: dict | None = None,
+    hooks: Sequence[tuple[int, Callable[[Any], Any]]] = (),
 ) -> RunResult:
     """Run ``step_fn`` for ``num_steps`` steps from ``init_state``.
 
@@ -182,6 +183,9 @@ def run_loop(
     :param stable_update: skip non-finite steps instead of stopping at the first one.
     :param chunk_size: steps per compiled chunk (default: ``ceil(num_steps / 50)`` steps, at most 256, with a bar
         or callbacks, else 256; the compiled loop does not depend on ``num_steps``).
+    :param hooks: ``(k, fn)`` pairs: after ``k`` steps of this run the state becomes ``fn(state)`` (host side;
+        chunks are cut there).  Engines use it for between-step adaptations that must not be compiled into the
+        step, e.g. PD-VI's ``eta_refresh``.
     :param cache: a dict owned by the engine that keeps the compiled chunks across runs (key: ``step_fn`` and the
         loop's static settings; pass a bound method as ``step_fn`` so the key is stable).
 
@@ -214,11 +218,15 @@ def run_loop(
     done = 0
     try:
         while done < num_steps:
-            stop_at = jnp.asarray(min(done + per_chunk, num_steps))
+            pending = [k for k, _ in hooks if k > done]
+            stop_at = jnp.asarray(min([done + per_chunk, num_steps] + pending))
             new_carry, chunk_losses, steps = chunk(carry, stop_at, arrays, static)
             steps = int(steps)  # waits for the chunk: an interrupt before this line keeps the previous carry
             chunk_losses = np.asarray(chunk_losses)[:steps]
             carry = new_carry
+            for k, fn in hooks:
+                if k == done + steps and carry.reason == 0:
+                    carry = carry._replace(state=fn(carry.state))
             losses.append(chunk_losses)
             bar.update(steps)
             done += steps

@@ -326,6 +326,7 @@ def inspect_model(
                     f"{plate.name!r}, event_dim={event_dim}) must have size N={plate.size}.")
         infos[name] = ParamInfo(name, tuple(value.shape), transform, event_dim, local_axis)
         unc = transform.inv(value)
+        unc = jnp.array(unc, dtype=jnp.result_type(unc))  # strong dtype, as SVI.init: no retrace after a step
         if local_axis is None:
             init_global[name] = unc
             init_local.pop(name, None)
