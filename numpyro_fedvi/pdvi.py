@@ -405,8 +405,14 @@ class PDVI:
 
     def _refresh(self, state, inputs):
         key = random.fold_in(state.rng_key, state.step)
-        eta = self._auto_eta(self._global_params(state), state.local, key, inputs)
-        eta = {k: v.astype(state.eta[k].dtype) for k, v in _check_eta(eta, self.structure.global_names).items()}
+        new = self._auto_eta(self._global_params(state), state.local, key, inputs)
+        # a refresh never breaks a run: a non-finite or non-positive estimate keeps the old η, and one refresh
+        # moves η by at most a factor 100 (a curvature estimate at a degenerate point must not blow it up)
+        eta = {}
+        for k, old in state.eta.items():
+            cand = jnp.asarray(new[k], old.dtype)
+            cand = jnp.where(jnp.isfinite(cand) & (cand > 0), cand, old)
+            eta[k] = jnp.clip(cand, old / 100.0, old * 100.0)
         h = {k: eta[k] * jnp.mean(state.mu[k], 0) for k in state.h}
         return state._replace(eta=eta, h=h)
 

@@ -215,7 +215,8 @@ def mc_tolerance(opt):
 
 @functools.cache
 def _converged(eta):
-    kw = {"local_optimizer": optax.sgd(0.1), "local_steps": 30}
+    # the paper's eta="auto" (c = 1, fixed η); the default c = 0.3 with refreshes is tested in test_pdvi_defaults
+    kw = {"local_optimizer": optax.sgd(0.1), "local_steps": 30, "eta_scale": 1.0, "eta_refresh": False}
     pd = PDVI(model, guide, TraceMeanField_ELBO(num_particles=NUM_PARTICLES, vectorize_particles=True),
               num_partitions=4, eta=eta, crn="run", **kw)
     return pd, pd.run(random.key(0), 200, Y, MASK, progress_bar=False)

@@ -82,3 +82,17 @@ def test_eta_refresh_keeps_invariant_and_resumes_bitwise():
     for k in st.h:
         np.testing.assert_allclose(np.asarray(st.h[k]), np.asarray(st.eta[k] * jnp.mean(st.mu[k], 0)), rtol=1e-4,
                                    atol=1e-7)
+
+
+def test_refresh_keeps_old_eta_when_the_estimate_is_degenerate():
+    """A refresh at a point whose curvature estimate is 0 / inf / NaN keeps the old η; growth is capped at 100×."""
+    x = data()
+    pd = nfv.PDVI(model, AutoNormal(model), num_partitions=20, partitions_per_step=2)
+    st = pd.init(random.key(0), x, N // 10)
+    pd._auto_eta = lambda *a: {"beta_auto_loc": jnp.nan, "beta_auto_scale": jnp.inf}
+    new = pd.refresh_eta(st, x, N // 10)
+    assert all(float(new.eta[k]) == float(st.eta[k]) for k in st.eta)
+    pd._auto_eta = lambda *a: {"beta_auto_loc": 0.0, "beta_auto_scale": 1e12}
+    new = pd.refresh_eta(st, x, N // 10)
+    assert float(new.eta["beta_auto_loc"]) == float(st.eta["beta_auto_loc"])
+    assert np.isclose(float(new.eta["beta_auto_scale"]), 100 * float(st.eta["beta_auto_scale"]), rtol=1e-6)
