@@ -65,8 +65,6 @@ def test_block_losses_of_plain_and_subsampled_plates_agree_and_sum_to_full(model
     np.testing.assert_allclose(float(total), float(full), rtol=1e-5)
 
 
-@pytest.mark.xfail(strict=True, reason="known loss (issue 10 item 4 / issue 11): default PD-VI collapses q(tau) into "
-                   "the funnel neck of CENTRED eight schools (ELBO ~40 vs SVI's 33.4); strict: passes => fixed")
 def test_eight_schools_plain_plate_reaches_svi_elbo_numpy_inputs():
     """The textbook model (plain plate, NumPy inputs) through PD-VI and SVI: the same ELBO (evaluated with many
     draws; the centred posterior is funnel-shaped, so params are compared through the objective)."""
