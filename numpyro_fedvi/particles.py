@@ -8,15 +8,19 @@ ELBO on ``S`` particles whose standard-normal base noise ``ε`` is controlled (�
 * ``"antithetic"``: pairs ``(ε, −ε)``: every odd sample moment is 0, so all terms LINEAR in ε cancel;
 * ``"moment_matched"``: centred and rescaled per coordinate to sample mean 0 and sample second moment 1, so the SAA
   of a Gaussian-quadratic term with one coordinate is exact (``S = 2``: ±1, the 2-point Gauss–Hermite rule);
-* ``"orthogonal"`` (default): antithetic pairs, each site projected (in particle space) off the draws of the earlier
-  sites it shares no plate with (global vs local), jointly whitened when its coordinates fit, else rescaled per
-  coordinate.  Sample mean 0, second moments 1, every odd moment 0, and the global–local cross moments
-  ``mean_p ε_β,p ε_u,p`` exactly 0 — these otherwise bias the global scale by ≈ 0.45/√S relative in a
-  per-datum random-effects model, whatever N (each datum adds a cross term ``s·b_i·mean(ε_β ε_ui)``).
+* ``"orthogonal"`` (default): antithetic pairs; each site is projected (in particle space) off the draws of the
+  earlier sites it shares no plate with (global vs local) and, slice by slice of its plates (datum by datum), off the
+  earlier sites in the same plates; then whitened jointly when its coordinates fit, else rescaled per coordinate.
+  Sample mean 0, second moments 1, every odd moment 0, and the global–local (and within-datum) cross moments
+  ``mean_p ε_β,p ε_u,p`` exactly 0: these otherwise bias the global scale by ≈ 0.45/√S relative in a per-datum
+  random-effects model, whatever N (each datum adds a cross term ``s·b_i·mean(ε_β ε_ui)`` to the global scale's
+  stationarity).  The antisymmetric vectors span S/2 dimensions: exact for ``d`` such coordinates when
+  ``S ≥ 2(d + 1)``; ``num_particles="auto"`` picks ``2(d + 2)`` (beyond ``max_particles``: the top directions only).
 
 Draws are a deterministic function of ``(rng_key, site name, particle)``: a site's key is
 ``fold_in(rng_key, crc32(name))``; its ``S`` rows are drawn together, controlled across the particle axis, and
-particle ``p`` takes row ``p`` (with ``"orthogonal"``, a site also depends on the earlier sites it is projected off).
+particle ``p`` takes row ``p`` (with ``"orthogonal"``, a site also depends on the earlier sites it is projected off:
+sample global sites before local ones, as NumPyro guides usually do).
 """
 
 from __future__ import annotations
@@ -26,8 +30,10 @@ import zlib
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import numpyro.distributions as dist
 from jax import random
+from numpyro import handlers
 from numpyro.infer import ELBO
 from numpyro.primitives import Messenger
 
@@ -78,19 +84,27 @@ def _reparam(fn, shape):
 
 
 def _project_and_whiten(z, others, dims):
-    """Project ``z`` (S, m) off the span of ``others`` (S, n) (≤ ``dims − 1`` directions, the largest), then whiten
-    jointly if its m coordinates fit in what is left of the ``dims``-dimensional space, else rescale per column."""
-    S, m = z.shape
-    k = 0
-    if others is not None and dims > 1:
-        k = min(others.shape[1], dims - 1)
-        _, vecs = jnp.linalg.eigh(others @ others.T)
-        u = vecs[:, S - k:]  # top-k eigenvectors of the Gram matrix (antisymmetric when the draws are)
-        z = z - u @ (u.T @ z)
-    if m <= dims - k:
-        vals, vecs = jnp.linalg.eigh(z.T @ z / S)
-        return z @ (vecs / jnp.sqrt(vals)) @ vecs.T
+    """Per slice ``l``: project ``z[:, l]`` (S, L, m) off the span of ``others[:, l]`` (S, L or 1, n) (its top
+    ``≤ dims − 1`` directions), then whiten the m coordinates jointly if they fit in what is left of the
+    ``dims``-dimensional space (``S/2``: the antisymmetric vectors), else rescale each to second moment 1."""
+    S, _, m = z.shape
+    k = 0 if others is None else min(others.shape[-1], dims - 1)
+    if k > 0:
+        o = jnp.moveaxis(others, 0, 1)  # (L, S, n)
+        u = jnp.linalg.eigh(o @ jnp.swapaxes(o, 1, 2))[1][..., S - k:]  # (L, S, k): top-k, antisymmetric
+        z = z - jnp.moveaxis(u @ (jnp.swapaxes(u, 1, 2) @ jnp.moveaxis(z, 0, 1)), 1, 0)
+    if 1 < m <= dims - k:
+        vals, vecs = jnp.linalg.eigh(jnp.einsum("sli,slj->lij", z, z) / S)
+        return jnp.einsum("sli,lij->slj", z, vecs / jnp.sqrt(vals)[:, None, :] @ jnp.swapaxes(vecs, 1, 2))
     return z / jnp.sqrt(jnp.mean(z**2, 0))
+
+
+def _slices(msg, shape):
+    """(plate names, number of leading noise dims that are the site's batch dims under plates: the "slices")."""
+    plates = frozenset(f.name for f in msg["cond_indep_stack"])
+    nb = len(msg["fn"].batch_shape)
+    ok = plates and not msg["kwargs"].get("sample_shape") and tuple(shape[:nb]) == tuple(msg["fn"].batch_shape)
+    return plates, nb if ok else 0
 
 
 class _ControlledNoise(Messenger):
@@ -101,7 +115,7 @@ class _ControlledNoise(Messenger):
         super().__init__(fn)
 
     def __enter__(self):
-        self.drawn = []  # (plate names, (S, m) draws) of the sites seen so far ("orthogonal")
+        self.drawn = []  # (plate names, slice shape, (S, L, m) draws) of the sites seen so far ("orthogonal")
         return super().__enter__()
 
     def process_message(self, msg):
@@ -116,13 +130,17 @@ class _ControlledNoise(Messenger):
             return
         shape, value_of = rep
         z = controlled_normals(key, self.S, shape, self.scheme)
-        if self.scheme == "orthogonal":
-            plates = frozenset(f.name for f in msg["cond_indep_stack"])
-            apart = [d for names, d in self.drawn if not names & plates]
-            flat = _project_and_whiten(z.reshape(self.S, -1), jnp.concatenate(apart, 1) if apart else None,
-                                       self.S // 2)
-            self.drawn.append((plates, flat))
-            z = flat.reshape(z.shape)
+        if self.scheme == "orthogonal":  # off the earlier sites it shares no plate with, and per slice off the
+            plates, nb = _slices(msg, shape)  # earlier sites in the same plates with the same batch shape
+            z3 = z.reshape((self.S, int(np.prod(shape[:nb])), -1))
+            apart = [d.reshape(self.S, 1, -1) for names, _, d in self.drawn if not names & plates]
+            same = [d for names, b, d in self.drawn if names == plates and b == shape[:nb] and nb]
+            if same:  # the global draws are the same for every slice
+                apart = [d.repeat(z3.shape[1], 1) for d in apart]
+            others = apart + same
+            z3 = _project_and_whiten(z3, jnp.concatenate(others, -1) if others else None, self.S // 2)
+            self.drawn.append((plates, shape[:nb], z3))
+            z = z3.reshape(z.shape)
         msg["value"] = value_of(z[self.p])
 
 
@@ -136,31 +154,56 @@ class ControlledDraws(ELBO):
     other reparameterised families use their own sampler with the particle's key; enumerated / discrete sites are
     left to the ELBO); particles are vmapped and their losses averaged.  Pure and jit-able.
 
-    :param elbo: a NumPyro ELBO (default ``Trace_ELBO()``); its ``num_particles`` is replaced by 1.
-    :param num_particles: ``S``; even for ``"antithetic"``/``"orthogonal"``, ≥ 2 for ``"moment_matched"``.
-    :param scheme: one of :data:`SCHEMES`.
+    :param elbo: a NumPyro ELBO (default ``Trace_ELBO()``); its ``num_particles`` is replaced by 1 (wrapping a
+        ``ControlledDraws`` wraps its ELBO: the outer settings win).
+    :param num_particles: ``S``; even for ``"antithetic"``/``"orthogonal"``, ≥ 2 for ``"moment_matched"``;
+        ``"auto"`` (default, even schemes): see :meth:`particles_for`.
+    :param scheme: one of :data:`SCHEMES` (default ``"orthogonal"``).
+    :param max_particles: the cap of ``"auto"``.
     """
 
-    def __init__(self, elbo: ELBO | None = None, num_particles: int = 4, scheme: str = "orthogonal"):
+    def __init__(self, elbo: ELBO | None = None, num_particles: int | str = "auto", scheme: str = "orthogonal",
+                 max_particles: int = 16):
         from numpyro.infer import Trace_ELBO
 
         if scheme not in SCHEMES:
             raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}.")
         if isinstance(elbo, ControlledDraws):
             elbo = elbo.elbo
-        S = int(num_particles)
-        if S < 1 or (scheme != "iid" and S < 2) or (scheme in ("antithetic", "orthogonal") and S % 2):
-            raise ValueError(f"scheme {scheme!r} needs {'an even' if 'anti' in scheme or 'orth' in scheme else 'a'}"
-                             f" number of particles ≥ 2, got {num_particles!r}.")
+        even = scheme in ("antithetic", "orthogonal")
+        S = num_particles if isinstance(num_particles, str) else int(num_particles)
+        bad = (S != "auto" or not even) if isinstance(S, str) else (S < 1 or (scheme != "iid" and S < 2)
+                                                                    or (even and S % 2))
+        if bad:
+            raise ValueError(f"scheme {scheme!r} needs {'an even' if even else 'a'} number of particles ≥ 2"
+                             f"{' (or auto)' if even else ''}, got {num_particles!r}.")
         self.elbo = copy.copy(Trace_ELBO() if elbo is None else elbo)
         self.elbo.num_particles = 1
-        self.scheme = scheme
+        self.scheme, self.max_particles = scheme, int(max_particles)
         super().__init__(num_particles=S)
 
+    def particles_for(self, guide, rng_key, param_map, *args, **kwargs) -> int:
+        """``S`` for this guide.  ``"auto"``: ``2(d + 2)`` in [4, max_particles], d the most coordinates a site is made
+        orthogonal to (the sites it shares no plate with, plus per slice the earlier sites in its plates), so that
+        each local coordinate keeps ≥ 2 antisymmetric dimensions: with one left, every datum gets ±the same vector
+        and the non-quadratic (4th-order) error is the same for all data instead of averaging out over them."""
+        if self.num_particles != "auto":
+            return self.num_particles
+        seeded = handlers.substitute(handlers.seed(guide, rng_key), data=param_map)
+        tr = handlers.trace(seeded).get_trace(*args, **kwargs)
+        sites = [(frozenset(f.name for f in m["cond_indep_stack"]), int(np.prod(m["fn"].shape())),
+                  max(int(np.prod(m["fn"].batch_shape)), 1) if m["cond_indep_stack"] else 1)
+                 for m in tr.values() if m["type"] == "sample" and not m["is_observed"] and m["fn"].has_rsample
+                 and not m["infer"].get("enumerate")]
+        d = max((sum(n if not q & p else n // size for q, n, size in sites[:i] if not q & p or (q == p and p))
+                 for i, (p, _, _) in enumerate(sites)), default=0)
+        return 2 * min(self.max_particles // 2, d + 2)
+
     def loss_with_mutable_state(self, rng_key, param_map, model, guide, *args, **kwargs):
+        S = self.particles_for(guide, rng_key, param_map, *args, **kwargs)
+
         def particle(p):
-            g = _ControlledNoise(guide, rng_key, self.num_particles, p, self.scheme)
+            g = _ControlledNoise(guide, rng_key, S, p, self.scheme)
             return self.elbo.loss(random.fold_in(rng_key, p), param_map, model, g, *args, **kwargs)
 
-        losses = jax.vmap(particle)(jnp.arange(self.num_particles))
-        return {"loss": jnp.mean(losses), "mutable_state": None}
+        return {"loss": jnp.mean(jax.vmap(particle)(jnp.arange(S))), "mutable_state": None}
