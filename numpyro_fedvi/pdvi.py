@@ -224,9 +224,11 @@ class PDVI:
     :param oracle_particles: particles of the controlled draws (even; default 4).
     :param eta_refresh: with ``eta="auto"``, re-estimate η at the CURRENT λ_0 and local rows after these
         iterations (``True``: after epochs 1, 2, 4, 8, … — an epoch is ``ceil(B / partitions_per_step)``
-        iterations; a list of iteration numbers; ``False``: the paper's fixed η).  The correction is reset to
-        ``h = D_η^{-1} mean(μ)``, so Remark 3.1's invariant holds across a refresh (the duals estimate −∇f_i,
-        whatever η).  Why: the curvature of a log-scale site changes by orders of magnitude between the initial
+        iterations; a list of iteration numbers; ``False``: the paper's fixed η).  A refresh also recomputes the
+        dual table at the current point, ``μ_i = −∇_λ f_i(λ_0, φ_i)`` for every unit (one gradient per unit, an
+        O(N) pass at O(log T) iterations), and resets ``h = D_η^{-1} mean(μ)``: Remark 3.1's invariant holds
+        across a refresh, and no stale dual from a steep early iterate is multiplied by the new η (measured at
+        N = 1e5 without it: log-scale of q(β) −15.7 → −77.8 in one step, then NaN).  Why: the curvature of a log-scale site changes by orders of magnitude between the initial
         state and the optimum (specs/pdvi.md §4); measured on the random-effects benchmark, η of q(β)'s scale
         went 0.028 → 10 and its error after 60 epochs from 10.5% to 0.02%.
     :param data_plate: name of the data plate when it cannot be found (see ``inspect_model``).
@@ -403,9 +405,25 @@ class PDVI:
         args, kwargs = prepare_inputs(args, kwargs)
         return self._refresh(state, self._inputs(args, kwargs))
 
+    def _duals(self, point, inputs):
+        """``μ_i = −∇_λ f_i(λ_0, φ_i)`` for every unit at ``point = (λ_0, local, key)``: the gradient table an exact
+        oracle leaves after visiting every unit at λ_0 (one gradient per unit, units in sequence: O(N) once)."""
+        (lam0, local, key), (blocks, args, kwargs) = point, inputs
+
+        def one(unit):
+            idx, mask, weight = self._unit_data(unit, blocks)
+            rows = {k: v[idx] for k, v in local.items()}
+            grad = jax.grad(lambda l: self._block_loss(random.fold_in(key, unit), l, rows, idx, mask, weight, args,
+                                                       kwargs))(lam0)
+            return jax.tree.map(lambda g: -_accum(g), grad)
+
+        return jax.lax.map(one, jnp.arange(self.num_units), batch_size=min(self.num_units, 64)
+                           if self.dual_granularity == "datum" else None)
+
     def _refresh(self, state, inputs):
         key = random.fold_in(state.rng_key, state.step)
-        new = self._auto_eta(self._global_params(state), state.local, key, inputs)
+        lam0 = self._global_params(state)
+        new = self._auto_eta(lam0, state.local, key, inputs)
         # a refresh never breaks a run: a non-finite or non-positive estimate keeps the old η, and one refresh
         # moves η by at most a factor 100 (a curvature estimate at a degenerate point must not blow it up)
         eta = {}
@@ -413,8 +431,13 @@ class PDVI:
             cand = jnp.asarray(new[k], old.dtype)
             cand = jnp.where(jnp.isfinite(cand) & (cand > 0), cand, old)
             eta[k] = jnp.clip(cand, old / 100.0, old * 100.0)
-        h = {k: eta[k] * jnp.mean(state.mu[k], 0) for k in state.h}
-        return state._replace(eta=eta, h=h)
+        # the dual table is recomputed at the current point: kept, its entries from visits long ago (where the
+        # curvature was another) would be multiplied by the new η in h and throw λ_0 far off (measured: log-scale
+        # of q(β) −15.7 → −77.8 in one step at N = 1e5); fresh, h = −D_η mean ∇f_i(λ_0) is one gradient step.
+        mu = self._compiled("duals", self._duals)((lam0, state.local, random.fold_in(key, 1)), inputs)
+        mu = {k: jnp.where(jnp.all(jnp.isfinite(mu[k])), mu[k], state.mu[k]) for k in state.mu}
+        h = {k: eta[k] * jnp.mean(mu[k], 0) for k in state.h}
+        return state._replace(eta=eta, h=h, mu=mu)
 
     def _hooks(self, state, num_steps, inputs):
         step0 = int(state.step)

@@ -2,6 +2,7 @@
 effects on sorted (non-iid) blocks reach the closed-form mean-field optimum with the one-particle ELBO a user
 passes; ``eta="auto"``'s refresh keeps Remark 3.1's invariant and resumes bitwise."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import numpyro
@@ -96,3 +97,25 @@ def test_refresh_keeps_old_eta_when_the_estimate_is_degenerate():
     new = pd.refresh_eta(st, x, N // 10)
     assert float(new.eta["beta_auto_loc"]) == float(st.eta["beta_auto_loc"])
     assert np.isclose(float(new.eta["beta_auto_scale"]), 100 * float(st.eta["beta_auto_scale"]), rtol=1e-6)
+
+
+def test_refresh_recomputes_the_dual_table_at_the_current_point():
+    """After a refresh every dual is the gradient table of an exact oracle at λ_0, μ_i = −∇_λ f_i(λ_0, φ_i) (kept
+    stale, entries from steep early iterates times the new η threw λ_0 off by 60 units at N = 1e5), and Remark 3.1's
+    h = D_η^{-1} mean(μ) holds.  With orthogonal draws this model's block losses are exact (key-free)."""
+    x = data()
+    pd = nfv.PDVI(model, AutoNormal(model), num_partitions=20, partitions_per_step=2, eta_refresh=False)
+    st = pd.run(random.key(0), 7, x, N // 10, progress_bar=False).state
+    new = pd.refresh_eta(st, x, N // 10)
+    lam0 = pd._global_params(new)
+    for unit in range(20):
+        idx, mask, weight = pd._unit_data(unit, pd.blocks)
+        rows = {k: v[idx] for k, v in new.local.items()}
+        g = jax.grad(lambda l: pd._block_loss(random.key(123), l, rows, idx, mask, weight, (jnp.asarray(x), N // 10),
+                                               {}))(lam0)
+        for k in g:
+            np.testing.assert_allclose(np.asarray(new.mu[k][unit]), -np.asarray(g[k]), rtol=2e-3, atol=1e-2)
+    for k in new.h:
+        np.testing.assert_allclose(np.asarray(new.h[k]), np.asarray(new.eta[k] * jnp.mean(new.mu[k], 0)), rtol=1e-5,
+                                   atol=1e-8)
+    assert not np.allclose(np.asarray(new.mu["beta_auto_scale"]), np.asarray(st.mu["beta_auto_scale"]), rtol=1e-2)
