@@ -63,8 +63,6 @@ import jax
 import jax.numpy as jnp
 import matplotlib
 import numpy as np
-import numpyro
-import numpyro.distributions as dist
 import optax
 from jax import lax, random
 from numpyro import handlers
@@ -72,6 +70,7 @@ from numpyro.infer import SVI, Trace_ELBO
 from numpyro.infer.autoguide import AutoNormal
 
 import numpyro_fedvi as nfv
+from numpyro_fedvi.models import random_effects as re_model
 
 from ._common import Timer, block, parse_args, save_figure, write_result
 
@@ -84,51 +83,24 @@ TARGETS = {"mean_err_sd": 1.0, "scale_rel_err": 0.10, "rms_local_mean_err": 0.05
 METRICS = tuple(TARGETS)
 
 
-def model(x, batch_size=None):
-    beta = numpyro.sample("beta", dist.Normal(0.0, PRIOR_SD))
-    with numpyro.plate("data", x.shape[0], subsample_size=batch_size) as idx:
-        u = numpyro.sample("u", dist.Normal(0.0, TAU))
-        numpyro.sample("x", dist.Normal(beta + u, SIGMA), obs=x[idx])
+model = re_model.make_model(SIGMA, TAU, PRIOR_SD)     # the model, written once (numpyro_fedvi.models.random_effects)
 
 
 def make_data(n, seed):
     """x_i = β + u_i + σ ε_i, SORTED (so contiguous blocks are non-iid slices of the x range), float32 as a user has."""
-    rng = np.random.default_rng(seed)
-    x = BETA_TRUE + TAU * rng.normal(size=n) + SIGMA * rng.normal(size=n)
-    return np.sort(x).astype(np.float32)
+    return re_model.make_data(n, seed, beta=BETA_TRUE, sigma=SIGMA, tau=TAU)
 
 
-# --- the closed-form mean-field optimum ------------------------------------------------------------------------------
 def optimum(x):
-    x = np.asarray(x, np.float64)
-    n = x.size
-    b2 = 1.0 / (1.0 / TAU**2 + 1.0 / SIGMA**2)
-    s2 = 1.0 / (1.0 / PRIOR_SD**2 + n / SIGMA**2)
-    c = b2 / SIGMA**2
-    m = (1 - c) * (s2 / SIGMA**2) * x.sum() / (1 - c * n * s2 / SIGMA**2)
-    return {"m": m, "s": np.sqrt(s2), "a": c * (x - m), "b": np.full(n, np.sqrt(b2))}
+    return re_model.mean_field_optimum(x, SIGMA, TAU, PRIOR_SD)
 
 
 def cavi_sweep(x, p):
-    """One CAVI sweep (locals, then the global) in float64."""
-    x = np.asarray(x, np.float64)
-    b2 = 1.0 / (1.0 / TAU**2 + 1.0 / SIGMA**2)
-    a = (b2 / SIGMA**2) * (x - p["m"])
-    s2 = 1.0 / (1.0 / PRIOR_SD**2 + x.size / SIGMA**2)
-    m = (s2 / SIGMA**2) * np.sum(x - a)
-    return {"m": m, "s": np.sqrt(s2), "a": a, "b": np.full(x.size, np.sqrt(b2))}
+    return re_model.cavi_sweep(x, p, SIGMA, TAU, PRIOR_SD)
 
 
 def neg_elbo(x, p):
-    """Exact full-data negative ELBO of q(β) = N(m, s²), q(u_i) = N(a_i, b_i²) (float64, no Monte Carlo)."""
-    x = np.asarray(x, np.float64)
-    m, s2 = float(p["m"]), float(p["s"]) ** 2
-    a, b2 = np.asarray(p["a"], np.float64), np.asarray(p["b"], np.float64) ** 2
-    lik = np.sum(-0.5 * np.log(2 * np.pi * SIGMA**2) - ((x - m - a) ** 2 + s2 + b2) / (2 * SIGMA**2))
-    pu = np.sum(-0.5 * np.log(2 * np.pi * TAU**2) - (a**2 + b2) / (2 * TAU**2))
-    pb = -0.5 * np.log(2 * np.pi * PRIOR_SD**2) - (m**2 + s2) / (2 * PRIOR_SD**2)
-    ent = 0.5 * np.log(2 * np.pi * np.e * s2) + np.sum(0.5 * np.log(2 * np.pi * np.e * b2))
-    return -(lik + pu + pb + ent)
+    return re_model.neg_elbo(x, p, SIGMA, TAU, PRIOR_SD)
 
 
 def from_guide(params):

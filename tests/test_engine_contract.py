@@ -36,6 +36,9 @@ from numpyro.infer.autoguide import AutoNormal
 
 import numpyro_fedvi as nfv
 
+import shared_models
+from shared_models import SCHOOLS_SIGMA, SCHOOLS_Y
+
 TRACES: collections.Counter = collections.Counter()  # model name -> times the model function was called
 
 
@@ -46,11 +49,7 @@ def traces() -> int:
 # --- models: written once, used unchanged by every engine --------------------------------------------------------
 def eight_schools(sigma, y=None):
     TRACES["eight_schools"] += 1
-    mu = numpyro.sample("mu", dist.Normal(0.0, 5.0))
-    tau = numpyro.sample("tau", dist.HalfCauchy(5.0))
-    with numpyro.plate("J", len(sigma)):
-        theta = numpyro.sample("theta", dist.Normal(mu, tau))
-        numpyro.sample("obs", dist.Normal(theta, sigma), obs=y)
+    return shared_models.eight_schools(sigma, y)
 
 
 def eight_schools_guide(sigma, y=None):
@@ -91,8 +90,6 @@ def random_effects_guide(x, batch=None):
 
 
 # --- data (NumPy, as a user has it) -------------------------------------------------------------------------------
-SCHOOLS_Y = np.array([28.0, 8.0, -3.0, 7.0, -1.0, 1.0, 18.0, 12.0])
-SCHOOLS_SIGMA = np.array([15.0, 10.0, 16.0, 11.0, 9.0, 11.0, 10.0, 18.0])
 _rng = np.random.default_rng(0)
 N = 48
 LOGREG_X = _rng.normal(size=(N, 3))

@@ -23,7 +23,7 @@ from numpyro.infer import Trace_ELBO, TraceEnum_ELBO, TraceGraph_ELBO, TraceMean
 from numpyro.infer.autoguide import AutoNormal
 
 from numpyro_fedvi import PDVI
-from numpyro_fedvi.models import gmm
+from numpyro_fedvi.models import gmm, random_effects
 from numpyro_fedvi.particles import SCHEMES, ControlledDraws, _ControlledNoise, controlled_normals
 
 KEYS = [random.key(k) for k in (0, 1, 7)]
@@ -198,13 +198,8 @@ def re_neg_elbo(p, x):
 
 
 def re_optimum(x):
-    """CAVI fixed point: q(u_i) precision P = 1/σ² + 1/τ², a_i = c (x_i − m), c = (1/σ²)/P; q(β) precision
-    Q = 1/s0² + N/σ², m Q = Σ (x_i − a_i)/σ²  ⇒  m = (1 − c) Σx/σ² / (Q − c N/σ²)."""
-    x = np.asarray(x, np.float64)
-    n, P = x.shape[0], 1 / SIG**2 + 1 / TAU**2
-    c, Q = (1 / SIG**2) / P, 1 / S0**2 + n / SIG**2
-    m = (1 - c) * x.sum() / SIG**2 / (Q - c * n / SIG**2)
-    return {"m": m, "s": 1 / np.sqrt(Q), "a": c * (x - m), "b": np.full(n, 1 / np.sqrt(P))}
+    """The CAVI fixed point (``numpyro_fedvi.models.random_effects``; stationarity tested below)."""
+    return random_effects.mean_field_optimum(x, sigma=SIG, tau=TAU, prior_sd=S0)
 
 
 def test_random_effects_closed_form_optimum_is_stationary():

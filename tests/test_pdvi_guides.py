@@ -22,16 +22,9 @@ import numpyro_fedvi as nfv
 from numpyro_fedvi.objectives import block_loss_fn
 from numpyro_fedvi.structure import inspect_model, make_partitions
 
-SIGMA = np.array([15.0, 10, 16, 11, 9, 11, 10, 18])
-Y = np.array([28.0, 8, -3, 7, -1, 1, 18, 12])
+from shared_models import SCHOOLS_SIGMA, SCHOOLS_Y, eight_schools
 
-
-def eight_schools(sigma, y=None):
-    mu = numpyro.sample("mu", dist.Normal(0, 5))
-    tau = numpyro.sample("tau", dist.HalfCauchy(5))
-    with numpyro.plate("J", len(sigma)):
-        theta = numpyro.sample("theta", dist.Normal(mu, tau))
-        numpyro.sample("obs", dist.Normal(theta, sigma), obs=y)
+SIGMA, Y = SCHOOLS_SIGMA, SCHOOLS_Y
 
 
 def eight_schools_subsampled(sigma, y=None):
