@@ -192,8 +192,9 @@ class PDVI:
     :param partitions_per_step: blocks visited per iteration (``|S_t|``; oracles run in parallel).
     :param eta: ``"auto"`` (default, P²D-VI): ``η_j = eta_scale / L̂_j`` with ``L̂_j`` the largest diagonal
         second derivative of block ``j`` of a block loss at the initial state (over up to 8 evenly spaced
-        blocks, see ``eta_curvature``; specs/pdvi.md §4 suggests c ∈ [0.3, 10]); a float (PD-VI, Oracle I: one η for every coordinate —
-        the theory needs η ≲ 1/(22 L), and a block of |b| data has L ∝ |b|), or a dict ``{site: η_j}``.
+        blocks, see ``eta_curvature``; specs/pdvi.md §4 suggests c ∈ [0.3, 10]); a float (PD-VI, Oracle I: one
+        η for every coordinate — the theory needs η ≲ 1/(22 L), and a block of |b| data has L ∝ |b|), or a dict
+        ``{site: η_j}``.
     :param eta_scale: the constant ``c`` of ``eta="auto"`` (default 0.3, the low end of the spec's [0.3, 10]:
         measured on per-datum random effects with 100-point blocks, c = 1 oscillated and collapsed q(β)'s scale,
         c = 0.3 reached the optimum to 1e-4 in 200 iterations, c = 0.1 was 3× slower).
@@ -370,18 +371,23 @@ class PDVI:
         return pdvi_step(state, self._oracle(blocks, args, kwargs, state.rng_key),
                          lambda key, step: self._select(blocks, key, step), guard=True)
 
+    def _unit_objective(self, unit, local, key, inputs):
+        """``(λ ↦ f_unit(λ, φ_unit), unit key)``: a unit's block loss at its stored local rows, with the Monte-Carlo
+        key ``fold_in(key, unit)`` (shared by the curvature estimate and the dual table)."""
+        blocks, args, kwargs = inputs
+        idx, mask, weight = self._unit_data(unit, blocks)
+        rows = {k: v[idx] for k, v in local.items()}
+        unit_key = random.fold_in(key, unit)
+        return (lambda lam: self._block_loss(unit_key, lam, rows, idx, mask, weight, args, kwargs)), unit_key
+
     def _curvatures(self, point, inputs):
         """Per unit, the max |diagonal Hessian| of each global site at ``point = (λ_0, local, key, units)``; across
         the units, their max (``eta_curvature="max"``) or median (``"median"``)."""
-        (lam0, local, key, units), (blocks, args, kwargs) = point, inputs
+        lam0, local, key, units = point
 
         def one(unit):
-            idx, mask, weight = self._unit_data(unit, blocks)
-            rows = {k: v[idx] for k, v in local.items()}
-            unit_key = random.fold_in(key, unit)
-            d = diag_hessian(lambda l: self._block_loss(unit_key, l, rows, idx, mask, weight, args, kwargs),
-                             lam0, key=unit_key)
-            return {k: jnp.max(jnp.abs(v)) for k, v in d.items()}
+            f, unit_key = self._unit_objective(unit, local, key, inputs)
+            return {k: jnp.max(jnp.abs(v)) for k, v in diag_hessian(f, lam0, key=unit_key).items()}
 
         across = jnp.max if self.eta_curvature == "max" else jnp.median
         return {k: across(v) for k, v in jax.lax.map(one, units).items()}
@@ -421,13 +427,10 @@ class PDVI:
     def _duals(self, point, inputs):
         """``μ_i = −∇_λ f_i(λ_0, φ_i)`` for every unit at ``point = (λ_0, local, key)``: the gradient table an exact
         oracle leaves after visiting every unit at λ_0 (one gradient per unit, units in sequence: O(N) once)."""
-        (lam0, local, key), (blocks, args, kwargs) = point, inputs
+        lam0, local, key = point
 
         def one(unit):
-            idx, mask, weight = self._unit_data(unit, blocks)
-            rows = {k: v[idx] for k, v in local.items()}
-            grad = jax.grad(lambda l: self._block_loss(random.fold_in(key, unit), l, rows, idx, mask, weight, args,
-                                                       kwargs))(lam0)
+            grad = jax.grad(self._unit_objective(unit, local, key, inputs)[0])(lam0)
             return jax.tree.map(lambda g: -_accum(g), grad)
 
         return jax.lax.map(one, jnp.arange(self.num_units), batch_size=min(self.num_units, 64)
