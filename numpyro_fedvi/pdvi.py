@@ -32,10 +32,13 @@ from .curvature import diag_hessian
 from .objectives import block_loss_fn, full_loss_fn
 from .particles import SCHEMES, ControlledDraws
 from .inputs import InputJit, prepare_inputs
+from .newton import newton_solve
 from .runner import EarlyStopping, RunResult, run_loop, tree_all_finite
 from .structure import ModelStructure, Partitions, inspect_model, make_partitions
 
-__all__ = ["Block", "PDVI", "PDVIState", "pdvi_init", "pdvi_step", "prox_solve"]
+__all__ = ["Block", "NEWTON_MAX_GLOBALS", "PDVI", "PDVIState", "pdvi_init", "pdvi_step", "prox_solve"]
+
+NEWTON_MAX_GLOBALS = 128  # local_optimizer=None: Newton up to this many global coordinates (one HVP each per step)
 
 
 class Block(NamedTuple):
@@ -122,21 +125,27 @@ def pdvi_step(state: PDVIState, oracle: Callable, select: Callable, guard: bool 
     return (new, loss, ok) if guard else (new, loss)
 
 
-def prox_solve(f: Callable, lam0, mu, eta, phi, optimizer: optax.GradientTransformation, num_steps: int,
-               alternating: bool = True):
+def prox_solve(f: Callable, lam0, mu, eta, phi, optimizer, num_steps: int, alternating: bool = True):
     """Approximately solve ``min_{φ,λ} f(λ, φ) + ⟨μ, λ − λ_0⟩ + ½‖λ − λ_0‖²_{D_η}`` (Algorithms 2–3).
 
-    ``num_steps`` optax steps warm-started at ``λ = λ_0`` and the given ``φ``.  ``alternating=True`` updates
-    φ first and the global copy λ last in each step (so the dual update sees λ-stationarity w.r.t. the final
-    φ); ``False`` updates both jointly from one gradient.  Returns ``(λ, φ, f(λ, φ))``.
+    ``num_steps`` steps warm-started at ``λ = λ_0`` and the given ``φ``.  ``optimizer="newton"``: damped Newton steps on
+    the exact arrow-shaped Hessian (:func:`~numpyro_fedvi.newton.newton_solve`; φ's rows must be separable, one
+    datum each).  An optax optimizer: ``alternating=True`` updates φ first and the global copy λ last in each step (so
+    the dual update sees λ-stationarity w.r.t. the final φ); ``False`` updates both jointly from one gradient.
+    Returns ``(λ, φ, f(λ, φ))``.
     """
-    optimizer = optax.with_extra_args_support(optimizer)
-    lam_start = lam0
+    def penalty(lam):
+        return sum(jnp.sum(m * (l - l0)) + 0.5 * jnp.sum((l - l0) ** 2 / e)
+                   for l, l0, m, e in zip(*map(jax.tree.leaves, (lam, lam0, mu, eta))))
 
     def lagrangian(lam, phi_):
-        penalty = sum(jnp.sum(m * (l - l0)) + 0.5 * jnp.sum((l - l0) ** 2 / e)
-                      for l, l0, m, e in zip(*map(jax.tree.leaves, (lam, lam0, mu, eta))))
-        return f(lam, phi_) + penalty
+        return f(lam, phi_) + penalty(lam)
+
+    if isinstance(optimizer, str):  # "newton"
+        lam, phi, value = newton_solve(lagrangian, lam0, phi, num_steps)
+        return lam, phi, value - penalty(lam)
+
+    optimizer = optax.with_extra_args_support(optimizer)
 
     def opt_step(params, opt_state, value_fn):
         value, grad = jax.value_and_grad(value_fn)(params)
@@ -154,9 +163,9 @@ def prox_solve(f: Callable, lam0, mu, eta, phi, optimizer: optax.GradientTransfo
             (lam, phi_), s_lam = opt_step((lam, phi_), s_lam, lambda lp: lagrangian(*lp))
         return (lam, phi_, s_lam, s_phi), None
 
-    s_lam = optimizer.init(lam_start) if alternating else optimizer.init((lam_start, phi))
+    s_lam = optimizer.init(lam0) if alternating else optimizer.init((lam0, phi))
     s_phi = optimizer.init(phi) if alternating else None
-    (lam, phi, _, _), _ = jax.lax.scan(body, (lam_start, phi, s_lam, s_phi), None, length=num_steps)
+    (lam, phi, _, _), _ = jax.lax.scan(body, (lam0, phi, s_lam, s_phi), None, length=num_steps)
     return lam, phi, f(lam, phi)
 
 
@@ -204,9 +213,15 @@ class PDVI:
         iterations, every other default), ``"max"`` set η of q(tau)'s params to ~1e-4 and ended with q(mu)'s mean at
         −121 (NUTS: 4.4); ``"median"`` gave 4.7 and a q(log tau) scale of 0.89.  On random effects (equal blocks)
         the two agree.
-    :param local_optimizer: optax optimizer of the oracle (default ``optax.lbfgs()``); re-initialised on
-        every oracle call.
-    :param local_steps: optimizer steps per oracle call.
+    :param local_optimizer: the oracle's solver: ``"newton"`` (damped Newton on the exact arrow-shaped Hessian of
+        the block objective, :mod:`~numpyro_fedvi.newton`: ``d_loc + d_g`` Hessian-vector products per step, no
+        data-dependent loop), an optax optimizer (re-initialised on every oracle call, e.g. ``optax.lbfgs()``, the
+        previous default), or ``None`` (default): ``"newton"`` when the global params have at most
+        ``NEWTON_MAX_GLOBALS = 128`` coordinates, else ``optax.lbfgs()`` with a bounded line search.  Measured on the
+        random-effects benchmark (N = 1e4, every other default): Newton (3 steps) converges per epoch as L-BFGS (10
+        alternating steps) does, at 12 ms instead of 46 ms per epoch, and compiles in ~4 s instead of ~20 s; optax's
+        zoom line search inside ``lbfgs()`` could also spin forever on some float paths (seen at N = 1e5).
+    :param local_steps: solver steps per oracle call (default: 3 for Newton, 10 for an optax optimizer).
     :param dual_granularity: ``"partition"`` (one dual per block; ``n`` = number of blocks) or ``"datum"``
         (one dual and one oracle per data point, ``n = N``; the points of the selected blocks form S_t).
     :param selection: ``"random"`` (uniform without replacement, as in the theory) or ``"cyclic"``.
@@ -245,7 +260,7 @@ class PDVI:
     def __init__(self, model, guide, loss=None, *, num_partitions: int | None = None, partitions=None,
                  partitions_per_step: int = 1, eta: float | dict | str = "auto", eta_scale: float = 0.3,
                  eta_curvature: str = "median",
-                 local_optimizer: optax.GradientTransformation | None = None, local_steps: int = 10,
+                 local_optimizer: optax.GradientTransformation | str | None = None, local_steps: int | None = None,
                  dual_granularity: str = "partition", selection: str = "random", alternating: bool = True,
                  crn: str = "oracle", block_solver: Callable | None = None, oracle_draws: str | None = "orthogonal",
                  oracle_particles: int = 4, eta_refresh=True, data_plate: str | None = None, **static_kwargs):
@@ -255,7 +270,7 @@ class PDVI:
             raise ValueError(f"selection must be 'random' or 'cyclic', got {selection!r}.")
         if num_partitions is None and partitions is None:
             raise ValueError("PDVI needs fixed blocks of the data: pass num_partitions=B or partitions=[...].")
-        if not isinstance(local_steps, (int, np.integer)) or local_steps < 1:
+        if local_steps is not None and (not isinstance(local_steps, (int, np.integer)) or local_steps < 1):
             raise ValueError(f"local_steps must be a positive integer, got {local_steps!r}.")
         if isinstance(eta, str) and eta != "auto":
             raise ValueError(f"eta must be a positive float, a dict of them, or 'auto'; got {eta!r}.")
@@ -279,8 +294,9 @@ class PDVI:
         self.num_partitions, self.partitions = num_partitions, partitions
         self.partitions_per_step = int(partitions_per_step)
         self.eta_spec, self.eta_scale = eta, float(eta_scale)
-        self.local_optimizer = optax.lbfgs() if local_optimizer is None else local_optimizer
-        self.local_steps = int(local_steps)
+        if isinstance(local_optimizer, str) and local_optimizer != "newton":
+            raise ValueError(f"local_optimizer must be 'newton', an optax optimizer or None, got {local_optimizer!r}.")
+        self.local_optimizer, self.local_steps = local_optimizer, local_steps
         if crn not in ("oracle", "run"):
             raise ValueError(f"crn must be 'oracle' or 'run', got {crn!r}.")
         self.dual_granularity, self.selection, self.alternating = dual_granularity, selection, alternating
@@ -310,7 +326,18 @@ class PDVI:
             raise ValueError(f"partitions_per_step must be in [1, {blocks.num_blocks}], "
                              f"got {self.partitions_per_step}.")
         self.structure, self.blocks = structure, blocks
+        self._solver, self._solver_steps = self._resolve_solver(structure)
         self._block_loss = block_loss_fn(self.oracle_loss, self.model, self.guide, structure, self.static_kwargs)
+
+    def _resolve_solver(self, structure):
+        """``(solver, steps)`` of the oracle: ``local_optimizer=None`` picks Newton for small global dimensions."""
+        solver = self.local_optimizer
+        if solver is None:
+            num_globals = sum(int(np.size(v)) for v in structure.init_global.values())
+            solver = "newton" if num_globals <= NEWTON_MAX_GLOBALS else optax.lbfgs(
+                linesearch=optax.scale_by_zoom_linesearch(max_linesearch_steps=10, initial_guess_strategy="one"))
+        steps = self.local_steps if self.local_steps is not None else (3 if solver == "newton" else 10)
+        return solver, int(steps)
 
     def _unit_data(self, unit, blocks):
         """(data indices, mask, global weight) of one dual owner."""
@@ -343,7 +370,7 @@ class PDVI:
                 return self._block_loss(unit_key, lam, rows_, idx, mask, weight, args, kwargs)
 
             if self.block_solver is None:
-                lam, rows, value = prox_solve(f, lam0, mu, eta, rows, self.local_optimizer, self.local_steps,
+                lam, rows, value = prox_solve(f, lam0, mu, eta, rows, self._solver, self._solver_steps,
                                               self.alternating)
             else:
                 lam, rows = self.block_solver(lam0, mu, eta, rows, Block(idx, mask, weight, unit_key), *args,
