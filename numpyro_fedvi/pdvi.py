@@ -221,7 +221,7 @@ class PDVI:
         random-effects benchmark (N = 1e4, every other default): Newton (3 steps) converges per epoch as L-BFGS (10
         alternating steps) does, at 12 ms instead of 46 ms per epoch, and compiles in ~4 s instead of ~20 s; optax's
         zoom line search inside ``lbfgs()`` could also spin forever on some float paths (seen at N = 1e5).
-    :param local_steps: solver steps per oracle call (default: 3 for Newton, 10 for an optax optimizer).
+    :param local_steps: solver steps per oracle call (default: 2 for Newton, 10 for an optax optimizer).
     :param dual_granularity: ``"partition"`` (one dual per block; ``n`` = number of blocks) or ``"datum"``
         (one dual and one oracle per data point, ``n = N``; the points of the selected blocks form S_t).
     :param selection: ``"random"`` (uniform without replacement, as in the theory) or ``"cyclic"``.
@@ -336,7 +336,7 @@ class PDVI:
             num_globals = sum(int(np.size(v)) for v in structure.init_global.values())
             solver = "newton" if num_globals <= NEWTON_MAX_GLOBALS else optax.lbfgs(
                 linesearch=optax.scale_by_zoom_linesearch(max_linesearch_steps=10, initial_guess_strategy="one"))
-        steps = self.local_steps if self.local_steps is not None else (3 if solver == "newton" else 10)
+        steps = self.local_steps if self.local_steps is not None else (2 if solver == "newton" else 10)
         return solver, int(steps)
 
     def _unit_data(self, unit, blocks):

@@ -101,7 +101,7 @@ def test_one_step_solves_a_quadratic_exactly_and_pytrees_round_trip():
 
     lam = {"a": jnp.ones(2), "b": jnp.zeros((1, 2))}
     rows = {"u": jnp.zeros((P, 3)), "v": jnp.ones((P, 3))}
-    lam1, rows1, value = newton_solve(fun, lam, rows, num_steps=1)
+    lam1, rows1, value = newton_solve(fun, lam, rows, num_steps=1, max_move=np.inf)
     assert lam1["b"].shape == (1, 2) and rows1["u"].shape == (P, 3)
     np.testing.assert_allclose(value, fun(lam1, rows1), rtol=1e-10)
     grads = jax.grad(fun, argnums=(0, 1))(lam1, rows1)
@@ -109,11 +109,21 @@ def test_one_step_solves_a_quadratic_exactly_and_pytrees_round_trip():
         np.testing.assert_allclose(leaf, 0.0, atol=1e-9)
 
 
+def test_trust_region_bounds_every_coordinate_move():
+    """The Newton step is scaled so that no coordinate moves more than ``max_move`` per step (the quadratic above
+    needs a longer first step)."""
+    f, g, R = _problem(random.key(6))
+    far = {"g": g + 30.0}
+    lam1, rows1, _ = newton_solve(lambda l, r: f(l["g"], r["r"]), far, {"r": R}, num_steps=2, max_move=0.5)
+    moves = jnp.concatenate([jnp.abs(lam1["g"] - far["g"]), jnp.abs(rows1["r"] - R).ravel()])
+    assert float(jnp.max(moves)) <= 1.0 + 1e-9 and float(jnp.max(moves)) > 0.4
+
+
 def test_newton_solve_never_increases_the_objective_and_converges():
     f, g, R = _problem(random.key(4))
     values = [float(f(g, R))]
     lam, rows = {"g": g}, {"r": R}
-    for _ in range(6):
+    for _ in range(8):
         lam, rows, v = newton_solve(lambda l, r: f(l["g"], r["r"]), lam, rows, num_steps=1)
         values.append(float(v))
     assert all(b <= a + 1e-12 for a, b in zip(values, values[1:]))
@@ -155,3 +165,20 @@ def test_pdvi_defaults_do_not_hang_on_the_hash_seeds_that_stalled_lbfgs(seed):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.startswith("ok")
+
+
+@pytest.mark.parametrize("d", [1, 2, 3, 8])
+def test_row_inverse_is_the_inverse_when_positive_definite_and_positive_definite_otherwise(d):
+    from numpyro_fedvi.newton import _row_inverse
+
+    M = random.normal(random.key(d), (50, d, d))
+    pd = M @ jnp.swapaxes(M, 1, 2) + 0.1 * jnp.eye(d)
+    np.testing.assert_allclose(_row_inverse(pd), jnp.linalg.inv(pd), rtol=1e-7, atol=1e-8)
+    sym = 0.5 * (M + jnp.swapaxes(M, 1, 2))
+    inv = _row_inverse(sym)
+    assert bool(jnp.all(jnp.linalg.eigvalsh(0.5 * (inv + jnp.swapaxes(inv, 1, 2))) > 0))
+    indefinite = jnp.linalg.eigvalsh(sym)[:, 0] < 0
+    assert bool(jnp.any(indefinite))
+    # a positive definite block is left as it is, an indefinite one is changed
+    np.testing.assert_allclose(inv[~indefinite], jnp.linalg.inv(sym[~indefinite]), rtol=1e-6, atol=1e-8)
+    assert not np.allclose(inv[indefinite], jnp.linalg.inv(sym[indefinite]))
