@@ -26,30 +26,19 @@ import matplotlib
 matplotlib.use("Agg")
 import arviz_plots as azp
 import numpy as np
-import numpyro
-import numpyro.distributions as dist
 import optax
 from numpyro.infer import MCMC, NUTS, SVI, Trace_ELBO
 from numpyro.infer.autoguide import AutoMultivariateNormal, AutoNormal
 
 import numpyro_fedvi as nfv
+from numpyro_fedvi.models.eight_schools import SIGMA, Y
+from numpyro_fedvi.models.eight_schools import noncentred as eight_schools
 
 OUT = Path(__file__).resolve().parent / "output"
-Y = np.array([28.0, 8.0, -3.0, 7.0, -1.0, 1.0, 18.0, 12.0])
-SIGMA = np.array([15.0, 10.0, 16.0, 11.0, 9.0, 11.0, 10.0, 18.0])
 NAMES = ["mu", "tau", "theta"]
 COORDS = {"school": ["Choate", "Deerfield", "Phillips Andover", "Phillips Exeter", "Hotchkiss", "Lawrenceville",
                      "St. Paul's", "Mt. Hermon"]}
 DIMS = {"theta": ["school"], "theta_tilde": ["school"], "obs": ["school"]}
-
-
-def eight_schools(sigma, y=None):
-    mu = numpyro.sample("mu", dist.Normal(0.0, 5.0))
-    tau = numpyro.sample("tau", dist.HalfCauchy(5.0))
-    with numpyro.plate("school", len(sigma)):
-        theta_tilde = numpyro.sample("theta_tilde", dist.Normal(0.0, 1.0))
-        theta = numpyro.deterministic("theta", mu + tau * theta_tilde)
-        numpyro.sample("obs", dist.Normal(theta, sigma), obs=y)
 
 
 def fit_all(num_steps=3000, seed=0):

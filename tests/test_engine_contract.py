@@ -58,7 +58,7 @@ def eight_schools_guide(sigma, y=None):
                                      numpyro.param("mu_scale", 1.0, constraint=constraints.positive)))
     numpyro.sample("tau", dist.LogNormal(numpyro.param("tau_loc", 0.0),
                                          numpyro.param("tau_scale", 0.5, constraint=constraints.positive)))
-    with numpyro.plate("J", len(sigma)):
+    with numpyro.plate("school", len(sigma)):
         loc = numpyro.param("theta_loc", jnp.zeros(len(sigma)), event_dim=0)
         scale = numpyro.param("theta_scale", jnp.ones(len(sigma)), constraint=constraints.positive, event_dim=0)
         numpyro.sample("theta", dist.Normal(loc, scale))

@@ -182,3 +182,35 @@ def test_row_inverse_is_the_inverse_when_positive_definite_and_positive_definite
     # a positive definite block is left as it is, an indefinite one is changed
     np.testing.assert_allclose(inv[~indefinite], jnp.linalg.inv(sym[~indefinite]), rtol=1e-6, atol=1e-8)
     assert not np.allclose(inv[indefinite], jnp.linalg.inv(sym[indefinite]))
+
+
+def test_pdvi_picks_newton_for_few_hessian_vector_products_and_lbfgs_otherwise():
+    import numpyro
+    import numpyro.distributions as dist
+    from numpyro.infer.autoguide import AutoNormal
+
+    import numpyro_fedvi as nfv
+    from numpyro_fedvi.models import random_effects as re
+
+    x = re.make_data(40, 0)
+    model = re.make_model()
+    small = nfv.PDVI(model, AutoNormal(model), num_partitions=4)
+    small.init(random.key(0), x, batch_size=10)
+    assert small._solver == "newton" and small._solver_steps == 2
+
+    X = np.random.default_rng(0).normal(size=(40, 10)).astype(np.float32)
+    y = (X[:, 0] > 0).astype(np.float32)
+
+    def logistic(X, y=None):
+        w = numpyro.sample("w", dist.Normal(0, 1).expand([X.shape[1]]).to_event(1))   # 20 global coordinates
+        with numpyro.plate("data", X.shape[0]):
+            numpyro.sample("y", dist.Bernoulli(logits=X @ w), obs=y)
+
+    wide = nfv.PDVI(logistic, AutoNormal(logistic), num_partitions=4)
+    wide.init(random.key(0), X, y)
+    assert not isinstance(wide._solver, str) and wide._solver_steps == 10
+    forced = nfv.PDVI(logistic, AutoNormal(logistic), num_partitions=4, local_optimizer="newton", local_steps=3)
+    forced.init(random.key(0), X, y)
+    assert forced._solver == "newton" and forced._solver_steps == 3
+    with pytest.raises(ValueError, match="local_optimizer"):
+        nfv.PDVI(logistic, AutoNormal(logistic), num_partitions=4, local_optimizer="bfgs")

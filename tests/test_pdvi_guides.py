@@ -1,6 +1,6 @@
 """PD-VI on every common guide and model form (issue 10, item 3): the model a user runs under SVI, unchanged.
 
-- a plain data plate (``plate("J", 8)`` with ``obs=y``) is evaluated through a mask: the block losses sum to the
+- a plain data plate (``plate("school", 8)`` with ``obs=y``) is evaluated through a mask: the block losses sum to the
   full-data loss and equal those of the same model written with a subsampled plate;
 - guides with global params only (AutoNormal, AutoMultivariateNormal, AutoLocationScale) reach the optimum that
   NumPyro's SVI reaches on the same model;
@@ -22,7 +22,7 @@ import numpyro_fedvi as nfv
 from numpyro_fedvi.objectives import block_loss_fn
 from numpyro_fedvi.structure import inspect_model, make_partitions
 
-from shared_models import SCHOOLS_SIGMA, SCHOOLS_Y, eight_schools
+from shared_models import SCHOOLS_SIGMA, SCHOOLS_Y, eight_schools, eight_schools_noncentred
 
 SIGMA, Y = SCHOOLS_SIGMA, SCHOOLS_Y
 
@@ -30,7 +30,7 @@ SIGMA, Y = SCHOOLS_SIGMA, SCHOOLS_Y
 def eight_schools_subsampled(sigma, y=None):
     mu = numpyro.sample("mu", dist.Normal(0, 5))
     tau = numpyro.sample("tau", dist.HalfCauchy(5))
-    with numpyro.plate("J", len(sigma), subsample_size=4) as idx:
+    with numpyro.plate("school", len(sigma), subsample_size=4) as idx:
         theta = numpyro.sample("theta", dist.Normal(mu, tau))
         numpyro.sample("obs", dist.Normal(theta, sigma[idx]), obs=None if y is None else y[idx])
 
@@ -42,7 +42,7 @@ def test_block_losses_of_plain_and_subsampled_plates_agree_and_sum_to_full(model
     guide = AutoDelta(model)
     args = (jnp.asarray(SIGMA),)
     s = inspect_model(model, guide, random.key(0), args, {"y": jnp.asarray(Y)})
-    assert s.data_plate.name == "J" and s.data_plate.subsampled == (model is eight_schools_subsampled)
+    assert s.data_plate.name == "school" and s.data_plate.subsampled == (model is eight_schools_subsampled)
     assert set(s.local_names) == {"theta_auto_loc"}
     loss = block_loss_fn(Trace_ELBO(), model, guide, s)
     parts = make_partitions(8, partitions=[np.array([0, 5, 2]), np.array([1, 3, 4, 6, 7])])
@@ -140,15 +140,6 @@ def test_local_params_with_event_dims():
     m = np.asarray(res.params["m"])
     np.testing.assert_allclose(m, x.mean(0), atol=0.05)
     np.testing.assert_allclose(np.asarray(res.params["a"]), 0.8 * (x - m), atol=0.05)
-
-
-def eight_schools_noncentred(sigma, y=None):
-    mu = numpyro.sample("mu", dist.Normal(0.0, 5.0))
-    tau = numpyro.sample("tau", dist.HalfCauchy(5.0))
-    with numpyro.plate("school", len(sigma)):
-        theta_tilde = numpyro.sample("theta_tilde", dist.Normal(0.0, 1.0))
-        numpyro.deterministic("theta", mu + tau * theta_tilde)
-        numpyro.sample("obs", dist.Normal(mu + tau * theta_tilde, sigma), obs=y)
 
 
 def test_noncentred_eight_schools_defaults_and_eta_curvature():
