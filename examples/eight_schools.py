@@ -14,7 +14,7 @@ Output: a table of each engine's posterior mean error (in NUTS posterior sd) and
 theta, an ArviZ forest plot of all of them (``examples/output/eight_schools.png``).  A Gaussian q cannot match the
 funnel exactly: the best mean-field / full-rank fits still shrink tau's spread; the table shows by how much.
 
-Run:  python examples/eight_schools.py          (a few minutes on 2 CPU cores; mostly compilation)
+Run:  python examples/eight_schools.py          (about 30 s on 2 CPU cores; mostly compilation)
 """
 
 import time
@@ -26,6 +26,7 @@ import matplotlib
 matplotlib.use("Agg")
 import arviz_plots as azp
 import numpy as np
+import numpyro  # noqa: F401  (imported eagerly: arviz_base.from_numpyro lazy-loads it and then misses numpyro.infer.initialization)
 import optax
 from numpyro.infer import MCMC, NUTS, SVI, Trace_ELBO
 from numpyro.infer.autoguide import AutoMultivariateNormal, AutoNormal

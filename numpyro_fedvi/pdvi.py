@@ -18,6 +18,7 @@ coordinate) is P²D-VI (Oracle II).  The invariant ``h = D_η^{-1} mean(μ)`` ho
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -280,6 +281,10 @@ class PDVI:
             raise ValueError(f"eta must be a positive float, a dict of them, or 'auto'; got {eta!r}.")
         if not eta_scale > 0:
             raise ValueError(f"eta_scale must be positive, got {eta_scale!r}.")
+        if eta_scale > 1:
+            warnings.warn(f"eta_scale={eta_scale} puts η above 1/L̂ (the theory needs η ≲ 1/(22 L)); with an accurate "
+                          "oracle the consensus step can swing and diverge (measured: eta_scale=10 diverged at "
+                          "iteration 8 on examples/random_effects_workflow.py). The default is 0.3.", stacklevel=2)
         if eta_curvature not in ("median", "max"):
             raise ValueError(f"eta_curvature must be 'median' or 'max', got {eta_curvature!r}.")
         self.eta_curvature = eta_curvature

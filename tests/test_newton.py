@@ -214,3 +214,5 @@ def test_pdvi_picks_newton_for_few_hessian_vector_products_and_lbfgs_otherwise()
     assert forced._solver == "newton" and forced._solver_steps == 3
     with pytest.raises(ValueError, match="local_optimizer"):
         nfv.PDVI(logistic, AutoNormal(logistic), num_partitions=4, local_optimizer="bfgs")
+    with pytest.warns(UserWarning, match="eta_scale=10"):
+        nfv.PDVI(logistic, AutoNormal(logistic), num_partitions=4, eta_scale=10.0)
