@@ -216,3 +216,17 @@ def test_pdvi_picks_newton_for_few_hessian_vector_products_and_lbfgs_otherwise()
         nfv.PDVI(logistic, AutoNormal(logistic), num_partitions=4, local_optimizer="bfgs")
     with pytest.warns(UserWarning, match="eta_scale=10"):
         nfv.PDVI(logistic, AutoNormal(logistic), num_partitions=4, eta_scale=10.0)
+
+
+def test_an_overshooting_newton_step_is_damped_by_the_trial_steps():
+    """f = log cosh(g) from g = 1.5: the full Newton step lands at g ≈ −3.5 (f 2.8 > 0.85); the step keeps the best
+    trial (0.2 of it here: g ≈ 0.5), never the worse full step."""
+    def fun(lam, rows):
+        return jnp.sum(jnp.log(jnp.cosh(lam["g"]))) + jnp.sum(rows["r"] ** 2)
+
+    lam, rows = {"g": jnp.array([1.5])}, {"r": jnp.zeros((2, 1))}
+    full = 1.5 - np.tanh(1.5) * np.cosh(1.5) ** 2
+    assert np.log(np.cosh(full)) > np.log(np.cosh(1.5))
+    lam1, _, value = newton_solve(fun, lam, rows, num_steps=1, max_move=np.inf)
+    np.testing.assert_allclose(lam1["g"], 1.5 + 0.2 * (full - 1.5), rtol=1e-6)
+    assert float(value) < np.log(np.cosh(1.5))
