@@ -38,10 +38,10 @@ epoch) are reported as they come.  Wall time: the sum of the timed chunks (one e
 metric evaluation excluded.  One-time costs are measured separately and reported, not put on the curves: compile
 (a warm-up run from init, i.e. init + compile + one epoch, minus a steady init and a steady first epoch) and setup
 (a steady ``engine.init`` / ``svi.init``; PD-VI's traces model and guide with NumPyro's own plate subsampler, whose
-CPU version is a sequential Fisher–Yates scan compiled on every call).  Both are measured in the benchmark's process, where whichever
-method runs second finds JAX's compiled eager kernels of the first (the guide's set-up runs hundreds of small eager
-ops): the fair one-time cost is therefore measured again in a FRESH Python process per method (``one_time_fresh``):
-from building the guide and engine to the end of the first epoch, minus a steady epoch.
+CPU version is a sequential Fisher–Yates scan compiled on every call).  Both are measured in the benchmark's
+process, where whichever method runs second finds JAX's compiled eager kernels of the first (the guide's set-up runs
+hundreds of small eager ops): the fair one-time cost is therefore measured again in a FRESH Python process per method
+(``one_time_fresh``): from building the guide and engine to the end of the first epoch, minus a steady epoch.
 The PD-VI curve is recorded by running ``engine.run(..., init_state=previous.state, progress_bar=False)`` epoch by
 epoch (the engine caches its compiled loop, so only the warm-up compiles); SVI by a jitted ``lax.scan`` of
 ``svi.update`` over one epoch.
@@ -257,7 +257,7 @@ def run_svi_adam(guide, x, batch, epochs, lrs, init_params, opt, opt_ne, seed):
     return runs, timings, compile_s
 
 
-# --- one-time cost in a fresh process ----------------------------------------------------------------------------------
+# --- one-time cost in a fresh process ---------------------------------------------------------------------------------
 def one_time_here(method, n, seed, lr):
     """What a user pays once, measured in THIS process (run it fresh): from building the guide and engine to the end
     of the first epoch (guide set-up, tracing, compilation, one epoch), and a second (steady) epoch."""

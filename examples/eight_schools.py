@@ -26,7 +26,8 @@ import matplotlib
 matplotlib.use("Agg")
 import arviz_plots as azp
 import numpy as np
-import numpyro  # noqa: F401  (imported eagerly: arviz_base.from_numpyro lazy-loads it and then misses numpyro.infer.initialization)
+# imported eagerly: arviz_base.from_numpyro lazy-loads numpyro and then misses numpyro.infer.initialization
+import numpyro  # noqa: F401
 import optax
 from numpyro.infer import MCMC, NUTS, SVI, Trace_ELBO
 from numpyro.infer.autoguide import AutoMultivariateNormal, AutoNormal

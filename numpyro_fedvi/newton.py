@@ -7,14 +7,14 @@ arrow shape
     H = [[A,    B_1 … B_P],          A   = ∇²_λλ f          (d_g × d_g)
          [B_iᵀ, diag(D_1 … D_P)]]    B_iᵀ = ∇²_φiλ f,  D_i = ∇²_φiφi f   (d_loc × d_g, d_loc × d_loc)
 
-and ``d_loc + d_g`` Hessian-vector products give every block of it EXACTLY: a tangent equal to ``e_k`` in EVERY row
-returns column ``k`` of every ``D_i`` (rows do not interact), a tangent ``e_j`` on λ returns column ``j`` of ``A`` and of
-every ``B_iᵀ``.  The Newton system is solved through the Schur complement ``S = A − Σ_i B_i D_i⁻¹ B_iᵀ`` in
-``O(P d_loc³ + d_g³)``; a ``D_i`` that is not positive definite is shifted by its Gershgorin bound, and a negative or tiny
-eigenvalue of ``S`` is replaced by its absolute value (floored), which keeps the direction a descent direction on
-nonconvex Monte-Carlo objectives.  Each step tries a few step sizes
-in one vectorised evaluation and keeps the best (never a worse point): no data-dependent loop, so a step's cost and
-compile are fixed.
+and ``d_loc + d_g`` Hessian-vector products give every block of it EXACTLY: a tangent equal to ``e_k`` in EVERY
+row returns column ``k`` of every ``D_i`` (rows do not interact), a tangent ``e_j`` on λ returns column ``j`` of ``A``
+and of every ``B_iᵀ``.  The Newton system is solved through the Schur complement ``S = A − Σ_i B_i D_i⁻¹ B_iᵀ`` in
+``O(P d_loc³ + d_g³)``; a ``D_i`` that is not positive definite is shifted by its Gershgorin bound, and a negative or
+tiny eigenvalue of ``S`` is replaced by its absolute value (floored), which keeps the direction a descent direction on
+nonconvex Monte-Carlo objectives.  Each step is capped at ``max_move`` per coordinate (trust region), tries a few step
+sizes in one vectorised evaluation and keeps the best (never a worse point): no data-dependent loop, so a step's cost
+and compile are fixed.
 
 ``S`` is also the Hessian of the profile ``λ ↦ min_φ f(λ, φ)``: the curvature that PD-VI's penalty ``η`` is measured
 against when the oracle re-optimises the local rows (``schur_diagonal``).
@@ -129,7 +129,8 @@ def _row_inverse(D, rel_floor: float = 1e-6, abs_floor: float = 1e-12):
     eye = jnp.eye(d, dtype=D.dtype)
     if d > 6:
         plain = jnp.linalg.cholesky(D)
-        ok = jnp.all(jnp.isfinite(plain), (-2, -1)) & jnp.all(jnp.diagonal(plain, axis1=-2, axis2=-1) ** 2 > floor[:, None], -1)
+        pivots = jnp.diagonal(plain, axis1=-2, axis2=-1) ** 2
+        ok = jnp.all(jnp.isfinite(plain), (-2, -1)) & jnp.all(pivots > floor[:, None], -1)
         L = jnp.where(ok[:, None, None], plain, jnp.linalg.cholesky(D + shift[:, None, None] * eye))
         Linv = jax.scipy.linalg.solve_triangular(L, jnp.broadcast_to(eye, D.shape), lower=True)
         return jnp.swapaxes(Linv, -1, -2) @ Linv
@@ -165,7 +166,7 @@ def newton_solve(fun: Callable, lam, rows: dict, num_steps: int, trial_steps=TRI
     """Minimise ``fun(lam, rows)`` (``lam``: pytree of global params; ``rows``: ``{site: (P, *event)}``, separable per
     row) by ``num_steps`` damped Newton steps on the arrow Hessian.  Each step evaluates the objective at
     ``trial_steps`` along the Newton direction in one ``vmap`` and moves to the best point if it improves (else stays).
-    Returns ``(lam, rows, fun(lam, rows))``."""
+    ``num_steps ≥ 1``.  Returns ``(lam, rows, fun(lam, rows))``."""
     g0, unravel_g = ravel_pytree(lam)
     R0, unravel_R = _ravel_rows(rows)
     dtype = jnp.result_type(g0, R0)

@@ -209,6 +209,15 @@ def test_pdvi_picks_newton_for_few_hessian_vector_products_and_lbfgs_otherwise()
     wide = nfv.PDVI(logistic, AutoNormal(logistic), num_partitions=4)
     wide.init(random.key(0), X, y)
     assert not isinstance(wide._solver, str) and wide._solver_steps == 10
+    def wide_locals(x):
+        m = numpyro.sample("m", dist.Normal(0, 1))                                          # 2 global coordinates
+        with numpyro.plate("data", x.shape[0]):
+            z = numpyro.sample("z", dist.Normal(m, 1).expand([10]).to_event(1))            # 20 local per datum
+            numpyro.sample("x", dist.Normal(z.sum(-1), 1), obs=x)
+
+    locals_ = nfv.PDVI(wide_locals, AutoNormal(wide_locals), num_partitions=4)
+    locals_.init(random.key(0), x)
+    assert not isinstance(locals_._solver, str)
     forced = nfv.PDVI(logistic, AutoNormal(logistic), num_partitions=4, local_optimizer="newton", local_steps=3)
     forced.init(random.key(0), X, y)
     assert forced._solver == "newton" and forced._solver_steps == 3
@@ -230,3 +239,18 @@ def test_an_overshooting_newton_step_is_damped_by_the_trial_steps():
     lam1, _, value = newton_solve(fun, lam, rows, num_steps=1, max_move=np.inf)
     np.testing.assert_allclose(lam1["g"], 1.5 + 0.2 * (full - 1.5), rtol=1e-6)
     assert float(value) < np.log(np.cosh(1.5))
+
+
+def test_prox_solve_with_newton_returns_the_block_loss_without_the_penalty():
+    """``prox_solve`` reports ``f(λ, φ)`` at its solution (the loss PD-VI logs), not the augmented Lagrangian."""
+    from numpyro_fedvi.pdvi import prox_solve
+
+    f, g, R = _problem(random.key(7))
+
+    def block_loss(lam, rows):
+        return f(lam["g"], rows["r"])
+
+    lam0, mu, eta = {"g": g}, {"g": jnp.full(D_G, 0.7)}, {"g": jnp.full(D_G, 0.05)}
+    lam, rows, value = prox_solve(block_loss, lam0, mu, eta, {"r": R}, "newton", 3)
+    assert float(jnp.max(jnp.abs(lam["g"] - g))) > 1e-3           # the penalty is not zero at the solution
+    np.testing.assert_allclose(value, block_loss(lam, rows), rtol=1e-10)
