@@ -102,7 +102,7 @@ def run_variant(problem, base_name, name, factor, E, records=20):
     settings, K = variant_settings(name, d, kappa, L, E)
     step = settings.pop("step") * factor
     guide = nfv.AutoLocationScale(blr_model, base=base_name, scale="full")
-    engine = nfv.MPSGD(blr_model, guide, smoothness=L, step_size=step, **settings)
+    engine = nfv.MPSGD(blr_model, guide, schedule="theory", smoothness=L, step_size=step, **settings)
     curve, eval_time = [], [0.0]
     start = time.perf_counter()
 

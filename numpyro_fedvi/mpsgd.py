@@ -12,12 +12,15 @@ with the iterate average ``θ̄_K = Σ_k w_k θ^k / Σ_k w_k``, ``w_k = γ_k α_
 ``τ_i = 1/(1 + a γ_i²/N_i)`` (Theorems 6 and 7; constant γ, N: ``w_k ∝ τ^{k+1}``).  Growing batches ``N_k`` are
 drawn in fixed-size chunks inside one compiled loop (no recompilation).
 
-Functional core: :func:`mpsgd_init`, :func:`make_mpsgd_step`; front-end :class:`MPSGD` with NumPyro's SVI surface.
+Functional core: :func:`mpsgd_init`, :func:`make_mpsgd_step` (the paper's schedule, ``schedule="theory"``) and
+:mod:`numpyro_fedvi.whitening` (the default ``schedule="adaptive"``: the same step in stages of affine whitening);
+front-end :class:`MPSGD` with NumPyro's SVI surface.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -30,21 +33,25 @@ from numpyro import handlers
 from numpyro.infer.util import potential_energy
 
 from .inputs import InputJit, prepare_inputs, split_inputs
-from .projections import project_scale_diag, project_scale_full_with_inverse, project_scale_tril
 from .runner import EarlyStopping, RunResult, revert_non_finite, run_loop, tree_all_finite
 from .schedules import batch_growth, constant, dynamic_batching, theorem4
+from .whitening import (WhitenedState, make_whitened_step, project_scale, whitened_init, whitened_params)
+
+MIN_STAGES = 3          # adaptive: a run counts as converged after this many stages ...
+CONVERGED_MOVE = 0.1    # ... when the last one moved the mean and the scale by at most this (posterior sd / rel.)
 
 __all__ = ["MPSGD", "MPSGDState", "estimate_smoothness", "make_mpsgd_step", "mc_gradient", "mpsgd_init", "project_scale"]
 
 
 class MPSGDState(NamedTuple):
     """``loc`` μ (d,), ``scale`` Σ (raw: (d,d) full/tril or (d,) diag), ``scale_inv`` Σ^{-1} (full; else an
-    unused 0), running average ``avg_loc``/``avg_scale`` with ``log_weight_sum`` = log Σ w, ``log_alpha`` =
+    unused 0), ``scale_logdet`` log|det Σ| (from the projection), running average ``avg_loc``/``avg_scale`` with ``log_weight_sum`` = log Σ w, ``log_alpha`` =
     log α_k, the averaging constant ``avg_a`` (a of τ), ``step`` k, base ``rng_key``."""
 
     loc: jax.Array
     scale: jax.Array
     scale_inv: jax.Array
+    scale_logdet: jax.Array
     avg_loc: jax.Array
     avg_scale: jax.Array
     log_weight_sum: jax.Array
@@ -52,15 +59,6 @@ class MPSGDState(NamedTuple):
     avg_a: jax.Array
     step: jax.Array
     rng_key: jax.Array
-
-
-def project_scale(scale_type: str, scale, min_scale):
-    """``P_{Θ_L}`` per scale type (specs/mpsgd.md [fix]); returns ``(Σ, Σ^{-1} or 0)``."""
-    if scale_type == "full":
-        return project_scale_full_with_inverse(scale, min_scale)
-    if scale_type == "tril":
-        return project_scale_tril(scale, min_scale), jnp.zeros(())
-    return project_scale_diag(scale, min_scale), jnp.zeros(())
 
 
 def log_abs_det(scale_type: str, scale):
@@ -80,8 +78,8 @@ def mpsgd_init(loc, scale, scale_type: str, min_scale, rng_key, avg_a=1.0) -> MP
     """Initial state; ``scale`` is projected onto Θ_L first."""
     ftype = jnp.result_type(float)
     loc = jnp.asarray(loc, ftype)
-    scale, scale_inv = project_scale(scale_type, jnp.asarray(scale, ftype), min_scale)
-    return MPSGDState(loc, scale, jnp.asarray(scale_inv, ftype), loc, scale, jnp.asarray(-jnp.inf, ftype),
+    scale, scale_inv, logdet = project_scale(scale_type, jnp.asarray(scale, ftype), min_scale)
+    return MPSGDState(loc, scale, jnp.asarray(scale_inv, ftype), logdet, loc, scale, jnp.asarray(-jnp.inf, ftype),
                       jnp.zeros((), ftype), jnp.asarray(avg_a, ftype), jnp.asarray(0, jnp.int32), rng_key)
 
 
@@ -138,9 +136,9 @@ def make_mpsgd_step(potential: Callable, base, scale_type: str, *, step_size: Ca
         n = jnp.maximum(jnp.asarray(num_particles(k), jnp.int32), 1)
         g_loc, g_scale, f_mean = mc_gradient(potential, base, scale_type, state.loc, state.scale, state.scale_inv,
                                              random.fold_in(state.rng_key, k), n, chunk_size)
-        loss = f_mean - log_abs_det(scale_type, state.scale) - entropy
+        loss = f_mean - state.scale_logdet - entropy
         loc = state.loc - gamma * lambda_loc * g_loc
-        scale, scale_inv = project_scale(scale_type, state.scale - gamma * lambda_scale * g_scale, min_scale)
+        scale, scale_inv, logdet = project_scale(scale_type, state.scale - gamma * lambda_scale * g_scale, min_scale)
         # iterate average over θ^0..θ^k with weights w_k = γ_k α_{k+1}, α_{k+1} = α_k τ_k (Theorem 7)
         log_tau = -jnp.log1p(state.avg_a * gamma**2 / n)
         log_w = jnp.log(gamma) + state.log_alpha + log_tau
@@ -148,7 +146,7 @@ def make_mpsgd_step(potential: Callable, base, scale_type: str, *, step_size: Ca
         r = jnp.exp(log_w - log_sum) if averaging else jnp.asarray(1.0, loc.dtype)
         avg_loc = state.avg_loc + r * (state.loc - state.avg_loc)
         avg_scale = state.avg_scale + r * (state.scale - state.avg_scale)
-        new = MPSGDState(loc, scale, jnp.asarray(scale_inv, state.scale_inv.dtype), avg_loc, avg_scale, log_sum,
+        new = MPSGDState(loc, scale, jnp.asarray(scale_inv, state.scale_inv.dtype), logdet, avg_loc, avg_scale, log_sum,
                          state.log_alpha + log_tau, state.avg_a, k + 1, state.rng_key)
         return new, loss
 
@@ -195,59 +193,95 @@ def estimate_smoothness(potential: Callable, x0, *, map_steps: int = 200, power_
 class MPSGD:
     """Minibatch projected SGD for VI with an :class:`~numpyro_fedvi.guides.AutoLocationScale` guide.
 
-    ``MPSGD(model, guide, smoothness=L)`` runs the paper's method with γ = 1/(2L), Σ kept in
-    ``Θ_L = {σ_min(Σ) ≥ 1/√L}``; ``budget=E`` picks ``N`` and ``K`` by Theorem 4 (case i with
-    ``preconditioner="identity"``, case ii with ``"theory"``).
+    Two schedules of the same projected step (module docstring):
 
-    :param step_size: ``None`` = 1/(2 L_step) (theory), a float, or a schedule ``k -> γ_k``.
-    :param smoothness: L of the potential (float) or ``"auto"`` (:func:`estimate_smoothness` at the MAP with
-        safety factor 2).  Used for the step size and, unless ``projection_smoothness`` is given, for the
-        projection threshold 1/√L.  ``"auto"`` is estimated once per engine and input shapes (on the first data
-        of those shapes, with the first run's key) and reused by later runs; pass a float to fix it.
-    :param projection_smoothness: a separate L for the projection (an under-estimate can cut off the optimum).
-    :param num_particles: N (int) or a schedule ``k -> N_k``; drawn ``chunk_size`` at a time.
-    :param step_schedule: ``None`` (constant γ) or a dynamic-batching strategy ``"S1"``, ``"S2"``, ``"S3"``
+    * ``schedule="adaptive"`` (default): the step runs in stages of affine whitening (:mod:`numpyro_fedvi.whitening`):
+      the frame starts at the init point and its |Hessian|^{-1/2}, then follows the stage averages; in whitened
+      coordinates γ = 1/(2L′) with L′ from a free Stein estimate of the expected Hessian, ``num_particles`` defaults to
+      ``2d`` spherical–radial draws (unbiased, exact second moments), and ``get_params`` is the frame applied to the
+      tail average of the current stage.  No tuning: ``MPSGD(model, AutoLocationScale(model)).run(key, 1000, *args)``.
+      ``result.diagnostics["stage_moves"]`` says how far the last completed stage moved ``q`` (mean in posterior sd,
+      scale change); a run that ends with moves above 0.1 (or before 3 stages) warns that it has not converged.
+    * ``schedule="theory"``: the paper's method: γ = 1/(2 L_step), Σ kept in ``Θ_L = {σ_min(Σ) ≥ 1/√L}``, Σ0 = I/√L,
+      the τ-weighted average of Theorems 6/7; ``budget=E`` picks ``N`` and ``K`` by Theorem 4 (case i with
+      ``preconditioner="identity"``, case ii with ``"theory"``).  The options below marked (theory) belong to it.
+
+    :param schedule: ``"adaptive"`` or ``"theory"``.
+    :param num_particles: N (even with spherical draws) — adaptive default ``2d``; theory default 1, an int or a
+        schedule ``k -> N_k`` drawn ``chunk_size`` at a time.
+    :param draws: ``"spherical"`` (adaptive default) or ``"iid"`` (theory default, the paper's estimator).
+    :param stage_length: (adaptive) length of the first stage (stages double).
+    :param init_scale: initial Σ = init_scale·I (theory default 1/√L; adaptive: the first frame's scale, replacing the
+        Hessian-based frame).
+    :param step_size: (theory) ``None`` = 1/(2 L_step), a float, or a schedule ``k -> γ_k``.
+    :param smoothness: (theory) L of the potential (float) or ``"auto"`` (default: :func:`estimate_smoothness` at the
+        MAP with safety factor 2, once per engine and input shapes).  Used for the step size and, unless
+        ``projection_smoothness`` is given, for the projection threshold 1/√L.
+    :param projection_smoothness: (theory) a separate L for the projection.
+    :param step_schedule: (theory) ``None`` (constant γ) or a dynamic-batching strategy ``"S1"``, ``"S2"``, ``"S3"``
         of Theorem 7 built from γ and ``num_particles`` (:func:`numpyro_fedvi.schedules.dynamic_batching`).
-    :param preconditioner: ``"theory"`` (λ_μ = 1, λ_Σ = 1/(2(d−1+κ)), Theorem 4 ii), ``"identity"``, or a
-        tuple ``(λ_μ, λ_Σ)`` in (0, 1]².
-    :param averaging: ``"tau"`` (weighted average of Theorems 6/7; ``get_params`` returns it) or ``"none"``.
-    :param averaging_a: the constant ``a ≥ 0`` in τ_k = 1/(1 + aγ_k²/N_k).  Default: with ``budget=E``, Theorem 4's
-        value ``a = N/(γ²K)`` (τ = K/(K+1) for its K); otherwise ``a = 0``, the γ-weighted uniform average
-        Σγ_kθ^k/Σγ_k (the K → ∞ limit of τ = K/(K+1)).  ``a`` never depends on the ``num_steps`` of a ``run``
-        call, so a run resumed from ``result.state`` is bitwise equal to an uninterrupted one (the average too).
-    :param budget: gradient budget E (Theorem 4); ``run(rng_key, None, ...)`` then runs K steps.
-    :param init_scale: initial Σ = init_scale·I (default 1/√L, the paper's Σ0 = I/√L).
-    :param chunk_size: draws per inner chunk of the gradient estimator (default N for a constant N).
+    :param preconditioner: (theory) ``"theory"`` (default: λ_μ = 1, λ_Σ = 1/(2(d−1+κ)), Theorem 4 ii),
+        ``"identity"``, or a tuple ``(λ_μ, λ_Σ)`` in (0, 1]².
+    :param averaging: theory: ``"tau"`` (default; weighted average of Theorems 6/7) or ``"none"``; adaptive:
+        ``"tail"`` (default; the second half of the current stage) or ``"none"`` (the last iterate).
+    :param averaging_a: (theory) the constant ``a ≥ 0`` in τ_k = 1/(1 + aγ_k²/N_k).  Default: with ``budget=E``,
+        Theorem 4's ``a = N/(γ²K)``; otherwise ``a = 0``, the γ-weighted uniform average.  ``a`` never depends on
+        the ``num_steps`` of a ``run`` call, so a resumed run is bitwise equal to an uninterrupted one.
+    :param budget: (theory) gradient budget E (Theorem 4); ``run(rng_key, None, ...)`` then runs K steps.
+    :param chunk_size: (theory) draws per inner chunk of the gradient estimator (default N for a constant N).
 
     Data subsampling: a model with a subsampled plate (``plate("data", N, subsample_size=B)``) runs unchanged.
-    The potential ``f`` is then NumPyro's minibatch estimate (the plate's N/B scaling) and each chunk of draws
-    sees a fresh random minibatch, so the gradient stays unbiased (more noise, O(B) per draw); ``evaluate``
-    likewise estimates the NegELBO on a minibatch.  The paper's theory covers the Monte-Carlo-only case (a plain
-    plate or no plate).  Local latents inside a subsampled plate are not supported by ``AutoLocationScale``.
+    The potential ``f`` is then NumPyro's minibatch estimate (the plate's N/B scaling), with one minibatch per step
+    shared by its draws (theory: per chunk of draws), so the gradient stays unbiased (more noise, O(B) per draw);
+    ``evaluate`` likewise estimates the NegELBO on a minibatch.  The paper's theory covers the Monte-Carlo-only
+    case.  Local latents inside a subsampled plate are not supported by ``AutoLocationScale``.
 
     Inputs (``*args, **kwargs`` of ``init/update/evaluate/run``) may be JAX/NumPy arrays, lists or pandas
     objects; NaN/inf raise a ``ValueError`` naming the argument before anything compiles.  ``update``,
     ``stable_update``, ``evaluate`` and the run loop are compiled once per input shapes and kept by the engine.
     """
 
-    def __init__(self, model, guide, *, step_size: float | Callable | None = None, smoothness: float | str = "auto",
-                 projection_smoothness: float | None = None, num_particles: int | Callable = 1,
-                 step_schedule: str | None = None, preconditioner: str | tuple = "theory",
-                 averaging: str = "tau", averaging_a: float | None = None, budget: int | None = None,
-                 init_scale: float | None = None, chunk_size: int | None = None, **static_kwargs):
+    _THEORY_ONLY = ("step_size", "smoothness", "projection_smoothness", "step_schedule", "preconditioner",
+                    "averaging_a", "budget", "chunk_size")
+
+    def __init__(self, model, guide, *, schedule: str = "adaptive", num_particles: int | Callable | None = None,
+                 draws: str | None = None, stage_length: int = 25, init_scale: float | None = None,
+                 averaging: str | None = None, step_size: float | Callable | None = None,
+                 smoothness: float | str | None = None, projection_smoothness: float | None = None,
+                 step_schedule: str | None = None, preconditioner: str | tuple | None = None,
+                 averaging_a: float | None = None, budget: int | None = None, chunk_size: int | None = None,
+                 **static_kwargs):
         from .guides import AutoLocationScale
 
         if not isinstance(guide, AutoLocationScale):
             raise TypeError("MPSGD needs an numpyro_fedvi.AutoLocationScale guide (raw location-scale params kept "
                             f"feasible by projection); got {type(guide).__name__}.")
-        if not (smoothness == "auto" or (isinstance(smoothness, (int, float)) and smoothness > 0)):
-            raise ValueError(f"smoothness must be a positive float or 'auto', got {smoothness!r}.")
-        if projection_smoothness is not None and not projection_smoothness > 0:
-            raise ValueError(f"projection_smoothness must be positive, got {projection_smoothness!r}.")
+        if schedule not in ("adaptive", "theory"):
+            raise ValueError(f"schedule must be 'adaptive' or 'theory', got {schedule!r}.")
+        given = {k: v for k, v in dict(step_size=step_size, smoothness=smoothness,
+                                       projection_smoothness=projection_smoothness, step_schedule=step_schedule,
+                                       preconditioner=preconditioner, averaging_a=averaging_a, budget=budget,
+                                       chunk_size=chunk_size).items() if v is not None}
+        if schedule == "adaptive" and given:
+            raise ValueError(f"{sorted(given)} are options of schedule='theory' (the paper's step sizes); the adaptive "
+                             "schedule sets its steps from the whitened curvature. Pass schedule='theory' to use them.")
+        smoothness = "auto" if smoothness is None else smoothness
+        preconditioner = "theory" if preconditioner is None else preconditioner
+        averaging = averaging or ("tail" if schedule == "adaptive" else "tau")
+        draws = draws or ("spherical" if schedule == "adaptive" else "iid")
+        if not (smoothness == "auto" or (isinstance(smoothness, (int, float)) and math.isfinite(smoothness)
+                                         and smoothness > 0)):
+            raise ValueError(f"smoothness must be a positive finite float or 'auto', got {smoothness!r}.")
+        if projection_smoothness is not None and not (math.isfinite(projection_smoothness)
+                                                      and projection_smoothness > 0):
+            raise ValueError(f"projection_smoothness must be a positive finite float, got {projection_smoothness!r}.")
         if step_schedule not in (None, "constant", "S1", "S2", "S3"):
             raise ValueError(f"step_schedule must be None, 'S1', 'S2' or 'S3', got {step_schedule!r}.")
-        if averaging not in ("tau", "none"):
-            raise ValueError(f"averaging must be 'tau' or 'none', got {averaging!r}.")
+        allowed = ("tail", "none") if schedule == "adaptive" else ("tau", "none")
+        if averaging not in allowed:
+            raise ValueError(f"averaging must be one of {allowed} with schedule={schedule!r}, got {averaging!r}.")
+        if draws not in ("spherical", "iid") or (schedule == "theory" and draws != "iid"):
+            raise ValueError(f"draws must be 'spherical' or 'iid' (schedule='theory': 'iid'), got {draws!r}.")
         if averaging_a is not None and not (isinstance(averaging_a, (int, float)) and math.isfinite(averaging_a)
                                             and averaging_a >= 0):
             raise ValueError(f"averaging_a must be a finite float >= 0, got {averaging_a!r}.")
@@ -256,18 +290,35 @@ class MPSGD:
                 raise ValueError(f"preconditioner must be 'theory', 'identity' or (λ_μ, λ_Σ); got {preconditioner!r}.")
         elif not (len(preconditioner) == 2 and all(0 < float(v) <= 1 for v in preconditioner)):
             raise ValueError(f"preconditioner (λ_μ, λ_Σ) must lie in (0, 1]², got {preconditioner!r}.")
-        if isinstance(num_particles, (int, np.integer)) and num_particles < 1:
-            raise ValueError(f"num_particles must be >= 1, got {num_particles}.")
+        if isinstance(num_particles, (int, np.integer)) and not isinstance(num_particles, bool):
+            if num_particles < 1:
+                raise ValueError(f"num_particles must be >= 1, got {num_particles}.")
+            if draws == "spherical" and num_particles % 2:
+                raise ValueError(f"spherical draws come in ± pairs: num_particles must be even, got {num_particles}.")
+        elif num_particles is not None and (schedule == "adaptive" or not callable(num_particles)):
+            raise ValueError("num_particles must be a positive int" + (" (or a schedule k -> N_k with "
+                             "schedule='theory')" if schedule == "adaptive" else " or a schedule k -> N_k") +
+                             f", got {num_particles!r}.")
+        if isinstance(stage_length, bool) or not isinstance(stage_length, (int, np.integer)) or stage_length < 2:
+            raise ValueError(f"stage_length must be an integer >= 2, got {stage_length!r}.")
         if budget is not None and (not isinstance(budget, (int, np.integer)) or budget < 1):
             raise ValueError(f"budget must be a positive integer number of gradient evaluations, got {budget!r}.")
-        if isinstance(step_size, (int, float)) and not step_size > 0:
-            raise ValueError(f"step_size must be positive, got {step_size!r}.")
-        self.model, self.guide = model, guide
+        if isinstance(step_size, (int, float)) and not (math.isfinite(step_size) and step_size > 0):
+            raise ValueError(f"step_size must be a positive finite float, got {step_size!r}.")
+        if init_scale is not None and not (isinstance(init_scale, (int, float)) and math.isfinite(init_scale)
+                                           and init_scale > 0):
+            raise ValueError(f"init_scale must be a positive finite float, got {init_scale!r}.")
+        self.model, self.guide, self.schedule, self.draws = model, guide, schedule, draws
+        self.stage_length = int(stage_length)
         self.step_size, self.smoothness, self.projection_smoothness = step_size, smoothness, projection_smoothness
         self.num_particles, self.step_schedule, self.preconditioner = num_particles, step_schedule, preconditioner
         self.averaging, self.averaging_a, self.budget = averaging, averaging_a, budget
         self.init_scale, self.chunk_size, self.static_kwargs = init_scale, chunk_size, static_kwargs
         self._setup_done = False
+
+    @property
+    def adaptive(self) -> bool:
+        return self.schedule == "adaptive"
 
     # setup ------------------------------------------------------------------------------------------
     def _potential(self, args, kwargs):
@@ -295,7 +346,14 @@ class MPSGD:
         guide = self.guide
         self.dim, self.scale_type, self.base = guide.latent_dim, guide.scale_type, guide.base
         self.kurtosis = float(self.base.kurtosis)
-        init_loc = tr[guide.loc_name]["value"]
+        self._init_loc = tr[guide.loc_name]["value"]
+        self.default_num_steps = None
+        if self.adaptive:
+            self._num_particles = int(self.num_particles or 2 * self.dim)
+            self.L = self.L_proj = None
+            self._setup_done = True
+            return
+        init_loc = self._init_loc
         self.L = self._smoothness(rng_key, args, kwargs, init_loc)
         self.L_proj = float(self.projection_smoothness or self.L)
         if isinstance(self.preconditioner, str):
@@ -304,8 +362,8 @@ class MPSGD:
         else:
             lam = tuple(float(v) for v in self.preconditioner)
         self.lambda_loc, self.lambda_scale = lam
-        n_const = self.num_particles if isinstance(self.num_particles, (int, np.integer)) else None
-        self.default_num_steps = None
+        num_particles = 1 if self.num_particles is None else self.num_particles
+        n_const = num_particles if isinstance(num_particles, (int, np.integer)) else None
         if self.budget is not None:
             case = "i" if self.preconditioner == "identity" else "ii"
             plan = theorem4(int(self.budget), self.dim, self.kurtosis, case)
@@ -318,12 +376,11 @@ class MPSGD:
             self._gamma, self._batch = dynamic_batching(self.step_schedule, gamma0, n_const)
         else:
             self._gamma = gamma0 if callable(gamma0) else constant(gamma0)
-            self._batch = batch_growth(n_const, 0.0) if n_const is not None else self.num_particles
+            self._batch = batch_growth(n_const, 0.0) if n_const is not None else num_particles
         n0 = int(self._batch(0))
         self._chunk = int(self.chunk_size or (n0 if n_const is not None and self.step_schedule in (None, "constant")
                                               else min(max(n0, 8), 256)))
         self._min_scale = 1.0 / math.sqrt(self.L_proj)
-        self._init_loc = init_loc
         self._setup_done = True
 
     def _avg_a(self) -> float:
@@ -337,6 +394,8 @@ class MPSGD:
 
     def _config(self):
         """What the compiled step bakes in (besides the inputs' shapes): its cache key."""
+        if self.adaptive:
+            return ("adaptive", self._num_particles, self.draws, self.dim)
         return (self.L, self.L_proj, self.lambda_loc, self.lambda_scale, self._chunk, self.dim)
 
     def _compiled(self, name, fn):
@@ -347,15 +406,19 @@ class MPSGD:
             cache[key] = InputJit(fn)
         return cache[key]
 
+    def _batch_size(self, k):
+        return self._num_particles if self.adaptive else self._batch(k)
+
     # SVI surface ------------------------------------------------------------------------------------
-    def init(self, rng_key, *args, init_params: dict | None = None, **kwargs) -> MPSGDState:
-        """Set up guide, L, schedules; initial state (μ0 from the guide's init_loc_fn, Σ0 = I/√L or init_scale)."""
+    def init(self, rng_key, *args, init_params: dict | None = None, **kwargs) -> MPSGDState | WhitenedState:
+        """Set up guide and schedules; the initial state.  Theory: μ0 from the guide's init_loc_fn, Σ0 = I/√L (or
+        ``init_scale``).  Adaptive: the first frame at μ0 (its |Hessian|^{-1/2}, or ``init_scale``/the given scale)."""
         args, kwargs = prepare_inputs(args, kwargs)
         setup_key, rng_key = random.split(rng_key)
         self._setup(setup_key, args, kwargs)
-        loc = self._init_loc
-        s0 = self._min_scale if self.init_scale is None else float(self.init_scale)
-        scale = s0 * (jnp.ones(self.dim) if self.scale_type == "diag" else jnp.eye(self.dim))
+        loc, scale = self._init_loc, None
+        if self.init_scale is not None:
+            scale = float(self.init_scale) * (jnp.ones(self.dim) if self.scale_type == "diag" else jnp.eye(self.dim))
         if init_params:
             unknown = set(init_params) - {self.guide.loc_name, self.guide.scale_name}
             if unknown:
@@ -363,39 +426,52 @@ class MPSGD:
                                  f"{self.guide.loc_name!r} and {self.guide.scale_name!r}.")
             loc = init_params.get(self.guide.loc_name, loc)
             scale = init_params.get(self.guide.scale_name, scale)
+        if self.adaptive:
+            return self._compiled("init", self._whitened_init)((loc, scale, rng_key), (args, kwargs))
+        if scale is None:
+            scale = self._min_scale * (jnp.ones(self.dim) if self.scale_type == "diag" else jnp.eye(self.dim))
         return mpsgd_init(loc, scale, self.scale_type, self._min_scale, rng_key, self._avg_a())
+
+    def _whitened_init(self, start, inputs):
+        loc, scale, rng_key = start
+        args, kwargs = inputs
+        return whitened_init(self._potential(args, kwargs), loc, self.scale_type, rng_key, frame_scale=scale,
+                             stage_length=self.stage_length)
 
     def _require_init(self):
         if not self._setup_done:
             raise RuntimeError("Call MPSGD.init(rng_key, *args, **kwargs) (or run) before update/evaluate.")
 
-    def _step(self, state: MPSGDState, inputs):
+    def _step(self, state, inputs):
         """``(state, loss)`` of one iteration; ``inputs = (args, kwargs)`` (traced by the run loop)."""
         args, kwargs = inputs
+        if self.adaptive:
+            return make_whitened_step(self._potential(args, kwargs), self.base, self.scale_type, self._num_particles,
+                                      self.draws)(state)
         step = make_mpsgd_step(self._potential(args, kwargs), self.base, self.scale_type, step_size=self._gamma,
                                num_particles=self._batch, chunk_size=self._chunk, lambda_loc=self.lambda_loc,
                                lambda_scale=self.lambda_scale, min_scale=self._min_scale,
                                averaging=self.averaging == "tau")
         return step(state)
 
-    def _stable_step(self, state: MPSGDState, inputs):
+    def _stable_step(self, state, inputs):
         new_state, loss = self._step(state, inputs)
         return revert_non_finite(new_state, state, jnp.isfinite(loss) & tree_all_finite(new_state)), loss
 
-    def update(self, state: MPSGDState, *args, **kwargs) -> tuple[MPSGDState, jax.Array]:
+    def update(self, state, *args, **kwargs):
         """One MPSGD iteration (compiled once per input shapes); the loss is the Monte-Carlo negative ELBO at the
         iterate before the update."""
         self._require_init()
         args, kwargs = prepare_inputs(args, kwargs)
         return self._compiled("update", self._step)(state, (args, kwargs))
 
-    def stable_update(self, state: MPSGDState, *args, **kwargs) -> tuple[MPSGDState, jax.Array]:
+    def stable_update(self, state, *args, **kwargs):
         """Like ``update`` but keeps the old state when the loss or the new state is not finite."""
         self._require_init()
         args, kwargs = prepare_inputs(args, kwargs)
         return self._compiled("stable_update", self._stable_step)(state, (args, kwargs))
 
-    def evaluate(self, state: MPSGDState, *args, num_samples: int = 100, rng_key=None, which: str | None = None,
+    def evaluate(self, state, *args, num_samples: int = 100, rng_key=None, which: str | None = None,
                  **kwargs) -> jax.Array:
         """Negative ELBO with ``num_samples`` fixed draws (common random numbers: the same ``rng_key``, default
         ``random.key(0)``, gives the same z for every state), at the average or the last iterate."""
@@ -416,28 +492,33 @@ class MPSGD:
         return jnp.mean(f) - log_abs_det(self.scale_type, scale) - self.base.entropy()
 
     def _pick(self, state, which):
-        which = which or ("average" if self.averaging == "tau" else "last")
+        default = "last" if self.averaging == "none" else "average"
+        which = which or default
         if which not in ("average", "last"):
             raise ValueError(f"which must be 'average' or 'last', got {which!r}.")
+        if self.adaptive:
+            return whitened_params(state, self.scale_type, last=which == "last")
         return (state.avg_loc, state.avg_scale) if which == "average" else (state.loc, state.scale)
 
-    def get_params(self, state: MPSGDState, which: str | None = None) -> dict[str, jax.Array]:
-        """Guide params ``{loc_name: μ, scale_name: Σ}`` of the averaged iterate (``averaging="tau"``) or the
-        last one (``which="last"``); usable with ``Predictive(guide, params=...)``."""
+    def get_params(self, state, which: str | None = None) -> dict[str, jax.Array]:
+        """Guide params ``{loc_name: μ, scale_name: Σ}`` of the averaged iterate (theory: the τ-average; adaptive:
+        the frame applied to the current stage's tail average) or the last one (``which="last"``); usable with
+        ``Predictive(guide, params=...)``."""
         self._require_init()
         loc, scale = self._pick(state, which)
         return {self.guide.loc_name: loc, self.guide.scale_name: scale}
 
     def run(self, rng_key, num_steps: int | None, *args, progress_bar: bool = True, stable_update: bool = False,
-            init_state: MPSGDState | None = None, init_params: dict | None = None, callbacks=(),
+            init_state=None, init_params: dict | None = None, callbacks=(),
             early_stopping: EarlyStopping | None = None, chunk_size: int | None = None, **kwargs) -> RunResult:
         """Run ``num_steps`` iterations (``None`` with ``budget=E``: Theorem 4's K) in the shared compiled loop.
 
         ``init_state`` resumes a previous run (same model args): the result is bitwise equal to one uninterrupted
         run of the total length (the averaged iterate included).  The compiled loop is kept by the engine, so a
-        second run on inputs of the same shapes does not recompile.  ``result.params`` is the averaged iterate
-        (``averaging="tau"``); ``result.diagnostics["last_params"]`` the last one, plus ``L``, ``num_particles``
-        (N_0), ``lambda`` and ``gradient_evaluations`` (of this call).
+        second run on inputs of the same shapes does not recompile.  ``result.params`` is the averaged iterate;
+        ``result.diagnostics["last_params"]`` the last one, plus ``num_particles`` (N_0), ``gradient_evaluations``
+        (of this call) and, theory: ``L``, ``L_proj``, ``lambda``; adaptive: ``L`` (whitened), ``stage_moves``,
+        ``stages_completed``, ``converged``.
         """
         if num_steps is None:
             if self.budget is None:
@@ -457,8 +538,26 @@ class MPSGD:
                           cache=self.__dict__.setdefault("_run_cache", {}).setdefault(self._config(), {}))
         steps_run = result.diagnostics["num_steps"]
         ks = int(state.step) + np.arange(steps_run)
-        grads = int(np.sum(np.asarray(jax.vmap(self._batch)(jnp.asarray(ks))))) if steps_run else 0
-        result.diagnostics.update(last_params=self.get_params(result.state, "last"), L=self.L, L_proj=self.L_proj,
-                                  num_particles=int(self._batch(0)), gradient_evaluations=grads,
-                                  **{"lambda": (self.lambda_loc, self.lambda_scale)})
+        if self.adaptive:
+            grads = steps_run * self._num_particles
+        else:
+            grads = int(np.sum(np.asarray(jax.vmap(self._batch)(jnp.asarray(ks))))) if steps_run else 0
+        result.diagnostics.update(last_params=self.get_params(result.state, "last"),
+                                  num_particles=int(self._batch_size(0)), gradient_evaluations=grads)
+        if self.adaptive:
+            moves = np.asarray(result.state.stage_moves)
+            stages = int(result.state.stages_completed)
+            converged = bool(stages >= MIN_STAGES and np.all(moves <= CONVERGED_MOVE))
+            result.diagnostics.update(L=float(result.state.smoothness), stage_moves=moves.tolist(),
+                                      stages_completed=stages, converged=converged)
+            if not converged and result.diagnostics["stop_reason"] == "completed":
+                moved = (f"the last stage moved the mean by {moves[0]:.3g} posterior sd and the scale by "
+                         f"{moves[1]:.3g}" if stages else "no stage has ended yet")
+                warnings.warn(
+                    f"MPSGD has not converged after {int(result.state.step)} steps: {moved} ({stages} stages "
+                    f"completed; converged means >= {MIN_STAGES} stages, the last moving the mean and the scale by "
+                    f"<= {CONVERGED_MOVE}). Continue with run(key, num_steps, ..., init_state=result.state).",
+                    RuntimeWarning, stacklevel=2)
+        else:
+            result.diagnostics.update(L=self.L, L_proj=self.L_proj, **{"lambda": (self.lambda_loc, self.lambda_scale)})
         return result

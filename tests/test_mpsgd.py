@@ -76,7 +76,7 @@ def test_gradient_estimator_unbiased(base_name, scale_type):
 
 def _fit(scale, steps=3000, n=64, **kw):
     guide = AutoLocationScale(model, scale=scale)
-    engine = MPSGD(model, guide, smoothness=2 * L_TRUE, num_particles=n, preconditioner="identity", **kw)
+    engine = MPSGD(model, guide, schedule="theory", smoothness=2 * L_TRUE, num_particles=n, preconditioner="identity", **kw)
     return engine, engine.run(random.key(0), steps, A, Y, progress_bar=False)
 
 
@@ -151,7 +151,7 @@ def test_growing_batches_do_not_retrace():
         model(a, y)
 
     guide = AutoLocationScale(counting_model, scale="diag")
-    engine = MPSGD(counting_model, guide, smoothness=2 * L_TRUE, num_particles=2, step_schedule="S3",
+    engine = MPSGD(counting_model, guide, schedule="theory", smoothness=2 * L_TRUE, num_particles=2, step_schedule="S3",
                    preconditioner="identity", chunk_size=8)
     traces.clear()
     res = engine.run(random.key(0), 30, A, Y, progress_bar=False, chunk_size=10)
@@ -171,7 +171,7 @@ def test_theorem4_numbers_of_the_paper():
 
 def test_budget_sets_particles_and_steps():
     guide = AutoLocationScale(model, scale="diag")
-    engine = MPSGD(model, guide, smoothness=2 * L_TRUE, budget=400, preconditioner="theory")
+    engine = MPSGD(model, guide, schedule="theory", smoothness=2 * L_TRUE, budget=400, preconditioner="theory")
     res = engine.run(random.key(0), None, A, Y, progress_bar=False)
     assert res.diagnostics["num_particles"] == 20 and res.diagnostics["num_steps"] == 20
     assert res.diagnostics["gradient_evaluations"] <= 400
@@ -180,7 +180,7 @@ def test_budget_sets_particles_and_steps():
 
 def test_determinism_and_smoothness_auto():
     guide = AutoLocationScale(model, scale="tril")
-    engine = MPSGD(model, guide, num_particles=8)
+    engine = MPSGD(model, guide, schedule="theory", num_particles=8)
     r1 = engine.run(random.key(5), 50, A, Y, progress_bar=False)
     r2 = engine.run(random.key(5), 50, A, Y, progress_bar=False)
     np.testing.assert_array_equal(r1.losses, r2.losses)
@@ -195,11 +195,11 @@ def test_errors():
         MPSGD(model, AutoNormal(model))
     guide = AutoLocationScale(model)
     with pytest.raises(ValueError, match="preconditioner"):
-        MPSGD(model, guide, preconditioner=(0.0, 1.0))
+        MPSGD(model, guide, schedule="theory", preconditioner=(0.0, 1.0))
     with pytest.raises(ValueError, match="smoothness"):
-        MPSGD(model, guide, smoothness=-1.0)
+        MPSGD(model, guide, schedule="theory", smoothness=-1.0)
     with pytest.raises(ValueError, match="budget"):
-        MPSGD(model, guide, smoothness=1.0).run(random.key(0), None, A, Y)
+        MPSGD(model, guide, schedule="theory", smoothness=1.0).run(random.key(0), None, A, Y)
 
 
 def test_data_subsampling_draws_fresh_minibatches():
@@ -216,7 +216,7 @@ def test_data_subsampling_draws_fresh_minibatches():
     prec = 1 / 100 + n / 4
     post_mean, post_sd = float(data.sum() / 4 / prec), prec ** -0.5
     guide = AutoLocationScale(mean_model, scale="diag")
-    engine = MPSGD(mean_model, guide, smoothness=2 * prec, num_particles=64, preconditioner="identity", chunk_size=8)
+    engine = MPSGD(mean_model, guide, schedule="theory", smoothness=2 * prec, num_particles=64, preconditioner="identity", chunk_size=8)
     res = engine.run(random.key(0), 1500, data, progress_bar=False)
     # the minibatch potential has the full-data curvature, so the optimal scale is the posterior sd; the
     # τ-averaged mean carries minibatch noise of a few posterior sds at most
@@ -239,7 +239,8 @@ def test_resume_is_bitwise_equal_including_the_average(monkeypatch):
         model(a, y)
 
     for kw in ({}, {"budget": 64}):
-        engine = MPSGD(counting_model, AutoLocationScale(counting_model, scale="tril"), num_particles=4, **kw)
+        engine = MPSGD(counting_model, AutoLocationScale(counting_model, scale="tril"), schedule="theory",
+                       num_particles=4, **kw)
         full = engine.run(random.key(3), 20, np.asarray(A), np.asarray(Y), progress_bar=False, chunk_size=10)
         n = len(traces)
         half = engine.run(random.key(3), 10, A, Y, progress_bar=False, chunk_size=10)
@@ -254,7 +255,7 @@ def test_resume_is_bitwise_equal_including_the_average(monkeypatch):
 
 
 def test_inputs_are_checked_and_converted():
-    engine = MPSGD(model, AutoLocationScale(model, scale="diag"), smoothness=2 * L_TRUE)
+    engine = MPSGD(model, AutoLocationScale(model, scale="diag"), schedule="theory", smoothness=2 * L_TRUE)
     with pytest.raises(ValueError, match="must be a positive integer, got 0"):
         engine.run(random.key(0), 0, A, Y)
     bad = np.asarray(Y).copy()
@@ -265,4 +266,23 @@ def test_inputs_are_checked_and_converted():
     state, loss = engine.stable_update(res.state, A, Y)
     assert np.isfinite(float(loss)) and int(state.step) == 6
     with pytest.raises(ValueError, match="averaging_a"):
-        MPSGD(model, AutoLocationScale(model), averaging_a=-1.0)
+        MPSGD(model, AutoLocationScale(model), schedule="theory", averaging_a=-1.0)
+
+
+@pytest.mark.parametrize("scale", ["full", "tril", "diag"])
+def test_projection_threshold_active_at_the_optimum(scale):
+    """Standard-normal target (optimal Σ = I) with a projection threshold ABOVE it: 1/√L_proj = 2.  The solution of
+    the constrained problem is Σ = 2I exactly (½ tr ΣᵀΣ − log|det Σ| increases beyond I), so 1/L_proj (= 4) or no
+    projection would be caught."""
+    def std_normal():
+        numpyro.sample("x", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+
+    engine = MPSGD(std_normal, AutoLocationScale(std_normal, scale=scale), schedule="theory", smoothness=1.0,
+                   projection_smoothness=0.25, num_particles=8, preconditioner="identity")
+    res = engine.run(random.key(0), 200, progress_bar=False)
+    S = np.asarray(res.diagnostics["last_params"]["auto_scale"])
+    if scale == "full":  # eigenvalues clipped at 2; Monte-Carlo noise lifts the other one a little
+        w = np.linalg.eigvalsh(S)
+        assert w[0] == pytest.approx(2.0, rel=1e-5) and w[1] < 2.5
+    else:
+        np.testing.assert_allclose(S if scale == "diag" else np.diag(S), 2.0, rtol=1e-5)

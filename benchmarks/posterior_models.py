@@ -1,0 +1,194 @@
+"""Reference posteriors for ``benchmarks.posteriors`` (issue 11): the models a user runs under SVI, their data, and
+the reference mean / covariance of the model's UNCONSTRAINED latent vector (the space where a location-scale guide
+lives; latent order = that of NumPyro's ``AutoContinuous`` guides, :func:`latent_order`).
+
+* ``linreg``: Bayesian linear regression with known noise, 30 correlated features: exactly Gaussian (closed form);
+* ``logistic``: logistic regression on scikit-learn's breast-cancer data (30 standardised features + intercept,
+  ``N(0, 1)`` priors): NUTS;
+* ``schools_centred`` / ``schools_noncentred``: eight schools (:mod:`numpyro_fedvi.models.eight_schools`): NUTS on the
+  non-centred model (no funnel), its draws mapped to the centred latents ``(mu, log tau, theta)`` for the centred one;
+* ``hier_regression``: varying-intercept regression over 8 groups (centred, as usually written): NUTS on the
+  non-centred form, draws mapped to the centred latents.
+
+NUTS references are cached in ``benchmarks/results/posterior_references.json`` (mean, covariance, settings); delete
+the file to recompute (``python -m benchmarks.posterior_models``, ~1 min on 2 cores).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+from numpyro import handlers
+from jax import random
+from numpyro.infer import MCMC, NUTS
+from numpyro.infer.util import unconstrain_fn
+
+from numpyro_fedvi.models import eight_schools
+
+CACHE = Path(__file__).resolve().parent / "results" / "posterior_references.json"
+NUTS_SETTINGS = {"num_warmup": 2000, "num_samples": 20000, "target_accept_prob": 0.95, "seed": 0}
+
+
+# --- models (as a user writes them for SVI) --------------------------------------------------------------------
+def linreg(X, y=None, noise=1.0):
+    beta = numpyro.sample("beta", dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
+    with numpyro.plate("data", X.shape[0]):
+        numpyro.sample("y", dist.Normal(X @ beta, noise), obs=y)
+
+
+def logistic(X, y=None):
+    beta = numpyro.sample("beta", dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
+    intercept = numpyro.sample("intercept", dist.Normal(0.0, 1.0))
+    with numpyro.plate("data", X.shape[0]):
+        numpyro.sample("y", dist.Bernoulli(logits=X @ beta + intercept), obs=y)
+
+
+def hier_regression(group, x, num_groups, y=None):
+    mu_a = numpyro.sample("mu_a", dist.Normal(0.0, 5.0))
+    sigma_a = numpyro.sample("sigma_a", dist.HalfNormal(2.0))
+    slope = numpyro.sample("slope", dist.Normal(0.0, 2.0))
+    sigma_y = numpyro.sample("sigma_y", dist.HalfNormal(2.0))
+    with numpyro.plate("groups", num_groups):
+        a = numpyro.sample("a", dist.Normal(mu_a, sigma_a))
+    with numpyro.plate("data", x.shape[0]):
+        numpyro.sample("y", dist.Normal(a[group] + slope * x, sigma_y), obs=y)
+
+
+def _hier_regression_noncentred(group, x, num_groups, y=None):
+    """The same posterior without the funnel (reference sampler only): ``a = mu_a + sigma_a · a_tilde``."""
+    mu_a = numpyro.sample("mu_a", dist.Normal(0.0, 5.0))
+    sigma_a = numpyro.sample("sigma_a", dist.HalfNormal(2.0))
+    slope = numpyro.sample("slope", dist.Normal(0.0, 2.0))
+    sigma_y = numpyro.sample("sigma_y", dist.HalfNormal(2.0))
+    with numpyro.plate("groups", num_groups):
+        a = numpyro.deterministic("a", mu_a + sigma_a * numpyro.sample("a_tilde", dist.Normal(0.0, 1.0)))
+    with numpyro.plate("data", x.shape[0]):
+        numpyro.sample("y", dist.Normal(a[group] + slope * x, sigma_y), obs=y)
+
+
+# --- data ------------------------------------------------------------------------------------------------------
+def _linreg_data(seed=0, n=60, d=30):
+    rng = np.random.default_rng(seed)
+    latent = rng.normal(size=(n, 3))
+    X = 0.6 * latent @ rng.normal(size=(3, d)) / np.sqrt(3) + 0.8 * rng.normal(size=(n, d))  # correlated features
+    beta = rng.normal(size=d)
+    y = X @ beta + rng.normal(size=n)
+    return X, y
+
+
+def _logistic_data():
+    from sklearn.datasets import load_breast_cancer
+
+    X, y = load_breast_cancer(return_X_y=True)
+    X = (X - X.mean(0)) / X.std(0)
+    return X, y.astype(float)
+
+
+def _hier_data(seed=1, num_groups=8):
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(5, 30, num_groups)
+    group = np.repeat(np.arange(num_groups), sizes)
+    a = 1.0 + 1.0 * rng.normal(size=num_groups)
+    x = rng.normal(size=group.size)
+    y = a[group] + 0.7 * x + 1.0 * rng.normal(size=group.size)
+    return group, x, y
+
+
+def problems():
+    """``{name: (model, args, kwargs, kind)}``; ``kind`` picks the accuracy target (gaussian / near_gaussian /
+    hierarchical)."""
+    Xl, yl = _linreg_data()
+    Xc, yc = _logistic_data()
+    g, x, yh = _hier_data()
+    return {
+        "linreg": (linreg, (Xl,), {"y": yl}, "gaussian"),
+        "logistic": (logistic, (Xc,), {"y": yc}, "near_gaussian"),
+        "schools_centred": (eight_schools.centred, (eight_schools.SIGMA,), {"y": eight_schools.Y}, "hierarchical"),
+        "schools_noncentred": (eight_schools.noncentred, (eight_schools.SIGMA,), {"y": eight_schools.Y},
+                               "hierarchical"),
+        "hier_regression": (hier_regression, (g, x, 8), {"y": yh}, "hierarchical"),
+    }
+
+
+# --- references ------------------------------------------------------------------------------------------------
+def latent_order(model, args, kwargs) -> dict:
+    """``{site: indices into the latent vector}`` in the order of NumPyro's ``AutoContinuous`` guides (the order
+    the guide's ``_unpack_latent`` uses; not the sorted order of ``jax.flatten_util.ravel_pytree``)."""
+    from numpyro.infer.autoguide import AutoDiagonalNormal
+
+    guide = AutoDiagonalNormal(model)
+    with handlers.seed(rng_seed=0):
+        guide(*args, **kwargs)
+    d = int(guide.latent_dim)
+    return {k: np.asarray(v).astype(int) for k, v in guide._unpack_latent(jnp.arange(d, dtype=float)).items()}
+
+
+def latent_draws(model, args, kwargs, samples: dict) -> np.ndarray:
+    """NUTS draws (constrained, latent sites only) → ``(S, d)`` unconstrained latent vectors in guide order."""
+    order = latent_order(model, args, kwargs)
+    d = sum(v.size for v in order.values())
+
+    def one(sample):
+        unc = unconstrain_fn(model, args, kwargs, sample)
+        x = jnp.zeros(d)
+        for k, idx in order.items():
+            x = x.at[idx.reshape(-1)].set(jnp.reshape(unc[k], -1))
+        return x
+
+    return np.asarray(jax.vmap(one)(samples))
+
+
+def _nuts(model, args, kwargs):
+    mcmc = MCMC(NUTS(model, target_accept_prob=NUTS_SETTINGS["target_accept_prob"]),
+                num_warmup=NUTS_SETTINGS["num_warmup"], num_samples=NUTS_SETTINGS["num_samples"], progress_bar=False)
+    mcmc.run(random.key(NUTS_SETTINGS["seed"]), *args, **kwargs)
+    return mcmc.get_samples(), int(jnp.sum(mcmc.get_extra_fields()["diverging"]))
+
+
+def _linreg_exact(X, y, noise=1.0):
+    precision = np.eye(X.shape[1]) + X.T @ X / noise**2
+    cov = np.linalg.inv(precision)
+    return cov @ X.T @ y / noise**2, cov
+
+
+def compute_reference(name):
+    model, args, kwargs, _ = problems()[name]
+    if name == "linreg":
+        mean, cov = _linreg_exact(args[0], kwargs["y"])
+        return {"mean": mean, "cov": cov, "method": "closed form"}
+    if name in ("schools_centred", "hier_regression"):  # same posterior, funnel-free sampler, draws mapped back
+        nc = eight_schools.noncentred if name == "schools_centred" else _hier_regression_noncentred
+        samples, divergences = _nuts(nc, args, kwargs)
+        samples = {k: v for k, v in samples.items() if not k.endswith("_tilde")}
+    else:
+        samples, divergences = _nuts(model, args, kwargs)
+        samples = {k: v for k, v in samples.items() if k != "theta" or name != "schools_noncentred"}
+    draws = latent_draws(model, args, kwargs, samples)
+    return {"mean": draws.mean(0), "cov": np.cov(draws.T), "method": "NUTS", "divergences": divergences,
+            **NUTS_SETTINGS}
+
+
+def references(names=None) -> dict:
+    """Cached reference ``{name: {"mean", "cov", ...}}`` (arrays as NumPy)."""
+    names = list(problems()) if names is None else list(names)
+    cache = json.loads(CACHE.read_text()) if CACHE.exists() else {}
+    missing = [n for n in names if n not in cache]
+    for n in missing:
+        ref = compute_reference(n)
+        cache[n] = {k: (np.asarray(v).tolist() if isinstance(v, np.ndarray) else v) for k, v in ref.items()}
+    if missing:
+        CACHE.parent.mkdir(parents=True, exist_ok=True)
+        CACHE.write_text(json.dumps(cache, indent=1))
+    return {n: {**cache[n], "mean": np.asarray(cache[n]["mean"]), "cov": np.asarray(cache[n]["cov"])} for n in names}
+
+
+if __name__ == "__main__":
+    numpyro.set_host_device_count(1)
+    for name, ref in references().items():
+        print(name, ref["method"], "d =", ref["mean"].size, "divergences", ref.get("divergences"))

@@ -1,0 +1,253 @@
+"""MPSGD in stages of affine whitening: the default schedule of :class:`~numpyro_fedvi.mpsgd.MPSGD` (issue 11).
+
+The paper's MPSGD step (specs/mpsgd.md, Λ = I) runs in WHITENED coordinates ``x = m + A x′`` of a frame ``(m, A)``:
+the potential ``f′(x′) = f(m + A x′)`` and the guide ``q′ = (μ′, Σ′)`` with ``q = (m + Aμ′, AΣ′)`` (an elliptic
+location-scale family is closed under affine maps, and ``Θ_{L′} = {σ_min(Σ′) ≥ 1/√L′}`` is a convex set of the
+whitened problem, so each stage is exactly the projected method on a well-conditioned potential):
+
+    Z ~ base (spherical–radial draws, below),  X′ = μ′ + Σ′Z,  G′ = Aᵀ∇f(m + AX′)
+    μ′ ← μ′ − γ g_μ′,   Σ′ ← P_{Θ_{L′}}(Σ′ − γ g_Σ′),   γ = 1/(2L′)          (step capped per coordinate)
+
+Stages double in length (``stage_length``, 2·``stage_length``, …). Over the second half of a stage the iterates are
+averaged (a tail average: the transient of the stage never drags it). At the end of a stage the frame moves to the
+average, ``m ← m + Aμ̄′``, ``A ← AΣ̄′`` (so the new whitened guide starts at ``(0, I)``, the same ``q``), and
+``L′ = safety · λ_max(Σ̄′ᵀ H̄′ Σ̄′)`` with ``H̄′`` the stage's average of the Stein estimate of ``E_q ∇²f′``:
+``E[∇f′(μ′+Σ′z) zᵀ] = E[∇²f′] Σ′`` for a Gaussian base, so ``H̄′ ≈ (G′ᵀZ/N) Σ′⁻¹`` costs no extra gradient. The
+first frame is the init point and ``|∇²f|^{-1/2}`` there (eigenvalues floored at ``CURVATURE_FLOOR``, a
+conservative frame that the stages widen geometrically). A step with a non-finite value is dropped and ``L′``
+quadrupled (smaller step, looser projection).
+
+Draws: ``"spherical"`` (default) is a randomised spherical–radial rule: the ``N = 2k`` points ``±R q_i`` with
+``q_1..q_k`` orthonormal columns of a Haar-random rotation and ONE radius ``R`` per rotation, drawn from the base's
+radial law. Each point has exactly the base's law (so the estimator is unbiased, as the paper's), and for ``k = d``,
+``ZZᵀ/N = (R²/d) I``: the scale gradient of a quadratic potential is exact up to one scalar. ``"iid"``: plain draws.
+
+Convergence diagnostic: ``stage_moves`` = how far the last completed stage moved ``q``: the mean in units of the
+posterior sd (``max|μ̄′|``, whitened) and the frame's scale (``‖Σ̄′ − I‖_F/√d``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax, random
+
+from .projections import _eig_clip, _rebuild, project_scale_diag, project_scale_tril
+
+__all__ = ["WhitenedState", "whitened_init", "make_whitened_step", "whitened_params", "spherical_radial_draws",
+           "project_scale", "CURVATURE_FLOOR", "SAFETY"]
+
+CURVATURE_FLOOR = 1.0     # first frame: |∇²f| eigenvalues floored here (whitened sd ≤ 1 unconstrained unit)
+SAFETY = 2.0              # L′ = SAFETY · λ_max(whitened expected Hessian)
+TRUST_LOC, TRUST_SCALE = 1.0, 0.5   # a step moves μ′ by ≤ 1 and Σ′ entries by ≤ 0.5 (whitened units)
+
+
+class WhitenedState(NamedTuple):
+    """Frame ``frame_loc`` m, ``frame_scale`` A; whitened iterate ``loc`` μ′, ``scale`` Σ′ (with ``scale_inv``
+    (full; else 0) and ``scale_logdet`` log|det Σ′|); ``smoothness`` L′; the stage ``[stage_start, stage_start +
+    stage_length)``; its tail average ``avg_loc``/``avg_scale`` over ``avg_count`` iterates (the stage's start while
+    0); ``curvature_sum`` Σ of the stage's Stein estimates; ``stage_moves`` (mean move in posterior sd, scale
+    change) of the last completed stage (−1 before the first ends) and ``stages_completed``; ``step`` and the base ``rng_key``."""
+
+    frame_loc: jax.Array
+    frame_scale: jax.Array
+    loc: jax.Array
+    scale: jax.Array
+    scale_inv: jax.Array
+    scale_logdet: jax.Array
+    smoothness: jax.Array
+    stage_start: jax.Array
+    stage_length: jax.Array
+    avg_count: jax.Array
+    avg_loc: jax.Array
+    avg_scale: jax.Array
+    curvature_sum: jax.Array
+    stage_moves: jax.Array
+    stages_completed: jax.Array
+    step: jax.Array
+    rng_key: jax.Array
+
+
+def project_scale(scale_type: str, scale, min_scale):
+    """``P_{Θ_L}`` per scale type (specs/mpsgd.md [fix]) with what the step needs from it:
+    ``(Σ, Σ⁻¹ (full; else 0), log|det Σ|)`` — the log-determinant from the projection's own eigenvalues / diagonal
+    (no second factorisation)."""
+    if scale_type == "full":
+        w, V = _eig_clip(scale, min_scale)
+        return _rebuild(w, V), _rebuild(1.0 / w, V), jnp.sum(jnp.log(w))
+    if scale_type == "tril":
+        C = project_scale_tril(scale, min_scale)
+        return C, jnp.zeros((), C.dtype), jnp.sum(jnp.log(jnp.diagonal(C)))
+    s = project_scale_diag(scale, min_scale)
+    return s, jnp.zeros((), s.dtype), jnp.sum(jnp.log(s))
+
+
+def spherical_radial_draws(base, key, num_particles: int, dim: int):
+    """``num_particles`` (even) draws ``±R q_i`` (module docstring): one Haar rotation and one radius per ``dim``
+    directions; each draw has the base's law."""
+    half = num_particles // 2
+    frames = -(-half // dim)
+    k_rot, k_rad = random.split(key)
+    q, r = jnp.linalg.qr(random.normal(k_rot, (frames, dim, dim)))
+    q = q * jnp.sign(jnp.diagonal(r, axis1=-2, axis2=-1))[:, None, :]          # Haar: fix the QR signs
+    radius = jnp.linalg.norm(base.sample(k_rad, (frames,)), axis=-1)          # the base's radial law
+    z = (radius[:, None, None] * jnp.swapaxes(q, -1, -2)).reshape(-1, dim)[:half]
+    return jnp.concatenate([z, -z])
+
+
+def _apply(scale_type, scale, rows):
+    """Rows ``x_n = S x′_n`` of a (n, d) batch for a scale or frame ``S`` (diag: (d,))."""
+    return rows * scale if scale_type == "diag" else rows @ scale.T
+
+
+def _matmul(scale_type, a, b):
+    return a * b if scale_type == "diag" else a @ b
+
+
+def _identity(scale_type, dim, dtype):
+    return jnp.ones(dim, dtype) if scale_type == "diag" else jnp.eye(dim, dtype=dtype)
+
+
+def _lambda_max(scale_type, H):
+    return jnp.max(H) if scale_type == "diag" else jnp.max(jnp.linalg.eigvalsh(0.5 * (H + H.T)))
+
+
+def initial_frame(potential: Callable, x0, scale_type: str, key):
+    """``(A, L′)``: ``A = |∇²f(x0)|^{-1/2}`` (eigenvalues in ``[CURVATURE_FLOOR, 1e8]``; tril: the Cholesky factor of
+    ``|∇²f|⁻¹``; diag: from the diagonal) and ``L′ = SAFETY · λ_max(|Aᵀ ∇²f A|)``; identity when the Hessian is not
+    finite."""
+    dim = x0.shape[0]
+    H = jax.hessian(lambda x: potential(x, key))(x0)
+    H = 0.5 * (H + H.T)
+    finite = jnp.all(jnp.isfinite(H))
+    H = jnp.where(finite, H, jnp.eye(dim, dtype=H.dtype))
+    if scale_type == "diag":
+        a = 1.0 / jnp.sqrt(jnp.clip(jnp.abs(jnp.diag(H)), CURVATURE_FLOOR, 1e8))
+        A, Hw = a, a[:, None] * H * a[None, :]
+    else:
+        w, V = jnp.linalg.eigh(H)
+        w = jnp.clip(jnp.abs(w), CURVATURE_FLOOR, 1e8)
+        A = jnp.linalg.cholesky((V / w) @ V.T) if scale_type == "tril" else (V / jnp.sqrt(w)) @ V.T
+        Hw = A.T @ H @ A
+    L = SAFETY * jnp.max(jnp.abs(jnp.linalg.eigvalsh(Hw)))
+    return A, jnp.where(jnp.isfinite(L) & (L > 0), L, SAFETY)
+
+
+def whitened_init(potential: Callable, x0, scale_type: str, rng_key, *, frame_scale=None,
+                  stage_length: int = 25) -> WhitenedState:
+    """Initial state at ``x0``: the frame of :func:`initial_frame` (or ``frame_scale``, a scale in the guide's
+    format, with ``L′ = SAFETY``), ``μ′ = 0`` and ``Σ′ = I/√L′`` (the paper's ``Σ0 = I/√L``, whitened)."""
+    ftype = jnp.result_type(float)
+    x0 = jnp.asarray(x0, ftype)
+    dim = x0.shape[0]
+    if frame_scale is None:
+        A, L = initial_frame(potential, x0, scale_type, random.fold_in(rng_key, 2**20))
+    else:
+        A, L = jnp.asarray(frame_scale, ftype), jnp.asarray(SAFETY, ftype)
+    scale, scale_inv, logdet = project_scale(scale_type, _identity(scale_type, dim, ftype) / jnp.sqrt(L),
+                                             1.0 / jnp.sqrt(L))
+    zero = jnp.zeros((), ftype)
+    return WhitenedState(x0, A.astype(ftype), jnp.zeros(dim, ftype), scale, scale_inv.astype(ftype), logdet,
+                         L.astype(ftype), jnp.asarray(0, jnp.int32), jnp.asarray(stage_length, jnp.int32), zero,
+                         jnp.zeros(dim, ftype), scale, jnp.zeros_like(scale), jnp.full((2,), -1.0, ftype),
+                         jnp.asarray(0, jnp.int32), jnp.asarray(0, jnp.int32), rng_key)
+
+
+def make_whitened_step(potential: Callable, base, scale_type: str, num_particles: int,
+                       draws: str = "spherical") -> Callable:
+    """``step(state) -> (state, loss)``: one whitened MPSGD iteration (module docstring); the loss is the Monte-Carlo
+    negative ELBO of the iterate before the update, ``mean f(X) − log|det AΣ′| − H(base)``."""
+    entropy = base.entropy()
+    grad = jax.vmap(jax.value_and_grad(potential), in_axes=(0, None))
+
+    def step(s: WhitenedState):
+        dim = s.loc.shape[0]
+        key = random.fold_in(s.rng_key, s.step)
+        z_key, f_key = random.split(key)
+        if draws == "spherical":
+            Z = spherical_radial_draws(base, z_key, num_particles, dim).astype(s.loc.dtype)
+        else:
+            Z = base.sample(z_key, (num_particles,)).astype(s.loc.dtype)
+        X = s.frame_loc + _apply(scale_type, s.frame_scale, s.loc + _apply(scale_type, s.scale, Z))
+        f, G = grad(X, f_key)
+        G = G * s.frame_scale if scale_type == "diag" else G @ s.frame_scale       # rows Aᵀ∇f
+        frame_logdet = (jnp.sum(jnp.log(jnp.abs(s.frame_scale))) if scale_type == "diag"
+                        else jnp.linalg.slogdet(s.frame_scale)[1])
+        loss = jnp.mean(f) - frame_logdet - s.scale_logdet - entropy
+        g_loc = jnp.mean(G, 0)
+        if scale_type == "diag":
+            GZ = jnp.mean(G * Z, 0)
+            g_scale, curvature = GZ - 1.0 / s.scale, GZ / s.scale
+        else:
+            GZ = G.T @ Z / num_particles
+            if scale_type == "full":
+                g_scale, curvature = GZ - s.scale_inv.T, GZ @ s.scale_inv
+            else:
+                g_scale = jnp.tril(GZ) - jnp.diag(1.0 / jnp.diagonal(s.scale))
+                curvature = jax.scipy.linalg.solve_triangular(s.scale, GZ.T, lower=True, trans=1).T
+            curvature = 0.5 * (curvature + curvature.T)
+        gamma = 0.5 / s.smoothness
+        d_loc, d_scale = gamma * g_loc, gamma * g_scale
+        longest = jnp.maximum(jnp.max(jnp.abs(d_loc)) / TRUST_LOC, jnp.max(jnp.abs(d_scale)) / TRUST_SCALE)
+        shrink = jnp.minimum(1.0, 1.0 / jnp.maximum(longest, 1e-30))
+        loc = s.loc - shrink * d_loc
+        scale, scale_inv, logdet = project_scale(scale_type, s.scale - shrink * d_scale, 1.0 / jnp.sqrt(s.smoothness))
+        ok = jnp.isfinite(loss) & jnp.all(jnp.isfinite(G)) & jnp.all(jnp.isfinite(scale)) & jnp.all(jnp.isfinite(loc))
+        keep = lambda new, old: jnp.where(ok, new, old)  # noqa: E731
+        loc, scale, scale_inv, logdet = keep(loc, s.loc), keep(scale, s.scale), keep(scale_inv, s.scale_inv), \
+            keep(logdet, s.scale_logdet)
+        smoothness = jnp.where(ok, s.smoothness, 4.0 * s.smoothness)
+        k = s.step + 1
+        in_tail = ok & (2 * (k - s.stage_start) > s.stage_length)
+        count = s.avg_count + in_tail
+        r = jnp.where(in_tail, 1.0 / jnp.maximum(count, 1.0), 0.0)
+        avg_loc = s.avg_loc + r * (loc - s.avg_loc)
+        avg_scale = s.avg_scale + r * (scale - s.avg_scale)
+        curvature_sum = s.curvature_sum + jnp.where(ok, curvature, 0.0)
+        state = s._replace(loc=loc, scale=scale, scale_inv=scale_inv, scale_logdet=logdet, smoothness=smoothness,
+                           avg_count=count, avg_loc=avg_loc, avg_scale=avg_scale, curvature_sum=curvature_sum, step=k)
+        state = lax.cond(k - s.stage_start >= s.stage_length, _rewhiten(scale_type), lambda st: st, state)
+        return state, loss
+
+    return step
+
+
+def _rewhiten(scale_type):
+    def rewhiten(s: WhitenedState) -> WhitenedState:
+        """End of a stage: move the frame to the stage's tail average, re-estimate L′, restart at ``(0, I)``."""
+        dim = s.loc.shape[0]
+        eye = _identity(scale_type, dim, s.loc.dtype)
+        S = s.avg_scale  # the frame moves by it: A ← AΣ̄′, so the whitened expected Hessian becomes Σ̄′ᵀ H̄′ Σ̄′
+        H = s.curvature_sum / jnp.maximum(s.step - s.stage_start, 1)
+        H_new = S * H * S if scale_type == "diag" else S.T @ H @ S
+        L = jnp.clip(SAFETY * _lambda_max(scale_type, H_new), s.smoothness / 10, s.smoothness * 10)
+        L = jnp.where(jnp.isfinite(L), L, s.smoothness)
+        frame_loc = s.frame_loc + _apply(scale_type, s.frame_scale, s.avg_loc[None])[0]
+        frame_scale = _matmul(scale_type, s.frame_scale, s.avg_scale)
+        scale, scale_inv, logdet = project_scale(scale_type, eye, 1.0 / jnp.sqrt(L))
+        moves = jnp.stack([jnp.max(jnp.abs(s.avg_loc)), jnp.linalg.norm(S - eye) / math.sqrt(dim)])
+        return s._replace(frame_loc=frame_loc, frame_scale=frame_scale, loc=jnp.zeros_like(s.loc), scale=scale,
+                          scale_inv=jnp.asarray(scale_inv, s.scale_inv.dtype), scale_logdet=logdet, smoothness=L,
+                          stage_start=s.step, stage_length=2 * s.stage_length, avg_count=jnp.zeros_like(s.avg_count),
+                          avg_loc=jnp.zeros_like(s.avg_loc), avg_scale=scale,
+                          curvature_sum=jnp.zeros_like(s.curvature_sum), stage_moves=moves,
+                          stages_completed=s.stages_completed + 1)
+
+    return rewhiten
+
+
+def whitened_params(state: WhitenedState, scale_type: str, last: bool = False):
+    """``(loc, scale)`` of the reported guide in the guide's own format: the frame applied to the tail average (or
+    to the last iterate) — full: the symmetric square root of ``(AΣ̄′)(AΣ̄′)ᵀ``, the same elliptic ``q``;
+    tril/diag: ``AΣ̄′``."""
+    loc_w, scale_w = (state.loc, state.scale) if last else (state.avg_loc, state.avg_scale)
+    loc = state.frame_loc + _apply(scale_type, state.frame_scale, loc_w[None])[0]
+    M = _matmul(scale_type, state.frame_scale, scale_w)
+    if scale_type == "full":
+        w, V = jnp.linalg.eigh(M @ M.T)
+        M = (V * jnp.sqrt(jnp.maximum(w, 0.0))) @ V.T
+    return loc, M

@@ -1,0 +1,228 @@
+"""MPSGD's default schedule: the projected step in stages of affine whitening (numpyro_fedvi.whitening).
+
+Checked against the module's equations: the spherical–radial draws (each draw has the base's law; ``ZZᵀ/N = (R²/d)I``
+for a full frame; unbiased second moments); one whitened step transcribed by hand (step 1/(2L′), trust region,
+projection at 1/√L′, loss, Stein curvature); the stage bookkeeping (tail window, re-whitening formulas, ``q`` unchanged
+by a re-whitening, doubling); the defaults reach the exact posterior of a linear-Gaussian model (full, tril) and the
+mean-field optimum (diag); the non-convergence warning; the log-determinant kept from the projection.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+import pytest
+from jax import random
+
+from numpyro_fedvi import MPSGD, AutoLocationScale
+from numpyro_fedvi.guides import make_base
+from numpyro_fedvi.whitening import (CURVATURE_FLOOR, SAFETY, TRUST_LOC, TRUST_SCALE, initial_frame,
+                                     make_whitened_step, spherical_radial_draws, whitened_init, whitened_params)
+
+D, M, S0, SIG = 3, 20, 2.0, 1.0
+_rng = np.random.default_rng(0)
+A_DATA = jnp.asarray(_rng.normal(size=(M, D)), jnp.float32)
+Y = jnp.asarray(A_DATA @ np.array([1.0, -0.5, 0.3]) + SIG * _rng.normal(size=M), jnp.float32)
+PREC = np.eye(D) / S0**2 + np.asarray(A_DATA).T @ np.asarray(A_DATA) / SIG**2
+COV = np.linalg.inv(PREC)
+MEAN = COV @ np.asarray(A_DATA).T @ np.asarray(Y) / SIG**2
+
+
+def model(a, y=None):
+    x = numpyro.sample("x", dist.Normal(0.0, S0).expand([D]).to_event(1))
+    numpyro.sample("y", dist.Normal(a @ x, SIG).to_event(1), obs=y)
+
+
+# --- draws -------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("base_name", ["gaussian", "laplace"])
+def test_spherical_draws_full_frame_has_exact_second_moments(base_name):
+    d = 5
+    base = make_base(base_name, d)
+    Z = spherical_radial_draws(base, random.key(0), 2 * d, d)
+    np.testing.assert_allclose(Z[:d], -Z[d:])                                       # ± pairs
+    r2 = float(jnp.sum(Z[0] ** 2))
+    np.testing.assert_allclose(jnp.linalg.norm(Z, axis=1), np.sqrt(r2), rtol=1e-5)  # one radius per frame
+    np.testing.assert_allclose(Z.T @ Z / (2 * d), r2 / d * np.eye(d), atol=1e-5)    # orthogonal directions
+
+
+@pytest.mark.parametrize("base_name", ["gaussian", "laplace"])
+def test_spherical_draws_have_the_base_law(base_name):
+    """Each draw is distributed as the base: mean 0, E zzᵀ = I, and the law of ‖z‖ matches plain draws."""
+    d, reps = 4, 20_000
+    base = make_base(base_name, d)
+    Z = jax.vmap(lambda k: spherical_radial_draws(base, k, 4, d))(random.split(random.key(1), reps))
+    first = Z[:, 0]                                                    # the first draw of every step
+    np.testing.assert_allclose(jnp.mean(first, 0), 0.0, atol=0.04)
+    np.testing.assert_allclose(first.T @ first / reps, np.eye(d), atol=0.05)
+    plain = jnp.linalg.norm(base.sample(random.key(2), (reps,)), axis=1)
+    qs = np.linspace(0.1, 0.9, 5)
+    np.testing.assert_allclose(np.quantile(jnp.linalg.norm(first, axis=1), qs), np.quantile(plain, qs), rtol=0.03)
+
+
+# --- one step, transcribed ---------------------------------------------------------------------------------------
+def _quadratic(H, b):
+    return lambda x, key: 0.5 * (x - b) @ H @ (x - b)
+
+
+def test_one_step_matches_the_equations():
+    d, n = 3, 6
+    rng = np.random.default_rng(3)
+    B = rng.normal(size=(d, d))
+    H = B @ B.T + np.eye(d)
+    b = rng.normal(size=d)
+    m0 = rng.normal(size=d)
+    A = np.linalg.cholesky(np.linalg.inv(H)) @ (np.eye(d) + 0.3 * rng.normal(size=(d, d)))   # an imperfect frame
+    base = make_base("gaussian", d)
+    f = _quadratic(jnp.asarray(H, jnp.float32), jnp.asarray(b, jnp.float32))
+    key = random.key(7)
+    s = whitened_init(f, m0, "full", key, frame_scale=A, stage_length=100)
+    L = SAFETY
+    np.testing.assert_allclose(s.scale, np.eye(d) / np.sqrt(L), rtol=1e-6)        # Σ′_0 = I/√L′
+    new, loss = make_whitened_step(f, base, "full", n)(s)
+    z_key, _ = random.split(random.fold_in(key, 0))
+    Z = np.asarray(spherical_radial_draws(base, z_key, n, d), np.float64)
+    S = np.eye(d) / np.sqrt(L)
+    X = m0 + (Z @ S.T) @ A.T
+    G = (X - b) @ H.T @ A                                                       # rows Aᵀ∇f
+    g_loc, GZ = G.mean(0), G.T @ Z / n
+    g_scale = GZ - np.linalg.inv(S).T
+    gamma = 1 / (2 * L)
+    shrink = min(1.0, 1 / max(np.abs(gamma * g_loc).max() / TRUST_LOC, np.abs(gamma * g_scale).max() / TRUST_SCALE))
+    loc = -shrink * gamma * g_loc
+    w, V = np.linalg.eigh(0.5 * ((S - shrink * gamma * g_scale) + (S - shrink * gamma * g_scale).T))
+    w = np.maximum(w, 1 / np.sqrt(L))
+    scale = (V * w) @ V.T
+    np.testing.assert_allclose(new.loc, loc, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(new.scale, scale, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(new.scale_logdet, np.sum(np.log(w)), rtol=1e-5)
+    f_vals = 0.5 * np.einsum("ni,ij,nj->n", X - b, H, X - b)
+    expected_loss = f_vals.mean() - np.linalg.slogdet(A)[1] - np.linalg.slogdet(S)[1] - float(base.entropy())
+    np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
+    curvature = GZ @ np.linalg.inv(S)
+    np.testing.assert_allclose(new.curvature_sum, 0.5 * (curvature + curvature.T), rtol=1e-4, atol=1e-5)
+    assert int(new.avg_count) == 0 and int(new.step) == 1                      # step 1 of 100: not in the tail
+
+
+def test_trust_region_caps_a_long_step():
+    """Far from the mode the step is scaled so that no whitened coordinate moves by more than TRUST_LOC."""
+    d = 2
+    f = _quadratic(jnp.eye(d) * 100.0, jnp.full(d, 50.0))
+    s = whitened_init(f, jnp.zeros(d), "diag", random.key(0), frame_scale=jnp.ones(d))
+    new, _ = make_whitened_step(f, make_base("gaussian", d), "diag", 4)(s)
+    assert float(jnp.max(jnp.abs(new.loc))) == pytest.approx(TRUST_LOC, rel=1e-5)
+
+
+def test_a_non_finite_step_is_dropped_and_the_step_shrinks():
+    d = 2
+    f = lambda x, key: jnp.where(x[0] > 3.0, jnp.nan, 0.5 * x @ x)  # noqa: E731
+    s = whitened_init(f, jnp.zeros(d), "diag", random.key(0), frame_scale=jnp.full(d, 30.0))
+    new, loss = make_whitened_step(f, make_base("gaussian", d), "diag", 2 * d)(s)
+    assert not np.isfinite(float(loss))
+    np.testing.assert_array_equal(new.loc, s.loc)
+    np.testing.assert_array_equal(new.scale, s.scale)
+    assert float(new.smoothness) == pytest.approx(4 * float(s.smoothness)) and int(new.step) == 1
+
+
+def test_initial_frame_is_the_floored_abs_hessian():
+    """A = V diag(1/√max(|w|, CURVATURE_FLOOR)) Vᵀ: a flat or negative-curvature direction starts at whitened sd
+    1/√CURVATURE_FLOOR, not at 1/√|w|; L′ = SAFETY · λ_max(|AᵀHA|)."""
+    rng = np.random.default_rng(2)
+    V, _ = np.linalg.qr(rng.normal(size=(3, 3)))
+    w = np.array([0.01, -0.5, 9.0])
+    H = jnp.asarray((V * w) @ V.T, jnp.float32)
+    f = lambda x, key: 0.5 * x @ H @ x  # noqa: E731
+    A, L = initial_frame(f, jnp.zeros(3), "full", random.key(0))
+    expected = (V / np.sqrt(np.maximum(np.abs(w), CURVATURE_FLOOR))) @ V.T
+    np.testing.assert_allclose(A, expected, atol=1e-5)
+    assert float(L) == pytest.approx(SAFETY * 1.0, rel=1e-5)
+    A_diag, _ = initial_frame(f, jnp.zeros(3), "diag", random.key(0))
+    np.testing.assert_allclose(A_diag, 1 / np.sqrt(np.maximum(np.abs(np.diag(np.asarray(H))), CURVATURE_FLOOR)),
+                               rtol=1e-5)
+
+
+# --- stages ------------------------------------------------------------------------------------------------------
+def test_stage_tail_average_and_rewhitening():
+    """With stage_length=4: the iterates of steps 3 and 4 (the second half) are averaged, then the frame moves to the
+    average (m + Aμ̄′, AΣ̄′), L′ = SAFETY·λ_max(Σ̄′ᵀH̄′Σ̄′) (clipped to a factor 10 of the old one), the whitened guide
+    restarts at (0, I) and the reported q is the same just before and after."""
+    d = 3
+    rng = np.random.default_rng(5)
+    B = rng.normal(size=(d, d))
+    H = jnp.asarray(B @ B.T + np.eye(d), jnp.float32)
+    f = _quadratic(H, jnp.asarray(rng.normal(size=d), jnp.float32))
+    base = make_base("gaussian", d)
+    step = jax.jit(make_whitened_step(f, base, "full", 2 * d))
+    frame = jnp.asarray(np.linalg.cholesky(np.linalg.inv(np.asarray(H))) @ (np.eye(d) + 0.3 * rng.normal(size=(d, d))),
+                        jnp.float32)   # imperfect and not symmetric: the whitened scale is not a multiple of I
+    s = whitened_init(f, jnp.zeros(d), "full", random.key(1), frame_scale=frame, stage_length=4)
+    long = s._replace(stage_length=jnp.asarray(10**6, jnp.int32))                # same trajectory, no stage end
+    iterates = []
+    for _ in range(4):
+        long, _ = step(long)
+        iterates.append(long)
+    for _ in range(3):
+        s, _ = step(s)
+    before = whitened_params(s._replace(avg_loc=(iterates[2].loc + iterates[3].loc) / 2,
+                                        avg_scale=(iterates[2].scale + iterates[3].scale) / 2), "full")
+    s, _ = step(s)
+    avg_loc = (iterates[2].loc + iterates[3].loc) / 2
+    avg_scale = (iterates[2].scale + iterates[3].scale) / 2
+    A0 = iterates[0].frame_scale
+    np.testing.assert_allclose(s.frame_loc, iterates[0].frame_loc + A0 @ avg_loc, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(s.frame_scale, A0 @ avg_scale, rtol=1e-5, atol=1e-6)
+    H_bar = iterates[3].curvature_sum / 4
+    L = SAFETY * np.max(np.linalg.eigvalsh(np.asarray(avg_scale.T @ H_bar @ avg_scale)))
+    L = np.clip(L, float(long.smoothness) / 10, float(long.smoothness) * 10)
+    np.testing.assert_allclose(s.smoothness, L, rtol=1e-4)
+    assert (int(s.stage_start), int(s.stage_length), int(s.stages_completed)) == (4, 8, 1)
+    np.testing.assert_allclose(s.loc, 0.0)
+    np.testing.assert_allclose(s.stage_moves, [np.max(np.abs(avg_loc)), np.linalg.norm(avg_scale - np.eye(d)) / np.sqrt(d)],
+                               rtol=1e-4)
+    if L >= 1:  # I is feasible: the reported q did not change
+        np.testing.assert_allclose(s.scale, np.eye(d), atol=1e-6)
+        for x, y in zip(before, whitened_params(s, "full")):
+            np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-5)
+
+
+# --- the engine's defaults ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("scale", ["full", "tril", "diag"])
+def test_defaults_reach_the_exact_posterior(scale):
+    """Linear-Gaussian model, every default: full/tril reach the exact posterior (means within 0.05 sd, covariance
+    within 5% Frobenius); diag the mean-field optimum s_i = 1/√P_ii."""
+    engine = MPSGD(model, AutoLocationScale(model, scale=scale))
+    res = engine.run(random.key(0), 400, A_DATA, Y, progress_bar=False)
+    loc, S = np.asarray(res.params["auto_loc"]), np.asarray(res.params["auto_scale"])
+    sd = np.sqrt(np.diag(COV))
+    assert np.max(np.abs(loc - MEAN) / sd) < 0.05
+    if scale == "diag":
+        np.testing.assert_allclose(S, 1 / np.sqrt(np.diag(PREC)), rtol=0.03)
+    else:
+        assert np.linalg.norm(S @ S.T - COV) / np.linalg.norm(COV) < 0.05
+    assert res.diagnostics["converged"] and res.diagnostics["gradient_evaluations"] == 400 * 2 * D
+    np.testing.assert_allclose(res.state.scale_logdet,
+                               np.sum(np.log(np.abs(np.diagonal(np.asarray(res.state.scale)))))
+                               if scale == "tril" else (np.sum(np.log(np.asarray(res.state.scale))) if scale == "diag"
+                                                        else np.linalg.slogdet(np.asarray(res.state.scale))[1]),
+                               rtol=1e-5)
+
+
+def test_warns_until_converged():
+    engine = MPSGD(model, AutoLocationScale(model))
+    with pytest.warns(RuntimeWarning, match="has not converged after 30 steps"):
+        res = engine.run(random.key(0), 30, A_DATA, Y, progress_bar=False)
+    assert not res.diagnostics["converged"] and res.diagnostics["stages_completed"] == 1
+    with pytest.warns(RuntimeWarning, match="no stage has ended yet"):
+        engine.run(random.key(0), 5, A_DATA, Y, progress_bar=False)
+
+
+def test_theory_options_need_the_theory_schedule():
+    guide = AutoLocationScale(model)
+    with pytest.raises(ValueError, match=r"\['budget', 'smoothness'\] are options of schedule='theory'"):
+        MPSGD(model, guide, smoothness=3.0, budget=100)
+    with pytest.raises(ValueError, match="even"):
+        MPSGD(model, guide, num_particles=3)
+    with pytest.raises(ValueError, match="stage_length"):
+        MPSGD(model, guide, stage_length=1)
+    with pytest.raises(ValueError, match="averaging"):
+        MPSGD(model, guide, averaging="tau")
