@@ -9,8 +9,10 @@ whitened problem, so each stage is exactly the projected method on a well-condit
     μ′ ← μ′ − γ g_μ′,   Σ′ ← P_{Θ_{L′}}(Σ′ − γ g_Σ′),   γ = 1/(2L′)          (step capped per coordinate)
 
 Stages double in length (``stage_length``, 2·``stage_length``, …). Over the second half of a stage the iterates are
-averaged (a tail average: the transient of the stage never drags it). At the end of a stage the frame moves to the
-average, ``m ← m + Aμ̄′``, ``A ← AΣ̄′`` (so the new whitened guide starts at ``(0, I)``, the same ``q``), and
+averaged (a tail average: the transient of the stage never drags it); until that tail holds as many iterates as the
+previous one, the previous tail average (the frame's origin) is reported (:func:`reported_average`). At the end of a
+stage the frame moves to the tail average,
+``m ← m + Aμ̄′``, ``A ← AΣ̄′`` (so the new whitened guide starts at ``(0, I)``, the same ``q``), and
 ``L′ = safety · λ_max(Σ̄′ᵀ H̄′ Σ̄′)`` with ``H̄′`` the stage's average of the Stein estimate of ``E_q ∇²f′``:
 ``E[∇f′(μ′+Σ′z) zᵀ] = E[∇²f′] Σ′`` for a Gaussian base, so ``H̄′ ≈ (G′ᵀZ/N) Σ′⁻¹`` costs no extra gradient. The
 first frame is the init point and ``|∇²f|^{-1/2}`` there (eigenvalues floored at ``CURVATURE_FLOOR``, a
@@ -38,8 +40,8 @@ from jax import lax, random
 
 from .projections import _eig_clip, _rebuild, project_scale_diag, project_scale_tril
 
-__all__ = ["WhitenedState", "whitened_init", "make_whitened_step", "whitened_params", "spherical_radial_draws",
-           "project_scale", "CURVATURE_FLOOR", "SAFETY"]
+__all__ = ["WhitenedState", "whitened_init", "make_whitened_step", "whitened_params", "reported_average",
+           "spherical_radial_draws", "project_scale", "initial_frame", "CURVATURE_FLOOR", "SAFETY"]
 
 CURVATURE_FLOOR = 1.0     # first frame: |∇²f| eigenvalues floored here (whitened sd ≤ 1 unconstrained unit)
 SAFETY = 2.0              # L′ = SAFETY · λ_max(whitened expected Hessian)
@@ -50,7 +52,7 @@ class WhitenedState(NamedTuple):
     """Frame ``frame_loc`` m, ``frame_scale`` A; whitened iterate ``loc`` μ′, ``scale`` Σ′ (with ``scale_inv``
     (full; else 0) and ``scale_logdet`` log|det Σ′|); ``smoothness`` L′; the stage ``[stage_start, stage_start +
     stage_length)``; its tail average ``avg_loc``/``avg_scale`` over ``avg_count`` iterates (the stage's start while
-    0); ``curvature_sum`` Σ of the stage's Stein estimates; ``stage_moves`` (mean move in posterior sd, scale
+    0) and ``prior_count``, the previous stage's tail count (behind the frame's origin); ``curvature_sum`` Σ of the stage's Stein estimates; ``stage_moves`` (mean move in posterior sd, scale
     change) of the last completed stage (−1 before the first ends) and ``stages_completed``; ``step`` and the base ``rng_key``."""
 
     frame_loc: jax.Array
@@ -63,6 +65,7 @@ class WhitenedState(NamedTuple):
     stage_start: jax.Array
     stage_length: jax.Array
     avg_count: jax.Array
+    prior_count: jax.Array
     avg_loc: jax.Array
     avg_scale: jax.Array
     curvature_sum: jax.Array
@@ -153,7 +156,7 @@ def whitened_init(potential: Callable, x0, scale_type: str, rng_key, *, frame_sc
     zero = jnp.zeros((), ftype)
     return WhitenedState(x0, A.astype(ftype), jnp.zeros(dim, ftype), scale, scale_inv.astype(ftype), logdet,
                          L.astype(ftype), jnp.asarray(0, jnp.int32), jnp.asarray(stage_length, jnp.int32), zero,
-                         jnp.zeros(dim, ftype), scale, jnp.zeros_like(scale), jnp.full((2,), -1.0, ftype),
+                         zero, jnp.zeros(dim, ftype), scale, jnp.zeros_like(scale), jnp.full((2,), -1.0, ftype),
                          jnp.asarray(0, jnp.int32), jnp.asarray(0, jnp.int32), rng_key)
 
 
@@ -216,24 +219,36 @@ def make_whitened_step(potential: Callable, base, scale_type: str, num_particles
     return step
 
 
+def reported_average(state: WhitenedState, scale_type: str):
+    """Whitened ``(loc, scale)`` reported for the current stage: its tail average once that holds at least as many
+    iterates as the previous stage's tail (``prior_count``), else the frame's origin ``(0, I)`` — which IS the
+    previous tail average.  So the report always rests on the larger of the two latest tails (a new stage does not
+    make it noisier), and nothing older than the previous stage weighs on it.  First stage: its running tail average
+    (its start before the tail begins)."""
+    eye = _identity(scale_type, state.loc.shape[0], state.loc.dtype)
+    current = (state.avg_count >= state.prior_count) & ((state.avg_count > 0) | (state.prior_count == 0))
+    return jnp.where(current, state.avg_loc, 0.0), jnp.where(current, state.avg_scale, eye)
+
+
 def _rewhiten(scale_type):
     def rewhiten(s: WhitenedState) -> WhitenedState:
-        """End of a stage: move the frame to the stage's tail average, re-estimate L′, restart at ``(0, I)``."""
+        """End of a stage: move the frame to the reported average, re-estimate L′, restart at ``(0, I)``."""
         dim = s.loc.shape[0]
         eye = _identity(scale_type, dim, s.loc.dtype)
-        S = s.avg_scale  # the frame moves by it: A ← AΣ̄′, so the whitened expected Hessian becomes Σ̄′ᵀ H̄′ Σ̄′
+        loc_w, S = reported_average(s, scale_type)
+        # the frame moves by S (A ← AS), so the whitened expected Hessian becomes Sᵀ H̄′ S
         H = s.curvature_sum / jnp.maximum(s.step - s.stage_start, 1)
         H_new = S * H * S if scale_type == "diag" else S.T @ H @ S
         L = jnp.clip(SAFETY * _lambda_max(scale_type, H_new), s.smoothness / 10, s.smoothness * 10)
         L = jnp.where(jnp.isfinite(L), L, s.smoothness)
-        frame_loc = s.frame_loc + _apply(scale_type, s.frame_scale, s.avg_loc[None])[0]
-        frame_scale = _matmul(scale_type, s.frame_scale, s.avg_scale)
+        frame_loc = s.frame_loc + _apply(scale_type, s.frame_scale, loc_w[None])[0]
+        frame_scale = _matmul(scale_type, s.frame_scale, S)
         scale, scale_inv, logdet = project_scale(scale_type, eye, 1.0 / jnp.sqrt(L))
-        moves = jnp.stack([jnp.max(jnp.abs(s.avg_loc)), jnp.linalg.norm(S - eye) / math.sqrt(dim)])
+        moves = jnp.stack([jnp.max(jnp.abs(loc_w)), jnp.linalg.norm(S - eye) / math.sqrt(dim)])
         return s._replace(frame_loc=frame_loc, frame_scale=frame_scale, loc=jnp.zeros_like(s.loc), scale=scale,
                           scale_inv=jnp.asarray(scale_inv, s.scale_inv.dtype), scale_logdet=logdet, smoothness=L,
                           stage_start=s.step, stage_length=2 * s.stage_length, avg_count=jnp.zeros_like(s.avg_count),
-                          avg_loc=jnp.zeros_like(s.avg_loc), avg_scale=scale,
+                          prior_count=s.avg_count, avg_loc=jnp.zeros_like(s.avg_loc), avg_scale=scale,
                           curvature_sum=jnp.zeros_like(s.curvature_sum), stage_moves=moves,
                           stages_completed=s.stages_completed + 1)
 
@@ -241,10 +256,10 @@ def _rewhiten(scale_type):
 
 
 def whitened_params(state: WhitenedState, scale_type: str, last: bool = False):
-    """``(loc, scale)`` of the reported guide in the guide's own format: the frame applied to the tail average (or
-    to the last iterate) — full: the symmetric square root of ``(AΣ̄′)(AΣ̄′)ᵀ``, the same elliptic ``q``;
-    tril/diag: ``AΣ̄′``."""
-    loc_w, scale_w = (state.loc, state.scale) if last else (state.avg_loc, state.avg_scale)
+    """``(loc, scale)`` of the reported guide in the guide's own format: the frame applied to the reported tail average
+    (:func:`reported_average`) or to the last iterate — full: the symmetric square root of ``(AΣ̄′)(AΣ̄′)ᵀ``, the same
+    elliptic ``q``; tril/diag: ``AΣ̄′``."""
+    loc_w, scale_w = (state.loc, state.scale) if last else reported_average(state, scale_type)
     loc = state.frame_loc + _apply(scale_type, state.frame_scale, loc_w[None])[0]
     M = _matmul(scale_type, state.frame_scale, scale_w)
     if scale_type == "full":

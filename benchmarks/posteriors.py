@@ -1,0 +1,252 @@
+"""Posterior accuracy of default MPSGD vs NumPyro SVI (issue 11).
+
+Models and references: :mod:`benchmarks.posterior_models` (exact-Gaussian linear regression, logistic regression on
+scikit-learn's breast-cancer data, eight schools centred and non-centred, a centred hierarchical regression; NUTS
+references cached in ``benchmarks/results/posterior_references.json``). Every method runs the SAME model object:
+
+* ``mpsgd``: ``MPSGD(model, AutoLocationScale(model))`` — every default (``schedule="adaptive"``, full scale,
+  Gaussian base, N = 2d spherical draws);
+* ``svi_mvn``: ``SVI(model, AutoMultivariateNormal(model), optax.adam(lr), Trace_ELBO())``, the best of a grid of
+  learning rates (fewest steps to the target; if none reaches it, the lowest final error);
+* ``svi_normal``: the same with ``AutoNormal`` (mean-field: it cannot represent correlations; for reference).
+
+Accuracy of ``q`` against the reference, in the unconstrained latent space where ``q`` is Gaussian: ``mean_err`` =
+max over coordinates of |mean − ref mean| / ref sd; ``sd_ratio`` = min and max of sd / ref sd; ``cov_err`` = relative
+Frobenius error of the covariance. Targets (issue 11): exactly Gaussian — mean_err ≤ 0.05 and cov_err ≤ 0.05;
+near-Gaussian — mean_err ≤ 0.1 and sd ratios in [0.9, 1.1]; hierarchical — mean_err ≤ 0.4 and sd ratios in [0.7, 1.1].
+
+Cost: gradient evaluations (MPSGD: N per step; SVI: one per step, one particle) and wall time, both to the first
+checkpoint from which every later checkpoint meets the target. Wall time = steps × the steady time per step of an uninterrupted compiled run
+(checkpoints do not count), compile and set-up reported separately. BLAS threads pinned to 1.
+
+Claims per model: ``mpsgd_meets_target_<model>``; ``mpsgd_fewer_gradients_than_svi_mvn_<model>`` and
+``mpsgd_less_wall_time_than_svi_mvn_<model>`` (True when MPSGD reaches the target and SVI-MVN does not, or both do
+and MPSGD needs fewer / less).
+
+    python -m benchmarks.posteriors [--quick]     (quick: linreg and non-centred eight schools, short runs)
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import time  # noqa: E402
+import warnings  # noqa: E402
+
+import jax  # noqa: E402
+import matplotlib  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax import lax, random  # noqa: E402
+from numpyro.infer import SVI, Trace_ELBO  # noqa: E402
+from numpyro.infer.autoguide import AutoMultivariateNormal, AutoNormal  # noqa: E402
+
+import numpyro_fedvi as nfv  # noqa: E402
+
+from ._common import block, parse_args, save_figure, write_result  # noqa: E402
+from .posterior_models import latent_order, problems, references  # noqa: E402
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+NAME = "posteriors"
+TARGETS = {"gaussian": {"mean_err": 0.05, "cov_err": 0.05},
+           "near_gaussian": {"mean_err": 0.1, "sd_ratio": (0.9, 1.1)},
+           "hierarchical": {"mean_err": 0.4, "sd_ratio": (0.7, 1.1)}}
+
+
+def config(quick: bool) -> dict:
+    if quick:
+        return {"models": ["linreg", "schools_noncentred"], "mpsgd_steps": 300, "mpsgd_every": 25,
+                "svi_steps": 6000, "svi_every": 500, "lrs": [0.003, 0.01], "seed": 0}
+    return {"models": list(problems()), "mpsgd_steps": 1600, "mpsgd_every": 25, "svi_steps": 40000,
+            "svi_every": 1000, "lrs": [0.001, 0.003, 0.01, 0.03], "seed": 0}
+
+
+def accuracy(mean, cov, ref) -> dict:
+    sd = np.sqrt(np.diag(ref["cov"]))
+    ratio = np.sqrt(np.diag(cov)) / sd
+    return {"mean_err": float(np.max(np.abs(mean - ref["mean"]) / sd)), "sd_ratio_min": float(ratio.min()),
+            "sd_ratio_max": float(ratio.max()),
+            "cov_err": float(np.linalg.norm(cov - ref["cov"]) / np.linalg.norm(ref["cov"]))}
+
+
+def meets(acc: dict, kind: str) -> bool:
+    t = TARGETS[kind]
+    ok = acc["mean_err"] <= t["mean_err"]
+    if "cov_err" in t:
+        ok &= acc["cov_err"] <= t["cov_err"]
+    if "sd_ratio" in t:
+        ok &= t["sd_ratio"][0] <= acc["sd_ratio_min"] and acc["sd_ratio_max"] <= t["sd_ratio"][1]
+    return bool(ok)
+
+
+def _first_hit(curve, kind):
+    """The first checkpoint from which the target holds at EVERY later checkpoint (a lucky fluctuation does not
+    count)."""
+    ok = [meets(r, kind) for r in curve]
+    for i in range(len(curve)):
+        if all(ok[i:]):
+            return curve[i]
+    return None
+
+
+# --- MPSGD ---------------------------------------------------------------------------------------------------------
+def run_mpsgd(model, args, kwargs, ref, kind, cfg):
+    key = random.key(cfg["seed"])
+    guide = nfv.AutoLocationScale(model)
+    engine = nfv.MPSGD(model, guide)
+    t0 = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)     # not-converged warnings of the short checkpoint runs
+        res = engine.run(key, cfg["mpsgd_every"], *args, progress_bar=False, **kwargs)
+        block(res.state)
+        first_s = time.perf_counter() - t0
+        curve = []
+        while True:
+            p = res.params
+            S = np.asarray(p["auto_scale"])
+            step = int(res.state.step)
+            curve.append({"step": step, "grads": step * engine._num_particles,
+                          **accuracy(np.asarray(p["auto_loc"]), S @ S.T, ref)})
+            if step >= cfg["mpsgd_steps"]:
+                break
+            res = engine.run(key, cfg["mpsgd_every"], *args, init_state=res.state, progress_bar=False, **kwargs)
+        # steady time per step: one uninterrupted compiled run from the start (the loop is cached)
+        t0 = time.perf_counter()
+        full = engine.run(key, cfg["mpsgd_steps"], *args, progress_bar=False, **kwargs)
+        block(full.state)
+        per_step = (time.perf_counter() - t0) / cfg["mpsgd_steps"]
+    np.testing.assert_array_equal(np.asarray(full.state.avg_loc), np.asarray(res.state.avg_loc))  # same trajectory
+    for r in curve:
+        r["time_s"] = r["step"] * per_step
+    return {"curve": curve, "per_step_s": per_step, "one_time_s": first_s - cfg["mpsgd_every"] * per_step,
+            "num_particles": engine._num_particles, "diagnostics": {k: full.diagnostics[k] for k in
+                                                                    ("stage_moves", "stages_completed", "converged",
+                                                                     "L")}}
+
+
+# --- NumPyro SVI ---------------------------------------------------------------------------------------------------
+def _svi_moments(guide_kind, params, order):
+    if guide_kind == "mvn":
+        L = np.asarray(params["auto_scale_tril"])
+        return np.asarray(params["auto_loc"]), L @ L.T
+    d = sum(v.size for v in order.values())
+    mean, var = np.zeros(d), np.zeros(d)
+    for k, idx in order.items():
+        mean[idx.reshape(-1)] = np.reshape(params[f"{k}_auto_loc"], -1)
+        var[idx.reshape(-1)] = np.reshape(params[f"{k}_auto_scale"], -1) ** 2
+    return mean, np.diag(var)
+
+
+def run_svi(model, args, kwargs, ref, kind, cfg, guide_kind, lr):
+    guide = (AutoMultivariateNormal if guide_kind == "mvn" else AutoNormal)(model)
+    svi = SVI(model, guide, optax.adam(lr), Trace_ELBO())
+    order = latent_order(model, args, kwargs)
+    every = cfg["svi_every"]
+
+    @jax.jit
+    def chunk(state):
+        return lax.fori_loop(0, every, lambda i, s: svi.update(s, *args, **kwargs)[0], state)
+
+    t0 = time.perf_counter()
+    state = svi.init(random.key(cfg["seed"]), *args, **kwargs)
+    state = block(chunk(state))
+    first_s = time.perf_counter() - t0
+    curve, start = [], state
+    for i in range(1, cfg["svi_steps"] // every + 1):
+        if i > 1:
+            state = chunk(state)
+        mean, cov = _svi_moments(guide_kind, svi.get_params(state), order)
+        acc = accuracy(mean, cov, ref)
+        curve.append({"step": i * every, "grads": i * every, **acc})
+    t0 = time.perf_counter()
+    block(chunk(start))
+    per_step = (time.perf_counter() - t0) / every
+    for r in curve:
+        r["time_s"] = r["step"] * per_step
+    return {"curve": curve, "per_step_s": per_step, "one_time_s": first_s - every * per_step, "lr": lr}
+
+
+def best_svi(model, args, kwargs, ref, kind, cfg, guide_kind):
+    runs = [run_svi(model, args, kwargs, ref, kind, cfg, guide_kind, lr) for lr in cfg["lrs"]]
+
+    def score(run):
+        hit = _first_hit(run["curve"], kind)
+        return (0, hit["step"]) if hit else (1, run["curve"][-1]["mean_err"])
+
+    best = min(runs, key=score)
+    return {**best, "lr_grid": {str(r["lr"]): {"final": r["curve"][-1], "hit": _first_hit(r["curve"], kind)}
+                                for r in runs}}
+
+
+# --- report --------------------------------------------------------------------------------------------------------
+def summarise(run, kind):
+    hit = _first_hit(run["curve"], kind)
+    return {"final": run["curve"][-1], "meets_target": hit is not None,
+            "grads_to_target": hit["grads"] if hit else None, "time_to_target_s": hit["time_s"] if hit else None}
+
+
+def claims_for(name, results):
+    mp, mvn = results["mpsgd"]["summary"], results["svi_mvn"]["summary"]
+    fewer = mp["meets_target"] and (not mvn["meets_target"] or mp["grads_to_target"] < mvn["grads_to_target"])
+    faster = mp["meets_target"] and (not mvn["meets_target"] or mp["time_to_target_s"] < mvn["time_to_target_s"])
+    return {f"mpsgd_meets_target_{name}": mp["meets_target"],
+            f"mpsgd_fewer_gradients_than_svi_mvn_{name}": fewer,
+            f"mpsgd_less_wall_time_than_svi_mvn_{name}": faster}
+
+
+def plot(all_results, out):
+    names = list(all_results)
+    fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 3.6), squeeze=False)
+    for ax, name in zip(axes[0], names):
+        for method, style in (("mpsgd", "C0-"), ("svi_mvn", "C1-"), ("svi_normal", "C2--")):
+            run = all_results[name][method]
+            c = run["curve"]
+            label = method if method == "mpsgd" else f"{method} (lr {run['lr']})"
+            ax.loglog([r["time_s"] for r in c], [max(r["mean_err"], 1e-4) for r in c], style, label=label)
+        ax.axhline(TARGETS[all_results[name]["kind"]]["mean_err"], color="k", lw=0.8, ls=":")
+        ax.set_title(name)
+        ax.set_xlabel("wall time (s, compile excluded)")
+    axes[0][0].set_ylabel("max |mean error| (posterior sd)")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    return save_figure(fig, NAME, out)
+
+
+def main(argv=None):
+    args = parse_args(__doc__.splitlines()[0], argv)
+    cfg = config(args.quick)
+    refs = references(cfg["models"])
+    all_results, methods, claims = {}, {}, {}
+    for name in cfg["models"]:
+        model, margs, mkwargs, kind = problems()[name]
+        res = {"kind": kind,
+               "mpsgd": run_mpsgd(model, margs, mkwargs, refs[name], kind, cfg),
+               "svi_mvn": best_svi(model, margs, mkwargs, refs[name], kind, cfg, "mvn"),
+               "svi_normal": best_svi(model, margs, mkwargs, refs[name], kind, cfg, "normal")}
+        for m in ("mpsgd", "svi_mvn", "svi_normal"):
+            res[m]["summary"] = summarise(res[m], kind)
+        all_results[name] = res
+        claims.update(claims_for(name, res))
+        methods[name] = {m: {k: v for k, v in res[m].items()} for m in ("mpsgd", "svi_mvn", "svi_normal")}
+        for m in ("mpsgd", "svi_mvn", "svi_normal"):
+            s = res[m]["summary"]
+            f = s["final"]
+            print(f"{name:20s} {m:10s} final mean_err {f['mean_err']:.3f} sd [{f['sd_ratio_min']:.2f}, "
+                  f"{f['sd_ratio_max']:.2f}] cov_err {f['cov_err']:.3f} | target: {s['meets_target']} grads "
+                  f"{s['grads_to_target']} time {s['time_to_target_s']} | step {res[m]['per_step_s'] * 1e3:.3f} ms "
+                  f"one-time {res[m]['one_time_s']:.1f} s", flush=True)
+    path = write_result(NAME, args.quick, {**cfg, "targets": TARGETS,
+                                           "references": {n: {k: v for k, v in refs[n].items()
+                                                              if k not in ("mean", "cov")} for n in refs}},
+                        methods, claims, args.out)
+    plot(all_results, args.out)
+    print(f"claims: {claims}\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()
