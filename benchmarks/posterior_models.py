@@ -30,6 +30,7 @@ from numpyro.infer import MCMC, NUTS
 from numpyro.infer.util import unconstrain_fn
 
 from numpyro_fedvi.models import eight_schools
+from numpyro_fedvi.models.logistic import breast_cancer, logistic
 
 CACHE = Path(__file__).resolve().parent / "results" / "posterior_references.json"
 NUTS_SETTINGS = {"num_warmup": 2000, "num_samples": 20000, "target_accept_prob": 0.95, "seed": 0}
@@ -40,13 +41,6 @@ def linreg(X, y=None, noise=1.0):
     beta = numpyro.sample("beta", dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
     with numpyro.plate("data", X.shape[0]):
         numpyro.sample("y", dist.Normal(X @ beta, noise), obs=y)
-
-
-def logistic(X, y=None):
-    beta = numpyro.sample("beta", dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
-    intercept = numpyro.sample("intercept", dist.Normal(0.0, 1.0))
-    with numpyro.plate("data", X.shape[0]):
-        numpyro.sample("y", dist.Bernoulli(logits=X @ beta + intercept), obs=y)
 
 
 def hier_regression(group, x, num_groups, y=None):
@@ -82,14 +76,6 @@ def _linreg_data(seed=0, n=60, d=30):
     return X, y
 
 
-def _logistic_data():
-    from sklearn.datasets import load_breast_cancer
-
-    X, y = load_breast_cancer(return_X_y=True)
-    X = (X - X.mean(0)) / X.std(0)
-    return X, y.astype(float)
-
-
 def _hier_data(seed=1, num_groups=8):
     rng = np.random.default_rng(seed)
     sizes = rng.integers(5, 30, num_groups)
@@ -104,7 +90,7 @@ def problems():
     """``{name: (model, args, kwargs, kind)}``; ``kind`` picks the accuracy target (gaussian / near_gaussian /
     hierarchical)."""
     Xl, yl = _linreg_data()
-    Xc, yc = _logistic_data()
+    Xc, yc = breast_cancer()
     g, x, yh = _hier_data()
     return {
         "linreg": (linreg, (Xl,), {"y": yl}, "gaussian"),

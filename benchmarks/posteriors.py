@@ -19,7 +19,11 @@ Cost: gradient evaluations (MPSGD: N per step; SVI: one per step, one particle) 
 checkpoint from which every later checkpoint meets the target. Wall time = steps × the steady time per step of an uninterrupted compiled run
 (checkpoints do not count), compile and set-up reported separately. BLAS threads pinned to 1.
 
-Claims per model: ``mpsgd_meets_target_<model>``; ``mpsgd_fewer_gradients_than_svi_mvn_<model>`` and
+Every method runs 3 seeds (SVI: the best learning rate of seed 0); costs are medians over the seeds (a seed that
+never reaches the target counts as infinite).  ``gaussian_optimum``: the accuracy of a long default MPSGD run — the
+best full-rank Gaussian ``q`` (KL optimum), which bounds what any Gaussian VI can reach on a non-Gaussian posterior.
+
+Claims per model (from the medians): ``mpsgd_meets_target_<model>``; ``mpsgd_fewer_gradients_than_svi_mvn_<model>`` and
 ``mpsgd_less_wall_time_than_svi_mvn_<model>`` (True when MPSGD reaches the target and SVI-MVN does not, or both do
 and MPSGD needs fewer / less).
 
@@ -61,9 +65,9 @@ TARGETS = {"gaussian": {"mean_err": 0.05, "cov_err": 0.05},
 def config(quick: bool) -> dict:
     if quick:
         return {"models": ["linreg", "schools_noncentred"], "mpsgd_steps": 300, "mpsgd_every": 25,
-                "svi_steps": 6000, "svi_every": 500, "lrs": [0.003, 0.01], "seed": 0}
+                "svi_steps": 6000, "svi_every": 500, "lrs": [0.003, 0.01], "seeds": [0], "optimum_steps": 1600}
     return {"models": list(problems()), "mpsgd_steps": 1600, "mpsgd_every": 25, "svi_steps": 40000,
-            "svi_every": 1000, "lrs": [0.001, 0.003, 0.01, 0.03], "seed": 0}
+            "svi_every": 1000, "lrs": [0.001, 0.003, 0.01, 0.03], "seeds": [0, 1, 2], "optimum_steps": 12800}
 
 
 def accuracy(mean, cov, ref) -> dict:
@@ -95,8 +99,8 @@ def _first_hit(curve, kind):
 
 
 # --- MPSGD ---------------------------------------------------------------------------------------------------------
-def run_mpsgd(model, args, kwargs, ref, kind, cfg):
-    key = random.key(cfg["seed"])
+def run_mpsgd(model, args, kwargs, ref, kind, cfg, seed):
+    key = random.key(seed)
     guide = nfv.AutoLocationScale(model)
     engine = nfv.MPSGD(model, guide)
     t0 = time.perf_counter()
@@ -124,9 +128,18 @@ def run_mpsgd(model, args, kwargs, ref, kind, cfg):
     for r in curve:
         r["time_s"] = r["step"] * per_step
     return {"curve": curve, "per_step_s": per_step, "one_time_s": first_s - cfg["mpsgd_every"] * per_step,
-            "num_particles": engine._num_particles, "diagnostics": {k: full.diagnostics[k] for k in
-                                                                    ("stage_moves", "stages_completed", "converged",
-                                                                     "L")}}
+            "num_particles": engine._num_particles, "seed": seed,
+            "diagnostics": {k: full.diagnostics[k] for k in ("stage_moves", "stages_completed", "converged", "L")}}
+
+
+def gaussian_optimum(model, args, kwargs, ref, cfg):
+    """Accuracy of the best Gaussian ``q`` (the KL(q‖p) optimum over full-rank Gaussians): a long default MPSGD run.
+    What no Gaussian-VI method can beat on a non-Gaussian posterior (NumPyro SVI's long runs agree)."""
+    engine = nfv.MPSGD(model, nfv.AutoLocationScale(model))
+    res = engine.run(random.key(123), cfg["optimum_steps"], *args, progress_bar=False, **kwargs)
+    S = np.asarray(res.params["auto_scale"])
+    return {**accuracy(np.asarray(res.params["auto_loc"]), S @ S.T, ref), "steps": cfg["optimum_steps"],
+            "converged": res.diagnostics["converged"], "stage_moves": res.diagnostics["stage_moves"]}
 
 
 # --- NumPyro SVI ---------------------------------------------------------------------------------------------------
@@ -142,7 +155,7 @@ def _svi_moments(guide_kind, params, order):
     return mean, np.diag(var)
 
 
-def run_svi(model, args, kwargs, ref, kind, cfg, guide_kind, lr):
+def run_svi(model, args, kwargs, ref, kind, cfg, guide_kind, lr, seed=0):
     guide = (AutoMultivariateNormal if guide_kind == "mvn" else AutoNormal)(model)
     svi = SVI(model, guide, optax.adam(lr), Trace_ELBO())
     order = latent_order(model, args, kwargs)
@@ -153,7 +166,7 @@ def run_svi(model, args, kwargs, ref, kind, cfg, guide_kind, lr):
         return lax.fori_loop(0, every, lambda i, s: svi.update(s, *args, **kwargs)[0], state)
 
     t0 = time.perf_counter()
-    state = svi.init(random.key(cfg["seed"]), *args, **kwargs)
+    state = svi.init(random.key(seed), *args, **kwargs)
     state = block(chunk(state))
     first_s = time.perf_counter() - t0
     curve, start = [], state
@@ -168,10 +181,12 @@ def run_svi(model, args, kwargs, ref, kind, cfg, guide_kind, lr):
     per_step = (time.perf_counter() - t0) / every
     for r in curve:
         r["time_s"] = r["step"] * per_step
-    return {"curve": curve, "per_step_s": per_step, "one_time_s": first_s - every * per_step, "lr": lr}
+    return {"curve": curve, "per_step_s": per_step, "one_time_s": first_s - every * per_step, "lr": lr, "seed": seed}
 
 
 def best_svi(model, args, kwargs, ref, kind, cfg, guide_kind):
+    """The learning rate of the grid that reaches the target in the fewest steps (seed 0; if none does, the lowest
+    final mean error), then that rate with every seed."""
     runs = [run_svi(model, args, kwargs, ref, kind, cfg, guide_kind, lr) for lr in cfg["lrs"]]
 
     def score(run):
@@ -179,15 +194,26 @@ def best_svi(model, args, kwargs, ref, kind, cfg, guide_kind):
         return (0, hit["step"]) if hit else (1, run["curve"][-1]["mean_err"])
 
     best = min(runs, key=score)
-    return {**best, "lr_grid": {str(r["lr"]): {"final": r["curve"][-1], "hit": _first_hit(r["curve"], kind)}
-                                for r in runs}}
+    seeds = [best] + [run_svi(model, args, kwargs, ref, kind, cfg, guide_kind, best["lr"], seed)
+                      for seed in cfg["seeds"][1:]]
+    return {"lr": best["lr"], "seeds": seeds,
+            "lr_grid": {str(r["lr"]): {"final": r["curve"][-1], "hit": _first_hit(r["curve"], kind)} for r in runs}}
 
 
 # --- report --------------------------------------------------------------------------------------------------------
-def summarise(run, kind):
-    hit = _first_hit(run["curve"], kind)
-    return {"final": run["curve"][-1], "meets_target": hit is not None,
-            "grads_to_target": hit["grads"] if hit else None, "time_to_target_s": hit["time_s"] if hit else None}
+def summarise(runs, kind):
+    """Over the seeds: the median cost to the target (a seed that never reaches it counts as infinite; None when
+    half or more never do) and every seed's final accuracy."""
+    hits = [_first_hit(r["curve"], kind) for r in runs]
+    grads = [h["grads"] if h else np.inf for h in hits]
+    times = [h["time_s"] if h else np.inf for h in hits]
+    med_g, med_t = float(np.median(grads)), float(np.median(times))
+    return {"final": [r["curve"][-1] for r in runs], "meets_target": bool(np.isfinite(med_g)),
+            "seeds_meeting_target": int(sum(h is not None for h in hits)), "num_seeds": len(runs),
+            "grads_to_target": med_g if np.isfinite(med_g) else None,
+            "time_to_target_s": med_t if np.isfinite(med_t) else None,
+            "per_step_s": float(np.median([r["per_step_s"] for r in runs])),
+            "one_time_s": float(np.median([r["one_time_s"] for r in runs]))}
 
 
 def claims_for(name, results):
@@ -205,7 +231,7 @@ def plot(all_results, out):
     for ax, name in zip(axes[0], names):
         for method, style in (("mpsgd", "C0-"), ("svi_mvn", "C1-"), ("svi_normal", "C2--")):
             run = all_results[name][method]
-            c = run["curve"]
+            c = run["seeds"][0]["curve"]
             label = method if method == "mpsgd" else f"{method} (lr {run['lr']})"
             ax.loglog([r["time_s"] for r in c], [max(r["mean_err"], 1e-4) for r in c], style, label=label)
         ax.axhline(TARGETS[all_results[name]["kind"]]["mean_err"], color="k", lw=0.8, ls=":")
@@ -225,21 +251,26 @@ def main(argv=None):
     for name in cfg["models"]:
         model, margs, mkwargs, kind = problems()[name]
         res = {"kind": kind,
-               "mpsgd": run_mpsgd(model, margs, mkwargs, refs[name], kind, cfg),
+               "mpsgd": {"seeds": [run_mpsgd(model, margs, mkwargs, refs[name], kind, cfg, seed)
+                                   for seed in cfg["seeds"]]},
                "svi_mvn": best_svi(model, margs, mkwargs, refs[name], kind, cfg, "mvn"),
-               "svi_normal": best_svi(model, margs, mkwargs, refs[name], kind, cfg, "normal")}
+               "svi_normal": best_svi(model, margs, mkwargs, refs[name], kind, cfg, "normal"),
+               "gaussian_optimum": gaussian_optimum(model, margs, mkwargs, refs[name], cfg)}
         for m in ("mpsgd", "svi_mvn", "svi_normal"):
-            res[m]["summary"] = summarise(res[m], kind)
+            res[m]["summary"] = summarise(res[m]["seeds"], kind)
         all_results[name] = res
         claims.update(claims_for(name, res))
-        methods[name] = {m: {k: v for k, v in res[m].items()} for m in ("mpsgd", "svi_mvn", "svi_normal")}
+        methods[name] = res
+        opt = res["gaussian_optimum"]
+        print(f"{name:20s} best Gaussian q: mean_err {opt['mean_err']:.3f} sd [{opt['sd_ratio_min']:.2f}, "
+              f"{opt['sd_ratio_max']:.2f}] cov_err {opt['cov_err']:.3f}", flush=True)
         for m in ("mpsgd", "svi_mvn", "svi_normal"):
             s = res[m]["summary"]
-            f = s["final"]
-            print(f"{name:20s} {m:10s} final mean_err {f['mean_err']:.3f} sd [{f['sd_ratio_min']:.2f}, "
-                  f"{f['sd_ratio_max']:.2f}] cov_err {f['cov_err']:.3f} | target: {s['meets_target']} grads "
-                  f"{s['grads_to_target']} time {s['time_to_target_s']} | step {res[m]['per_step_s'] * 1e3:.3f} ms "
-                  f"one-time {res[m]['one_time_s']:.1f} s", flush=True)
+            f = s["final"][0]
+            print(f"{name:20s} {m:10s} final(seed 0) mean_err {f['mean_err']:.3f} sd [{f['sd_ratio_min']:.2f}, "
+                  f"{f['sd_ratio_max']:.2f}] cov_err {f['cov_err']:.3f} | target: {s['seeds_meeting_target']}/"
+                  f"{s['num_seeds']} seeds, median grads {s['grads_to_target']} time {s['time_to_target_s']} | "
+                  f"step {s['per_step_s'] * 1e3:.3f} ms one-time {s['one_time_s']:.1f} s", flush=True)
     path = write_result(NAME, args.quick, {**cfg, "targets": TARGETS,
                                            "references": {n: {k: v for k, v in refs[n].items()
                                                               if k not in ("mean", "cov")} for n in refs}},
