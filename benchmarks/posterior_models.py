@@ -43,11 +43,14 @@ def linreg(X, y=None, noise=1.0):
         numpyro.sample("y", dist.Normal(X @ beta, noise), obs=y)
 
 
+def _hier_globals():
+    return (numpyro.sample("mu_a", dist.Normal(0.0, 5.0)), numpyro.sample("sigma_a", dist.HalfNormal(2.0)),
+            numpyro.sample("slope", dist.Normal(0.0, 2.0)), numpyro.sample("sigma_y", dist.HalfNormal(2.0)))
+
+
 def hier_regression(group, x, num_groups, y=None):
-    mu_a = numpyro.sample("mu_a", dist.Normal(0.0, 5.0))
-    sigma_a = numpyro.sample("sigma_a", dist.HalfNormal(2.0))
-    slope = numpyro.sample("slope", dist.Normal(0.0, 2.0))
-    sigma_y = numpyro.sample("sigma_y", dist.HalfNormal(2.0))
+    """Varying intercepts ``a_g ~ N(mu_a, sigma_a)``, common slope, ``y ~ N(a[group] + slope·x, sigma_y)``."""
+    mu_a, sigma_a, slope, sigma_y = _hier_globals()
     with numpyro.plate("groups", num_groups):
         a = numpyro.sample("a", dist.Normal(mu_a, sigma_a))
     with numpyro.plate("data", x.shape[0]):
@@ -56,10 +59,7 @@ def hier_regression(group, x, num_groups, y=None):
 
 def _hier_regression_noncentred(group, x, num_groups, y=None):
     """The same posterior without the funnel (reference sampler only): ``a = mu_a + sigma_a · a_tilde``."""
-    mu_a = numpyro.sample("mu_a", dist.Normal(0.0, 5.0))
-    sigma_a = numpyro.sample("sigma_a", dist.HalfNormal(2.0))
-    slope = numpyro.sample("slope", dist.Normal(0.0, 2.0))
-    sigma_y = numpyro.sample("sigma_y", dist.HalfNormal(2.0))
+    mu_a, sigma_a, slope, sigma_y = _hier_globals()
     with numpyro.plate("groups", num_groups):
         a = numpyro.deterministic("a", mu_a + sigma_a * numpyro.sample("a_tilde", dist.Normal(0.0, 1.0)))
     with numpyro.plate("data", x.shape[0]):

@@ -22,7 +22,6 @@ import matplotlib
 
 matplotlib.use("Agg")
 import arviz_plots as azp
-import numpy as np
 # imported eagerly: arviz_base.from_numpyro lazy-loads numpyro and then misses numpyro.infer.initialization
 import numpyro  # noqa: F401
 from numpyro.infer import MCMC, NUTS
@@ -59,21 +58,9 @@ def fit_all(num_steps=800, seed=0):
 
 def error_table(fits):
     """Per fit: max |mean − NUTS mean| / NUTS sd and the range of sd / NUTS sd over the intercept and all betas."""
-    ref = fits["NUTS"].posterior
-
-    def draws(post):
-        beta = np.asarray(post["beta"]).reshape(-1, post["beta"].shape[-1])
-        return np.concatenate([beta, np.asarray(post["intercept"]).reshape(-1, 1)], axis=1)
-
-    r = draws(ref)
-    rows = {}
-    for name, dt in fits.items():
-        if name != "NUTS":
-            q = draws(dt.posterior)
-            ratio = q.std(0) / r.std(0)
-            rows[name] = (float(np.max(np.abs(q.mean(0) - r.mean(0)) / r.std(0))), float(ratio.min()),
-                          float(ratio.max()))
-    return rows
+    cmp = nfv.compare_posteriors(fits, "NUTS", ["beta", "intercept"])
+    return {name: (max(v["mean_err"] for v in c.values()), min(v["sd_ratio_min"] for v in c.values()),
+                   max(v["sd_ratio_max"] for v in c.values())) for name, c in cmp.items()}
 
 
 def main(num_steps=800, seed=0):

@@ -3,7 +3,7 @@
 Use them where you use ``numpyro.infer.SVI``: same model, same guide, same ``init/update/run/get_params``.
 """
 
-from .datatree import to_datatree
+from .datatree import compare_posteriors, to_datatree
 from .federated import ClientData
 from .fedlocalvi import FedLocalVI
 from .fedmm import SASSMM, FedMM, FedSVI, SurrogateFamily
@@ -36,5 +36,6 @@ __all__ = [
     "inspect_model",
     "make_partitions",
     "robust_federated_vi",
+    "compare_posteriors",
     "to_datatree",
 ]

@@ -33,7 +33,8 @@ from numpyro.primitives import Messenger
 
 from .inputs import prepare_inputs
 
-__all__ = ["full_data", "importance_log_weights", "pareto_k_hat", "resample_observed", "to_datatree"]
+__all__ = ["compare_posteriors", "full_data", "importance_log_weights", "pareto_k_hat", "resample_observed",
+           "to_datatree"]
 
 
 class full_data(Messenger):
@@ -169,3 +170,25 @@ def to_datatree(engine, result, *args, num_samples: int = 1000, rng_key=None, lo
     attrs = {"sample_stats": {"pareto_k": pareto_k},
              "/": {"inference_library": "numpyro_fedvi", "engine": type(engine).__name__}}
     return from_dict(groups, coords=coords, dims=dims, attrs=attrs)
+
+
+def compare_posteriors(fits: dict, reference: str, var_names) -> dict:
+    """Each fit's posterior against a reference fit (e.g. NUTS), per variable:
+    ``{fit: {var: {"mean_err": max |mean − ref mean| / ref sd, "sd_ratio_min", "sd_ratio_max": of sd / ref sd}}}``
+    over the variable's elements, from the ``posterior`` groups of ``DataTree`` s (``to_datatree``, ArviZ's
+    ``from_numpyro``); ``fits[reference]`` itself is left out."""
+    def draws(dt, var):
+        x = np.asarray(dt.posterior[var])
+        return x.reshape((-1,) + x.shape[2:])  # (chain · draw, ...)
+
+    out = {}
+    for name, dt in fits.items():
+        if name == reference:
+            continue
+        out[name] = {}
+        for var in var_names:
+            ref, q = draws(fits[reference], var), draws(dt, var)
+            ratio = q.std(0) / ref.std(0)
+            out[name][var] = {"mean_err": float(np.max(np.abs(q.mean(0) - ref.mean(0)) / ref.std(0))),
+                              "sd_ratio_min": float(np.min(ratio)), "sd_ratio_max": float(np.max(ratio))}
+    return out

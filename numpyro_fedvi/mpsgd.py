@@ -40,13 +40,15 @@ from .whitening import (WhitenedState, make_whitened_step, project_scale, whiten
 MIN_STAGES = 3          # adaptive: a run counts as converged after this many stages ...
 CONVERGED_MOVE = 0.1    # ... when the last one moved the mean and the scale by at most this (posterior sd / rel.)
 
-__all__ = ["MPSGD", "MPSGDState", "estimate_smoothness", "make_mpsgd_step", "mc_gradient", "mpsgd_init", "project_scale"]
+__all__ = ["MPSGD", "MPSGDState", "estimate_smoothness", "make_mpsgd_step", "mc_gradient", "mpsgd_init",
+           "project_scale"]
 
 
 class MPSGDState(NamedTuple):
     """``loc`` μ (d,), ``scale`` Σ (raw: (d,d) full/tril or (d,) diag), ``scale_inv`` Σ^{-1} (full; else an
-    unused 0), ``scale_logdet`` log|det Σ| (from the projection), running average ``avg_loc``/``avg_scale`` with ``log_weight_sum`` = log Σ w, ``log_alpha`` =
-    log α_k, the averaging constant ``avg_a`` (a of τ), ``step`` k, base ``rng_key``."""
+    unused 0), ``scale_logdet`` log|det Σ| (from the projection), running average ``avg_loc``/``avg_scale`` with
+    ``log_weight_sum`` = log Σ w, ``log_alpha`` = log α_k, the averaging constant ``avg_a`` (a of τ), ``step`` k,
+    base ``rng_key``."""
 
     loc: jax.Array
     scale: jax.Array

@@ -49,14 +49,16 @@ TRUST_LOC, TRUST_SCALE = 1.0, 0.5   # a step moves μ′ by ≤ 1 and Σ′ entr
 
 
 class WhitenedState(NamedTuple):
-    """Frame ``frame_loc`` m, ``frame_scale`` A; whitened iterate ``loc`` μ′, ``scale`` Σ′ (with ``scale_inv``
+    """Frame ``frame_loc`` m, ``frame_scale`` A (``frame_logdet`` log|det A|, updated once per stage); whitened iterate ``loc`` μ′, ``scale`` Σ′ (with ``scale_inv``
     (full; else 0) and ``scale_logdet`` log|det Σ′|); ``smoothness`` L′; the stage ``[stage_start, stage_start +
     stage_length)``; its tail average ``avg_loc``/``avg_scale`` over ``avg_count`` iterates (the stage's start while
-    0) and ``prior_count``, the previous stage's tail count (behind the frame's origin); ``curvature_sum`` Σ of the stage's Stein estimates; ``stage_moves`` (mean move in posterior sd, scale
-    change) of the last completed stage (−1 before the first ends) and ``stages_completed``; ``step`` and the base ``rng_key``."""
+    0) and ``prior_count``, the previous stage's tail count (behind the frame's origin); ``curvature_sum`` Σ of
+    the stage's Stein estimates; ``stage_moves`` (mean move in posterior sd, scale change) of the last completed
+    stage (−1 before the first ends) and ``stages_completed``; ``step`` and the base ``rng_key``."""
 
     frame_loc: jax.Array
     frame_scale: jax.Array
+    frame_logdet: jax.Array
     loc: jax.Array
     scale: jax.Array
     scale_inv: jax.Array
@@ -115,6 +117,15 @@ def _identity(scale_type, dim, dtype):
     return jnp.ones(dim, dtype) if scale_type == "diag" else jnp.eye(dim, dtype=dtype)
 
 
+def _log_abs_det(scale_type, M):
+    """log|det M| of a frame or its change (once per stage, never per step)."""
+    if scale_type == "diag":
+        return jnp.sum(jnp.log(jnp.abs(M)))
+    if scale_type == "tril":
+        return jnp.sum(jnp.log(jnp.abs(jnp.diagonal(M))))
+    return jnp.linalg.slogdet(M)[1]
+
+
 def _lambda_max(scale_type, H):
     return jnp.max(H) if scale_type == "diag" else jnp.max(jnp.linalg.eigvalsh(0.5 * (H + H.T)))
 
@@ -154,7 +165,8 @@ def whitened_init(potential: Callable, x0, scale_type: str, rng_key, *, frame_sc
     scale, scale_inv, logdet = project_scale(scale_type, _identity(scale_type, dim, ftype) / jnp.sqrt(L),
                                              1.0 / jnp.sqrt(L))
     zero = jnp.zeros((), ftype)
-    return WhitenedState(x0, A.astype(ftype), jnp.zeros(dim, ftype), scale, scale_inv.astype(ftype), logdet,
+    A = A.astype(ftype)
+    return WhitenedState(x0, A, _log_abs_det(scale_type, A), jnp.zeros(dim, ftype), scale, scale_inv.astype(ftype), logdet,
                          L.astype(ftype), jnp.asarray(0, jnp.int32), jnp.asarray(stage_length, jnp.int32), zero,
                          zero, jnp.zeros(dim, ftype), scale, jnp.zeros_like(scale), jnp.full((2,), -1.0, ftype),
                          jnp.asarray(0, jnp.int32), jnp.asarray(0, jnp.int32), rng_key)
@@ -178,9 +190,7 @@ def make_whitened_step(potential: Callable, base, scale_type: str, num_particles
         X = s.frame_loc + _apply(scale_type, s.frame_scale, s.loc + _apply(scale_type, s.scale, Z))
         f, G = grad(X, f_key)
         G = G * s.frame_scale if scale_type == "diag" else G @ s.frame_scale       # rows Aᵀ∇f
-        frame_logdet = (jnp.sum(jnp.log(jnp.abs(s.frame_scale))) if scale_type == "diag"
-                        else jnp.linalg.slogdet(s.frame_scale)[1])
-        loss = jnp.mean(f) - frame_logdet - s.scale_logdet - entropy
+        loss = jnp.mean(f) - s.frame_logdet - s.scale_logdet - entropy
         g_loc = jnp.mean(G, 0)
         if scale_type == "diag":
             GZ = jnp.mean(G * Z, 0)
@@ -245,7 +255,8 @@ def _rewhiten(scale_type):
         frame_scale = _matmul(scale_type, s.frame_scale, S)
         scale, scale_inv, logdet = project_scale(scale_type, eye, 1.0 / jnp.sqrt(L))
         moves = jnp.stack([jnp.max(jnp.abs(loc_w)), jnp.linalg.norm(S - eye) / math.sqrt(dim)])
-        return s._replace(frame_loc=frame_loc, frame_scale=frame_scale, loc=jnp.zeros_like(s.loc), scale=scale,
+        return s._replace(frame_loc=frame_loc, frame_scale=frame_scale,
+                          frame_logdet=s.frame_logdet + _log_abs_det(scale_type, S), loc=jnp.zeros_like(s.loc), scale=scale,
                           scale_inv=jnp.asarray(scale_inv, s.scale_inv.dtype), scale_logdet=logdet, smoothness=L,
                           stage_start=s.step, stage_length=2 * s.stage_length, avg_count=jnp.zeros_like(s.avg_count),
                           prior_count=s.avg_count, avg_loc=jnp.zeros_like(s.avg_loc), avg_scale=scale,

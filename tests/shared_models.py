@@ -1,6 +1,27 @@
-"""Models shared by several test modules (each written once, in ``numpyro_fedvi.models``)."""
+"""Models shared by several test modules (each written once, in ``numpyro_fedvi.models`` or here)."""
+
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
 
 from numpyro_fedvi.models.eight_schools import SIGMA as SCHOOLS_SIGMA  # noqa: F401
 from numpyro_fedvi.models.eight_schools import Y as SCHOOLS_Y  # noqa: F401
 from numpyro_fedvi.models.eight_schools import centred as eight_schools  # noqa: F401
 from numpyro_fedvi.models.eight_schools import noncentred as eight_schools_noncentred  # noqa: F401
+
+# --- a linear-Gaussian model with a closed-form posterior (MPSGD tests) --------------------------------------------
+
+LG_D, LG_M, LG_S0, LG_SIG = 3, 20, 2.0, 1.0
+_rng = np.random.default_rng(0)
+LG_A = jnp.asarray(_rng.normal(size=(LG_M, LG_D)), jnp.float32)
+LG_Y = jnp.asarray(LG_A @ np.array([1.0, -0.5, 0.3]) + LG_SIG * _rng.normal(size=LG_M), jnp.float32)
+LG_PREC = np.eye(LG_D) / LG_S0**2 + np.asarray(LG_A).T @ np.asarray(LG_A) / LG_SIG**2   # posterior precision
+LG_COV = np.linalg.inv(LG_PREC)
+LG_MEAN = LG_COV @ np.asarray(LG_A).T @ np.asarray(LG_Y) / LG_SIG**2
+
+
+def linear_gaussian(a, y=None):
+    """``x ~ N(0, S0² I)``, ``y ~ N(a x, SIG² I)``: the posterior is ``N(LG_MEAN, LG_COV)``."""
+    x = numpyro.sample("x", dist.Normal(0.0, LG_S0).expand([LG_D]).to_event(1))
+    numpyro.sample("y", dist.Normal(a @ x, LG_SIG).to_event(1), obs=y)

@@ -184,3 +184,20 @@ def test_deterministic_sites_of_a_reparameterised_model():
     assert post["theta"].shape == (1, 50, N) and post["theta_decentered"].shape == (1, 50, N)
     np.testing.assert_allclose(np.asarray(post["theta"]), np.asarray(post["mu"])[..., None]
                                + np.asarray(post["theta_decentered"]), rtol=1e-5, atol=1e-5)
+
+
+def test_compare_posteriors_against_a_reference():
+    """Known draws: a fit shifted by 0.5 reference sd and scaled by 2 reports mean_err 0.5 and sd ratio 2."""
+    from arviz_base import from_dict
+
+    from numpyro_fedvi import compare_posteriors
+
+    rng = np.random.default_rng(0)
+    ref = rng.normal(size=(1, 4000, 3)) * np.array([1.0, 2.0, 3.0])
+    ref = (ref - ref.mean(1, keepdims=True)) / ref.std(1, keepdims=True) * np.array([1.0, 2.0, 3.0])
+    fit = 2.0 * ref + 0.5 * np.array([1.0, 2.0, 3.0])
+    fits = {"NUTS": from_dict({"posterior": {"x": ref}}), "vi": from_dict({"posterior": {"x": fit}})}
+    out = compare_posteriors(fits, "NUTS", ["x"])
+    assert set(out) == {"vi"}
+    assert out["vi"]["x"]["mean_err"] == pytest.approx(0.5, rel=1e-6)
+    assert out["vi"]["x"]["sd_ratio_min"] == pytest.approx(2.0) and out["vi"]["x"]["sd_ratio_max"] == pytest.approx(2.0)

@@ -22,19 +22,15 @@ from numpyro_fedvi.guides import make_base
 from numpyro_fedvi.mpsgd import make_mpsgd_step, mc_gradient, mpsgd_init
 from numpyro_fedvi.schedules import batch_growth, constant, polynomial_decay, theorem4
 
-D, M, S0, SIG = 3, 20, 2.0, 1.0
-_rng = np.random.default_rng(0)
-A = jnp.asarray(_rng.normal(size=(M, D)), jnp.float32)
-Y = jnp.asarray(A @ np.array([1.0, -0.5, 0.3]) + SIG * _rng.normal(size=M), jnp.float32)
-PREC = np.eye(D) / S0**2 + np.asarray(A).T @ np.asarray(A) / SIG**2
-COV = np.linalg.inv(PREC)
-MEAN = COV @ np.asarray(A).T @ np.asarray(Y) / SIG**2
+from shared_models import LG_A as A
+from shared_models import LG_COV as COV
+from shared_models import LG_D as D
+from shared_models import LG_MEAN as MEAN
+from shared_models import LG_PREC as PREC
+from shared_models import LG_Y as Y
+from shared_models import linear_gaussian as model
+
 L_TRUE = float(np.linalg.eigvalsh(PREC).max())
-
-
-def model(a, y=None):
-    x = numpyro.sample("x", dist.Normal(0.0, S0).expand([D]).to_event(1))
-    numpyro.sample("y", dist.Normal(a @ x, SIG).to_event(1), obs=y)
 
 
 def _quadratic(H, b):
@@ -76,7 +72,8 @@ def test_gradient_estimator_unbiased(base_name, scale_type):
 
 def _fit(scale, steps=3000, n=64, **kw):
     guide = AutoLocationScale(model, scale=scale)
-    engine = MPSGD(model, guide, schedule="theory", smoothness=2 * L_TRUE, num_particles=n, preconditioner="identity", **kw)
+    engine = MPSGD(model, guide, schedule="theory", smoothness=2 * L_TRUE, num_particles=n, preconditioner="identity",
+                   **kw)
     return engine, engine.run(random.key(0), steps, A, Y, progress_bar=False)
 
 
@@ -216,7 +213,8 @@ def test_data_subsampling_draws_fresh_minibatches():
     prec = 1 / 100 + n / 4
     post_mean, post_sd = float(data.sum() / 4 / prec), prec ** -0.5
     guide = AutoLocationScale(mean_model, scale="diag")
-    engine = MPSGD(mean_model, guide, schedule="theory", smoothness=2 * prec, num_particles=64, preconditioner="identity", chunk_size=8)
+    engine = MPSGD(mean_model, guide, schedule="theory", smoothness=2 * prec, num_particles=64,
+                   preconditioner="identity", chunk_size=8)
     res = engine.run(random.key(0), 1500, data, progress_bar=False)
     # the minibatch potential has the full-data curvature, so the optimal scale is the posterior sd; the
     # τ-averaged mean carries minibatch noise of a few posterior sds at most

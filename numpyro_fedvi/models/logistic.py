@@ -3,7 +3,6 @@ textbook NumPyro model with a plain ``plate("data", N)`` around ``obs=y``, and s
 
 from __future__ import annotations
 
-import numpy as np
 import numpyro
 import numpyro.distributions as dist
 
