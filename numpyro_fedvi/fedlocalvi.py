@@ -125,6 +125,11 @@ class FedLocalVI:
         ``False`` draws fresh per call (unbiased oracle).
     :param output: ``"last"`` (the synchronised server iterate after the round) or ``"average"`` (the theorems'
         output: mean of the output sequence over all local steps and clients); ``get_params(which=...)`` overrides.
+    :param drift_correction: ``"scaffnew"`` (default): client control variates h_m (ProxSkip / Scaffnew,
+        :func:`~numpyro_fedvi.vi_solvers.drift_corrected`): local oracle calls return ``V_m(θ) − h_m`` and at each
+        synchronisation ``h_m += (θ̄ − θ_m)/(Kη)``, so local steps on heterogeneous clients (sites sorted by a
+        covariate) do not bias the answer; no extra oracle call.  ``None``: the paper's plain solver (its O(ηK)
+        client drift).
     :param data_plate: name of the data plate (default: the only subsampled plate, else the only plate around every
         observation).
     Extra keyword arguments are passed to model and guide.
@@ -134,7 +139,8 @@ class FedLocalVI:
                  method: str = "local_sgd", local_steps: int, step_size: float, L: float | None = None,
                  inner_steps="auto", inner_eps: float = 1e-3, sigma: float | None = None, delta: float | None = None,
                  prox: Callable | None = None, batch_size: int | None = None, crn: bool = False,
-                 output: str = "last", data_plate: str | None = None, **static_kwargs):
+                 output: str = "last", drift_correction: str | None = "scaffnew", data_plate: str | None = None,
+                 **static_kwargs):
         loss, clients, num_clients = _client_spec(loss, legacy, clients, num_clients, type(self).__name__)
         _check_elbo(loss, type(self).__name__)
         if isinstance(clients, ClientData):
@@ -185,6 +191,10 @@ class FedLocalVI:
             raise TypeError(f"crn must be True, False or a PRNG key (the fixed Monte-Carlo key), got {crn!r}.")
         if output not in ("last", "average"):
             raise ValueError(f"output must be 'last' or 'average', got {output!r}.")
+        if drift_correction not in (None, "scaffnew"):
+            raise ValueError(f"drift_correction must be 'scaffnew' or None (the paper's plain solver), got "
+                             f"{drift_correction!r}.")
+        self.drift_correction = drift_correction
         self.model, self.guide, self.clients = model, guide, clients
         self.elbo = Trace_ELBO() if loss is None else loss
         self.method, self.inner_steps, self.sigma, self.delta = method, inner_steps, sigma, delta
@@ -198,14 +208,16 @@ class FedLocalVI:
     def _make_solver(self) -> vs.Solver:
         eta, K = self.step_size, self.local_steps
         if self.method == "local_sgd":
-            return vs.local_sgd(eta, K)
-        if self.method == "lesgd":
-            return vs.lesgd(eta, K)
-        if self.method == "lippax":
-            return vs.lippax(eta, K, self.L, self.inner_steps)
-        if self.method == "slippax":
-            return vs.slippax(eta, K, self.L, self.inner_steps, self.sigma, delta=self.delta)
-        return vs.local_dual_averaging(eta, K, self.prox)
+            solver = vs.local_sgd(eta, K)
+        elif self.method == "lesgd":
+            solver = vs.lesgd(eta, K)
+        elif self.method == "lippax":
+            solver = vs.lippax(eta, K, self.L, self.inner_steps)
+        elif self.method == "slippax":
+            solver = vs.slippax(eta, K, self.L, self.inner_steps, self.sigma, delta=self.delta)
+        else:
+            solver = vs.local_dual_averaging(eta, K, self.prox)
+        return vs.drift_corrected(solver, eta) if self.drift_correction == "scaffnew" else solver
 
     @property
     def _plate_mode(self) -> bool:

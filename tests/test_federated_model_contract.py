@@ -136,9 +136,12 @@ def test_user_model_unchanged(name, variant):
     # difference to local_sgd, and the layer below the model contract)
     if name != "lesgd":
         ref = rows_run(name)
+        # float32 rounding of the two data paths; FedLocalVI's control variates (h += (ȳ − y_m)/(Kη), Kη = 0.004)
+        # amplify it to a few 1e-4
+        tol = 1e-3 if cls is FedLocalVI else 1e-4
         for k in res.params:
-            np.testing.assert_allclose(res.params[k], ref.params[k], rtol=1e-4, atol=1e-5)
-        np.testing.assert_allclose(res.losses, ref.losses, rtol=1e-4)
+            np.testing.assert_allclose(res.params[k], ref.params[k], rtol=tol, atol=tol / 10)
+        np.testing.assert_allclose(res.losses, ref.losses, rtol=tol)
 
     # (c) the closed-form mean-field optimum of the Bayesian linear regression (the guide starts at sd 0.1, 9-13%
     # off; the last iterate of constant-step SGD carries Monte-Carlo noise of ~0.15 posterior sd)
