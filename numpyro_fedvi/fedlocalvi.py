@@ -130,6 +130,10 @@ class FedLocalVI:
         synchronisation ``h_m += (θ̄ − θ_m)/(Kη)``, so local steps on heterogeneous clients (sites sorted by a
         covariate) do not bias the answer; no extra oracle call.  ``None``: the paper's plain solver (its O(ηK)
         client drift).
+    :param control_step: α of ``h_m += α(θ̄ − θ_m)/(Kη)`` (1 = ProxSkip).  Default 0.2: with one-particle ELBO
+        gradients α = 1 replays each round's Monte-Carlo noise for K steps and collapsed q(tau) in 3 of 6 runs of
+        eight schools with one school per client (η = 0.005, 0.01); α = 0.2 in none, and still reached the
+        centralised optimum of a sorted-site logistic regression (0.02 posterior sd at K = 20, exact at K = 5).
     :param data_plate: name of the data plate (default: the only subsampled plate, else the only plate around every
         observation).
     Extra keyword arguments are passed to model and guide.
@@ -139,8 +143,8 @@ class FedLocalVI:
                  method: str = "local_sgd", local_steps: int, step_size: float, L: float | None = None,
                  inner_steps="auto", inner_eps: float = 1e-3, sigma: float | None = None, delta: float | None = None,
                  prox: Callable | None = None, batch_size: int | None = None, crn: bool = False,
-                 output: str = "last", drift_correction: str | None = "scaffnew", data_plate: str | None = None,
-                 **static_kwargs):
+                 output: str = "last", drift_correction: str | None = "scaffnew", control_step: float = 0.2,
+                 data_plate: str | None = None, **static_kwargs):
         loss, clients, num_clients = _client_spec(loss, legacy, clients, num_clients, type(self).__name__)
         _check_elbo(loss, type(self).__name__)
         if isinstance(clients, ClientData):
@@ -195,6 +199,9 @@ class FedLocalVI:
             raise ValueError(f"drift_correction must be 'scaffnew' or None (the paper's plain solver), got "
                              f"{drift_correction!r}.")
         self.drift_correction = drift_correction
+        self.control_step = _positive_float(control_step, "control_step")
+        if self.control_step > 1:
+            raise ValueError(f"control_step must lie in (0, 1], got {control_step!r}.")
         self.model, self.guide, self.clients = model, guide, clients
         self.elbo = Trace_ELBO() if loss is None else loss
         self.method, self.inner_steps, self.sigma, self.delta = method, inner_steps, sigma, delta
@@ -217,7 +224,7 @@ class FedLocalVI:
             solver = vs.slippax(eta, K, self.L, self.inner_steps, self.sigma, delta=self.delta)
         else:
             solver = vs.local_dual_averaging(eta, K, self.prox)
-        return vs.drift_corrected(solver, eta) if self.drift_correction == "scaffnew" else solver
+        return vs.drift_corrected(solver, eta, self.control_step) if self.drift_correction == "scaffnew" else solver
 
     @property
     def _plate_mode(self) -> bool:

@@ -314,19 +314,21 @@ def _heterogeneous_quadratics(M=4, d=3, seed=0):
     return H, b, x_star, operator
 
 
-@pytest.mark.parametrize("method", ["local_sgd", "lesgd", "lippax", "local_dual_averaging"])
-@pytest.mark.parametrize("K", [5, 20])
-def test_drift_correction_removes_the_client_drift(method, K):
+@pytest.mark.parametrize("method,K,alpha", [(m, K, 1.0) for m in ("local_sgd", "lesgd", "lippax",
+                                                                  "local_dual_averaging") for K in (5, 20)]
+                         + [("local_sgd", 20, 0.2)])
+def test_drift_correction_removes_the_client_drift(method, K, alpha):
     """Exact oracles, K local steps at η = 0.1 on heterogeneous clients: the plain solver's fixed point is off x*
     (client drift), the drift-corrected one converges to x* — for K = 20 too."""
     H, b, x_star, operator = _heterogeneous_quadratics()
     eta = 0.1
     make = {"local_sgd": lambda: vs.local_sgd(eta, K), "lesgd": lambda: vs.lesgd(eta, K),
-            "lippax": lambda: vs.lippax(eta, K, 3.5, 5), "local_dual_averaging": lambda: vs.local_dual_averaging(eta, K)}
+            "lippax": lambda: vs.lippax(eta, K, 3.5, 5),
+            "local_dual_averaging": lambda: vs.local_dual_averaging(eta, K)}
     errors = {}
-    for name, solver in (("plain", make[method]()), ("scaffnew", vs.drift_corrected(make[method](), eta))):
+    for name, solver in (("plain", make[method]()), ("scaffnew", vs.drift_corrected(make[method](), eta, alpha))):
         state = solver.init(jnp.zeros(3), 4, jax.random.key(0))
-        state, _, infos = vs.run_rounds(solver, state, operator, 3000 // K)
+        state, _, infos = vs.run_rounds(solver, state, operator, int(3000 / K / alpha))  # α < 1: slower controls
         errors[name] = float(np.max(np.abs(np.asarray(infos.mean_iterate[-1]) - x_star)))
         assert int(infos.oracle_calls[0]) == K * solver.calls_per_step            # no extra oracle call
     assert errors["scaffnew"] < 1e-4
@@ -335,12 +337,13 @@ def test_drift_correction_removes_the_client_drift(method, K):
     np.testing.assert_allclose(state.control, np.einsum("mij,mj->mi", H, x_star - b), atol=1e-3)  # h_m → V_m(x*)
 
 
-def test_scaffnew_local_sgd_rounds_transcribed():
-    """Two rounds by hand: x_m ← x_m − η(V_m(x_m) − h_m) for K steps, ȳ = mean_m x_m, h_m += (ȳ − x_m)/(Kη), every
+@pytest.mark.parametrize("alpha", [1.0, 0.5])
+def test_scaffnew_local_sgd_rounds_transcribed(alpha):
+    """Two rounds by hand: x_m ← x_m − η(V_m(x_m) − h_m) for K steps, ȳ = mean_m x_m, h_m += α(ȳ − x_m)/(Kη), every
     client restarts at ȳ (h = 0 in the first round)."""
     H, b, _, operator = _heterogeneous_quadratics()
     eta, K, M = 0.1, 3, 4
-    solver = vs.drift_corrected(vs.local_sgd(eta, K), eta)
+    solver = vs.drift_corrected(vs.local_sgd(eta, K), eta, control_step=alpha)
     x0 = np.array([0.5, -1.0, 2.0])
     state = solver.init(jnp.asarray(x0, jnp.float32), M, jax.random.key(0))
     h, ybar = np.zeros((M, 3)), x0
@@ -350,6 +353,6 @@ def test_scaffnew_local_sgd_rounds_transcribed():
         for _ in range(K):
             x = x - eta * (np.einsum("mij,mj->mi", H, x - b) - h)
         ybar = x.mean(0)
-        h = h + (ybar - x) / (K * eta)
+        h = h + alpha * (ybar - x) / (K * eta)
         np.testing.assert_allclose(state.z, np.tile(ybar, (M, 1)), rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(state.control, h, rtol=1e-4, atol=1e-5)
