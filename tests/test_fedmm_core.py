@@ -255,3 +255,39 @@ def test_bad_arguments(gmm):
         fedmm_step(st, fam, cd, step_size_fn=1.0, alpha=0.1, participation=FixedSize(9), compressor=Identity())
     with pytest.raises(ValueError, match="phi"):
         lemma2_check(SurrogateFamily(oracle=fam.oracle, T=fam.T), s0)
+
+
+@pytest.mark.parametrize("law", [FixedSize(2), Bernoulli(0.4), Full()])
+def test_active_indices_are_the_sampled_set(law):
+    n = 7
+    for seed in range(5):
+        key = random.key(seed)
+        idx, valid = law.active_indices(key, n)
+        assert idx.shape == (law.capacity(n),)
+        mask = np.zeros(n, bool)
+        mask[np.asarray(idx)[np.asarray(valid)]] = True
+        np.testing.assert_array_equal(mask, np.asarray(law.sample(key, n)))
+
+
+class _MaskedFixedSize(FixedSize):
+    """FixedSize whose capacity is n: the round runs every client's oracle under the mask (the reference)."""
+
+    def capacity(self, num_clients):
+        return num_clients
+
+
+@pytest.mark.parametrize("compressor", [Identity(), StochasticQuantizer(4)])
+def test_gathered_round_equals_the_masked_round(gmm, compressor):
+    """FixedSize(m) gathers the m active clients and runs only their oracles; the round equals the masked form
+    (every client computed, inactive ones zeroed): same active set, H, V and V_i (keys are per client index)."""
+    fam, cd, _, s0 = gmm
+    state = fedmm_init(fam, s0, cd, random.key(3), "full")
+    for t in range(3):
+        state = state._replace(step=jnp.asarray(t, jnp.int32))
+        kw = dict(alpha=0.3, compressor=compressor)
+        gathered = fedmm_direction(state, fam, cd, participation=FixedSize(2), **kw)
+        masked = fedmm_direction(state, fam, cd, participation=_MaskedFixedSize(2), **kw)
+        np.testing.assert_array_equal(gathered.active, masked.active)
+        assert int(jnp.sum(gathered.active)) == 2
+        for a, b in ((gathered.H, masked.H), (gathered.V, masked.V), (gathered.V_clients, masked.V_clients)):
+            _tree_close(a, b, rtol=1e-5, atol=1e-6)

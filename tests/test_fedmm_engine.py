@@ -34,17 +34,19 @@ def gmm():
 def test_run_equals_core_steps(gmm):
     fam, cd, _, s0 = gmm
     kw = dict(alpha=0.01, participation=FixedSize(2), compressor=StochasticQuantizer(bits=8), batch_size=16)
-    engine = FedMM(fam, step_size=0.5, cv_step=0.01, participation=FixedSize(2),
-                   compressor=StochasticQuantizer(bits=8), batch_size=16)
-    res = engine.run(random.key(3), 6, cd, s0, progress_bar=False)
     state = fedmm_init(fam, s0, cd, random.key(3))
     losses = []
     for _ in range(6):
         state, info = fedmm_step(state, fam, cd, step_size_fn=0.5, **kw)
         losses.append(float(info["objective"]))
-    for a, b in zip(jax.tree.leaves(res.state.theta), jax.tree.leaves(state.theta)):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(res.losses, losses, rtol=1e-5)
+    for log_every in (1, 4):  # the full objective on rounds 0, 4 (log_every=4), the last value in between
+        engine = FedMM(fam, step_size=0.5, cv_step=0.01, participation=FixedSize(2),
+                       compressor=StochasticQuantizer(bits=8), batch_size=16, log_every=log_every)
+        res = engine.run(random.key(3), 6, cd, s0, progress_bar=False)
+        for a, b in zip(jax.tree.leaves(res.state.theta), jax.tree.leaves(state.theta)):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+        logged = [losses[log_every * (t // log_every)] for t in range(6)]
+        np.testing.assert_allclose(res.losses, logged, rtol=1e-5)
     assert float(engine.evaluate(res.state, cd)) < losses[0]
 
 

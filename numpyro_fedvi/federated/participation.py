@@ -3,7 +3,9 @@
 A sampler is a small frozen (hashable) dataclass: ``sample(key, num_clients)`` returns the bool active mask
 ``(num_clients,)``; ``prob(num_clients)`` is the inclusion probability p of every client (FedMM's ``α/p`` and
 ``1/p`` factors); ``validate(num_clients)`` is the host-side check that ``sample`` runs first (``num_clients`` is a
-static int, so a bad value raises before compilation).
+static int, so a bad value raises before compilation).  ``active_indices(key, num_clients)`` gives the SAME active
+set as ``(idx, valid)`` of static length ``capacity(num_clients)`` (``m`` for ``FixedSize``), so a round can gather
+the active clients and run only their oracles: O(m) work instead of O(n).
 """
 
 from __future__ import annotations
@@ -37,6 +39,19 @@ class Participation:
 
     def sample(self, key, num_clients: int):  # pragma: no cover - abstract
         raise NotImplementedError
+
+    def capacity(self, num_clients: int) -> int:
+        """Static bound on the number of active clients (the length of ``active_indices``)."""
+        self.validate(num_clients)
+        return int(num_clients)
+
+    def active_indices(self, key, num_clients: int):
+        """``(idx, valid)`` of length ``capacity(num_clients)``: the clients of ``sample(key, num_clients)`` in
+        increasing order, padded with ``num_clients`` (``valid`` False)."""
+        mask = self.sample(key, num_clients)
+        cap = self.capacity(num_clients)
+        (idx,) = jnp.nonzero(mask, size=cap, fill_value=num_clients)
+        return idx.astype(jnp.int32), idx < num_clients
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,5 +113,17 @@ class FixedSize(Participation):
 
     def sample(self, key, num_clients: int):
         self.validate(num_clients)
+        return jnp.zeros((num_clients,), bool).at[self._chosen(key, num_clients)].set(True)
+
+    def _chosen(self, key, num_clients):
         _, chosen = lax.top_k(random.uniform(key, (num_clients,)), self.m)
-        return jnp.zeros((num_clients,), bool).at[chosen].set(True)
+        return chosen
+
+    def capacity(self, num_clients: int) -> int:
+        self.validate(num_clients)
+        return self.m
+
+    def active_indices(self, key, num_clients: int):
+        self.validate(num_clients)
+        idx = jnp.sort(self._chosen(key, num_clients)).astype(jnp.int32)  # O(n) draws, O(m) afterwards
+        return idx, jnp.ones((self.m,), bool)

@@ -35,6 +35,8 @@ __all__ = [
     "fedmm_direction",
     "fedmm_init",
     "fedmm_step",
+    "full_objective",
+    "gather_clients",
     "lemma2_check",
     "masked_mean",
     "sassmm_init",
@@ -218,7 +220,7 @@ class FedMMState(NamedTuple):
 
     ``s = Ŝ_t`` (server statistic), ``theta = T(Ŝ_t)``, ``V`` (server control variate ``V_t``), ``V_clients`` (the
     ``V_{t,i}``, leaves with a leading client axis ``(n, ...)``), ``step`` (completed rounds), ``rng_key`` (base
-    key).  With ``aggregate="parameter"`` (the naive baseline) the iterate is ``theta`` itself, ``V``/``V_clients``
+    key), ``objective`` (the full objective at the last round an engine logged it; 0 before).  With ``aggregate="parameter"`` (the naive baseline) the iterate is ``theta`` itself, ``V``/``V_clients``
     live in θ-space and ``s`` stays ``Ŝ_0`` (unused).
     """
 
@@ -228,6 +230,7 @@ class FedMMState(NamedTuple):
     V_clients: Any
     step: jax.Array
     rng_key: jax.Array
+    objective: jax.Array = 0.0
 
 
 def _check_choice(value, name, choices):
@@ -235,26 +238,28 @@ def _check_choice(value, name, choices):
         raise ValueError(f"{name} must be one of {choices}, got {value!r}.")
 
 
-def _client_stats(family, theta, client_data: ClientData, key, batch_size):
+def _client_stats(family, theta, client_data: ClientData, key, batch_size, client_ids=None):
     """``𝖲_i`` for every client (vmap over the client axis) at the broadcast ``θ``.
 
     ``batch_size=None``: all of client i's rows with its mask (exact oracle).  Otherwise ``batch_size`` rows drawn
     uniformly with replacement among client i's real rows (:func:`sample_rows` with ``fold_in(key, PURPOSE_BATCH)``).
-    Oracle keys: ``fold_in(fold_in(key, PURPOSE_ORACLE), i)``.
+    Oracle keys: ``fold_in(fold_in(key, PURPOSE_ORACLE), i)`` with ``i`` the client's index (``client_ids``, for a
+    ClientData gathered from the active clients; default ``0..n−1``).
     """
     n = client_data.num_clients
+    ids = jnp.arange(n) if client_ids is None else client_ids
     if batch_size is None:
         batch, mask = client_data.data, client_data.mask
     else:
         idx, mask = sample_rows(random.fold_in(key, PURPOSE_BATCH), client_data, batch_size)
         batch = take_rows(client_data, idx)
-    okeys = jax.vmap(lambda i: random.fold_in(random.fold_in(key, PURPOSE_ORACLE), i))(jnp.arange(n))
+    okeys = jax.vmap(lambda i: random.fold_in(random.fold_in(key, PURPOSE_ORACLE), i))(ids)
     return jax.vmap(family.oracle, in_axes=(None, 0, 0, 0))(theta, batch, mask, okeys)
 
 
-def _client_targets(family, theta, client_data, key, batch_size, aggregate):
+def _client_targets(family, theta, client_data, key, batch_size, aggregate, client_ids=None):
     """What the clients aggregate: 𝖲_i (surrogate) or T(𝖲_i) (parameter baseline)."""
-    S = _client_stats(family, theta, client_data, key, batch_size)
+    S = _client_stats(family, theta, client_data, key, batch_size, client_ids)
     return S if aggregate == "surrogate" else jax.vmap(family.T)(S)
 
 
@@ -283,7 +288,7 @@ def fedmm_init(family: SurrogateFamily, s0, client_data: ClientData, key, init_c
         targets = _client_targets(family, theta0, client_data, random.fold_in(key, 2**31 - 1), None, aggregate)
         V_clients = _tmap(lambda y, x: y - x[None], targets, x0)
     V = _weighted_client_sum(client_data.weights, V_clients)
-    return FedMMState(s0, theta0, V, V_clients, jnp.asarray(0, jnp.int32), key)
+    return FedMMState(s0, theta0, V, V_clients, jnp.asarray(0, jnp.int32), key, jnp.zeros((), jnp.result_type(float)))
 
 
 class FedMMDirection(NamedTuple):
@@ -295,31 +300,50 @@ class FedMMDirection(NamedTuple):
     active: jax.Array  # bool (n,), the active set A
 
 
+def gather_clients(client_data: ClientData, idx, valid) -> ClientData:
+    """The ClientData of the clients ``idx`` (padding entries ``valid = False`` get no rows): O(m) rows.  Its
+    ``weights`` are renormalised over the gathered clients: take ``client_data.weights[idx]`` for the global μ_i."""
+    safe = jnp.where(valid, idx, 0)
+    return ClientData(jax.tree.map(lambda leaf: leaf[safe], client_data.data),
+                      client_data.mask[safe] & valid[:, None], jnp.where(valid, client_data.counts[safe], 0))
+
+
 def fedmm_direction(state: FedMMState, family: SurrogateFamily, client_data: ClientData, *, alpha, participation,
                     compressor, batch_size=None, aggregate="surrogate") -> FedMMDirection:
     """Steps 1–3 and the H / V part of step 4 of Algorithm 2 (masked Algorithm-4 form), for round ``t = state.step``.
 
-    Every client computes (vmap; inactive ones are masked out, never a Python loop):
-    ``𝖲_i`` at ``θ_t``; ``Δ_i = 𝖲_i − Ŝ_t − V_{t,i}``; ``q_i = compressor(key_i, Δ_i)``;
+    Every ACTIVE client computes: ``𝖲_i`` at ``θ_t``; ``Δ_i = 𝖲_i − Ŝ_t − V_{t,i}``; ``q_i = compressor(key_i, Δ_i)``;
     ``V_{t+1,i} = V_{t,i} + (α/p) U_i q_i``; ``H = V_t + (1/p) Σ_i μ_i U_i q_i``;
     ``V_{t+1} = V_t + (α/p) Σ_i μ_i U_i q_i`` with ``U_i = 1{i ∈ A}``, ``p = participation.prob(n)``,
     ``μ_i = client_data.weights``.  With ``aggregate="parameter"``: ``T(𝖲_i)`` replaces ``𝖲_i`` and ``θ_t``
-    replaces ``Ŝ_t``.
+    replaces ``Ŝ_t``.  When the law bounds the active set below n (``participation.capacity(n) < n``, e.g.
+    ``FixedSize(m)``) only the active clients' rows are gathered and their oracles run (O(m) work, vmap over m);
+    with ``Full`` every client runs (no gather).  Keys are per client index, so both give the same round.
     """
     n = client_data.num_clients
     participation.validate(n)
     p = float(participation.prob(n))
     kt = random.fold_in(state.rng_key, state.step)
-    active = participation.sample(random.fold_in(kt, PURPOSE_PARTICIPATION), n)
+    pkey = random.fold_in(kt, PURPOSE_PARTICIPATION)
     x_t = state.s if aggregate == "surrogate" else state.theta
-    targets = _client_targets(family, state.theta, client_data, kt, batch_size, aggregate)
-    delta = _tmap(lambda y, x, v: y - x[None] - v, targets, x_t, state.V_clients)
-    ckeys = jax.vmap(lambda i: random.fold_in(random.fold_in(kt, PURPOSE_COMPRESS), i))(jnp.arange(n))
+    if participation.capacity(n) < n:
+        idx, valid = participation.active_indices(pkey, n)
+        cd = gather_clients(client_data, idx, valid)
+        V_act = _tmap(lambda v: v[jnp.where(valid, idx, 0)], state.V_clients)
+        active = jnp.zeros((n,), bool).at[idx].set(valid, mode="drop")
+        weights = jnp.where(valid, client_data.weights[jnp.where(valid, idx, 0)], 0.0)  # the global μ_i
+    else:
+        idx, valid, cd, V_act = jnp.arange(n), participation.sample(pkey, n), client_data, state.V_clients
+        active, weights = valid, client_data.weights
+    targets = _client_targets(family, state.theta, cd, kt, batch_size, aggregate, idx)
+    delta = _tmap(lambda y, x, v: y - x[None] - v, targets, x_t, V_act)
+    ckeys = jax.vmap(lambda i: random.fold_in(random.fold_in(kt, PURPOSE_COMPRESS), i))(idx)
     q = jax.vmap(compressor)(ckeys, delta)
-    u = active.astype(jnp.result_type(float))
+    u = valid.astype(jnp.result_type(float))
     q = _tmap(lambda x: _bcast(u, x) * x, q)  # inactive clients send nothing
-    V_clients = _tmap(lambda v, x: v + (alpha / p) * x, state.V_clients, q)
-    agg = _weighted_client_sum(client_data.weights, q)  # Σ_{i∈A} μ_i q_i
+    target = jnp.where(valid, idx, n)  # rows of V_clients to update (padding dropped)
+    V_clients = _tmap(lambda v, x: v.at[target].add((alpha / p) * x, mode="drop"), state.V_clients, q)
+    agg = _weighted_client_sum(weights, q)  # Σ_{i∈A} μ_i q_i
     H = _tmap(lambda v, a: v + a / p, state.V, agg)
     V = _tmap(lambda v, a: v + (alpha / p) * a, state.V, agg)
     return FedMMDirection(H, V, V_clients, active)
@@ -327,7 +351,7 @@ def fedmm_direction(state: FedMMState, family: SurrogateFamily, client_data: Cli
 
 def fedmm_step(state: FedMMState, family: SurrogateFamily, client_data: ClientData, *, step_size_fn, alpha,
                participation: Participation, compressor: Compressor, batch_size: int | None = None,
-               aggregate: str = "surrogate"):
+               aggregate: str = "surrogate", with_objective: bool = True):
     """One round of FedMM (specs/fedmm.md Algorithm 2, masked Algorithm-4 form).
 
     Surrogate aggregation (the method): :func:`fedmm_direction` gives ``H`` and the new control variates, then
@@ -344,10 +368,12 @@ def fedmm_step(state: FedMMState, family: SurrogateFamily, client_data: ClientDa
     :param participation: a :class:`~numpyro_fedvi.federated.Participation` law (``p = prob(n)``).
     :param compressor: a :class:`~numpyro_fedvi.federated.Compressor` applied to each ``Δ_i`` (per leaf).
     :param batch_size: rows per client per round (uniform with replacement), ``None`` = all rows (exact oracle).
+    :param with_objective: also evaluate the full objective (an O(all rows) pass; engines call it only every
+        ``log_every`` rounds).
     :returns: ``(state, info)``; info: ``E_s = ‖Ŝ_{t+1} − Ŝ_t‖²/γ²`` and ``E_ps = ‖θ_{t+1} − θ_t‖²/γ²``
         (surrogate) or ``E_p = ‖θ_{t+1} − θ_t‖²/γ²`` (parameter), ``num_active`` and, when the family has an
-        objective, ``objective = Σ_i μ_i objective(θ_t, rows_i, mask_i)`` over ALL rows at ``θ_t`` (the loss before
-        the update; one extra full pass).
+        objective and ``with_objective``, ``objective = Σ_i μ_i objective(θ_t, rows_i, mask_i)`` over ALL rows at
+        ``θ_t`` (the loss before the update; one extra full pass).
     """
     _check_family(family)
     _check_choice(aggregate, "aggregate", _AGGREGATES)
@@ -368,12 +394,16 @@ def fedmm_step(state: FedMMState, family: SurrogateFamily, client_data: ClientDa
         s_new = state.s
         theta_new = _tmap(lambda th, h: th + gamma.astype(th.dtype) * h, state.theta, d.H)
         info["E_p"] = tree_sqnorm(_tmap(jnp.subtract, theta_new, state.theta)) / gamma**2
-    if family.objective is not None:
-        per_client = jax.vmap(family.objective, in_axes=(None, 0, 0))(state.theta, client_data.data,
-                                                                      client_data.mask)
-        info["objective"] = jnp.sum(client_data.weights.astype(per_client.dtype) * per_client)
-    new_state = FedMMState(s_new, theta_new, d.V, d.V_clients, state.step + 1, state.rng_key)
+    if family.objective is not None and with_objective:
+        info["objective"] = full_objective(family, state.theta, client_data)
+    new_state = FedMMState(s_new, theta_new, d.V, d.V_clients, state.step + 1, state.rng_key, state.objective)
     return new_state, info
+
+
+def full_objective(family: SurrogateFamily, theta, client_data: ClientData):
+    """``Σ_i μ_i objective_i(θ)`` over every row of every client (O(all rows))."""
+    per_client = jax.vmap(family.objective, in_axes=(None, 0, 0))(theta, client_data.data, client_data.mask)
+    return jnp.sum(client_data.weights.astype(per_client.dtype) * per_client)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from ..inputs import InputJit, prepare_inputs
 from ..runner import EarlyStopping, RunResult, revert_non_finite, run_loop, tree_all_finite
 from .core import (
     FedMMState,
+    full_objective,
     SASSMMState,
     SurrogateFamily,
     _check_family,
@@ -222,6 +223,10 @@ class FedMM(_Engine):
     :param projection: the server's projection onto 𝒮 (Algorithm 2, step 4): ``None`` uses ``family.project``;
         a callable ``s -> s`` replaces it (e.g. a tighter convex set, or the PSD / simplex projections of
         :mod:`numpyro_fedvi.projections` on a family built without one).  It is applied to Ŝ_0 too.
+    :param log_every: rounds between two evaluations of the full objective (the reported loss; an O(all rows)
+        pass, while a round with ``FixedSize(m)`` participation costs O(m)); the losses in between repeat the last
+        value.  Default 10; use 1 for a fresh loss every round (e.g. with ``early_stopping``); ``evaluate`` gives it
+        on request.
 
     ``client_data`` is a :class:`~numpyro_fedvi.federated.ClientData`.
     """
@@ -229,8 +234,12 @@ class FedMM(_Engine):
     def __init__(self, family: SurrogateFamily, *, step_size=1.0, cv_step: float = 0.0, participation=None,
                  compressor=None, batch_size: int | None = None, init_control_variates: str = "zero",
                  aggregate: str = "surrogate", to_params: Callable | None = None,
-                 projection: Callable | None = None):
+                 projection: Callable | None = None, log_every: int = 10):
         super().__init__(family, step_size, batch_size, to_params, projection)
+        if isinstance(log_every, bool) or not isinstance(log_every, (int, np.integer)) or log_every < 1:
+            raise ValueError(f"log_every must be an int >= 1 (rounds between two full-objective passes), got "
+                             f"{log_every!r}.")
+        self.log_every = int(log_every)
         self.participation = Full() if participation is None else participation
         self.compressor = Identity() if compressor is None else compressor
         if not (isinstance(cv_step, (int, float)) and math.isfinite(cv_step) and cv_step >= 0):
@@ -272,21 +281,28 @@ class FedMM(_Engine):
         return fedmm_init(family, init_stat, client_data, rng_key, self.init_control_variates, self.aggregate)
 
     def _step(self, state: FedMMState, inputs):
-        """One round: ``(state, loss)``; the loss is at θ_t (before the update, like ``SVI.update``)."""
+        """One round: ``(state, loss)``.  The loss is the full objective at θ_t (before the update, like
+        ``SVI.update``) on the rounds ``t ≡ 0 mod log_every`` and the last logged value in between (a full pass
+        costs O(all rows); the round itself O(active clients)); ``E^s``/``E^p`` for a family without objective."""
         family, client_data = self._family_for(inputs), self._data_of(inputs)
         objective = self._objective_fn(inputs)
-        if objective is not None:  # the engine's own (cheaper) full objective: the core does not evaluate one
-            family = dataclasses.replace(family, objective=None)
-            loss = objective(state.theta)
-        state, info = fedmm_step(state, family, client_data, step_size_fn=self.step_size, alpha=self.cv_step,
-                                 participation=self.participation, compressor=self.compressor,
-                                 batch_size=self._core_batch_size(inputs), aggregate=self.aggregate)
+        if objective is None and family.objective is not None:
+            def objective(theta):
+                return full_objective(family, theta, client_data)
+        new, info = fedmm_step(state, family, client_data, step_size_fn=self.step_size, alpha=self.cv_step,
+                               participation=self.participation, compressor=self.compressor,
+                               batch_size=self._core_batch_size(inputs), aggregate=self.aggregate,
+                               with_objective=False)
         if objective is None:
-            loss = info.get("objective", info.get("E_s", info.get("E_p")))
-        return state, loss
+            return new, info.get("E_s", info.get("E_p"))
+        dtype = state.objective.dtype
+        loss = jax.lax.cond(state.step % self.log_every == 0, lambda th: objective(th).astype(dtype),
+                            lambda th: state.objective, state.theta)
+        return new._replace(objective=loss), loss
 
     def update(self, state: FedMMState, client_data: ClientData):
-        """One round; the loss is Σ_i μ_i objective_i(θ_t) over all rows (``E^s``/``E^p`` without an objective)."""
+        """One round; the loss is Σ_i μ_i objective_i(θ_t) over all rows every ``log_every`` rounds (the last value
+        in between; ``E^s``/``E^p`` without an objective)."""
         return super().update(state, client_data)
 
     def evaluate(self, state: FedMMState, client_data: ClientData):

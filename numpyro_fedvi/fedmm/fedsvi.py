@@ -105,8 +105,8 @@ class FedSVI(FedMM):
 
     The guide must have GLOBAL params only (no per-datum params; use PDVI for local latents).  ``get_params``
     returns the constrained guide params (``Predictive(model, guide=guide, params=...)`` on the model's arguments).
-    The loss of each round is the full-data negative ELBO at θ_t (a fixed Monte-Carlo key: comparable across
-    rounds) plus the prox's penalty when it knows one.
+    The loss is the full-data negative ELBO at θ_t (a fixed Monte-Carlo key: comparable across rounds) plus the
+    prox's penalty when it knows one, evaluated every ``log_every`` rounds (the last value in between).
 
     :param loss: a NumPyro ELBO (default ``Trace_ELBO()``).
     :param rho: the SGD step of the surrogate (ρ ≤ 1/L of the full-data negative ELBO).
@@ -123,21 +123,21 @@ class FedSVI(FedMM):
         :func:`~numpyro_fedvi.prox.theta_l_prox` (``σ_min(Σ) ≥ 1/√L`` for AutoLocationScale guides), a list
         of them on disjoint params, or a callable ``(theta, rho) -> theta``.  With γ = 1 and full participation
         one round is a proximal-gradient step ``θ ← prox_{ρg}(θ − ρ∇f(θ))``.
-    Other arguments (``cv_step``, ``participation``, ``compressor``, ``init_control_variates``, ``projection``) as
-    :class:`~numpyro_fedvi.fedmm.FedMM`; extra keyword arguments are passed to model and guide.
+    Other arguments (``cv_step``, ``participation``, ``compressor``, ``init_control_variates``, ``projection``,
+    ``log_every``) as :class:`~numpyro_fedvi.fedmm.FedMM`; extra keyword arguments are passed to model and guide.
     """
 
     def __init__(self, model, guide, loss=None, *, rho: float, clients=None, num_clients: int | None = None,
                  data_plate: str | None = None, step_size=1.0, cv_step: float = 0.0, participation=None,
                  compressor=None, batch_size: int | None = None, init_control_variates: str = "zero", prox=None,
-                 projection: Callable | None = None, **static_kwargs):
+                 projection: Callable | None = None, log_every: int = 10, **static_kwargs):
         if not (isinstance(rho, (int, float)) and rho > 0):
             raise ValueError(f"rho must be a positive float (the SGD step of the quadratic surrogate), got {rho!r}.")
         _check_elbo(loss, "FedSVI")
         placeholder = SurrogateFamily(oracle=lambda *a: None, T=lambda s: s)
         super().__init__(placeholder, step_size=step_size, cv_step=cv_step, participation=participation,
                          compressor=compressor, batch_size=batch_size, init_control_variates=init_control_variates,
-                         projection=projection)
+                         projection=projection, log_every=log_every)
         self.prox = as_prox(prox)
         self.model, self.guide, self.elbo = model, guide, Trace_ELBO() if loss is None else loss
         self.rho, self.data_plate, self.static_kwargs = float(rho), data_plate, static_kwargs
