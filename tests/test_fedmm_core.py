@@ -291,3 +291,26 @@ def test_gathered_round_equals_the_masked_round(gmm, compressor):
         assert int(jnp.sum(gathered.active)) == 2
         for a, b in ((gathered.H, masked.H), (gathered.V, masked.V), (gathered.V_clients, masked.V_clients)):
             _tree_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_guarded_round_with_a_non_finite_client_changes_nothing(gmm):
+    """A client whose rows hold NaN: a guarded round that activates it returns the state as it was (s, θ, V and every
+    V_i; only the step moves) and ok = False; the other rounds proceed as unguarded ones."""
+    fam, cd, _, s0 = gmm
+    bad = ClientData(cd.data.at[1, 0].set(jnp.nan), cd.mask, cd.counts)
+    state = fedmm_init(fam, s0, cd, random.key(5), "full")
+    kw = dict(step_size_fn=0.5, alpha=0.2, participation=FixedSize(1), compressor=Identity())
+    seen = set()
+    for t in range(12):
+        state = state._replace(step=jnp.asarray(t, jnp.int32))
+        new, info = fedmm_step(state, fam, bad, guard=True, **kw)
+        plain, _ = fedmm_step(state, fam, bad, **kw)
+        if bool(info["ok"]):
+            _tree_close((new.s, new.V, new.V_clients), (plain.s, plain.V, plain.V_clients), rtol=1e-6, atol=1e-7)
+        else:
+            assert not np.all(np.isfinite(np.asarray(plain.V_clients["s1"])))
+            for a, b in ((new.s, state.s), (new.theta, state.theta), (new.V, state.V), (new.V_clients, state.V_clients)):
+                _tree_close(a, b, rtol=0, atol=0)
+        seen.add(bool(info["ok"]))
+        assert int(new.step) == t + 1
+    assert seen == {True, False}

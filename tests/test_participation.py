@@ -71,3 +71,17 @@ def test_validation_and_static_use():
     assert hash(Bernoulli(0.5)) == hash(Bernoulli(0.5)) and FixedSize(2) == FixedSize(2)
     f = jax.jit(lambda s, k: s.sample(k, 6), static_argnums=0)
     assert int(f(FixedSize(2), random.key(1)).sum()) == 2
+
+
+def test_fixed_size_is_a_uniform_subset():
+    """Floyd's sampler: exactly m distinct clients, each included with probability m/n, every pair equally often."""
+    import itertools
+
+    n, m, reps = 5, 2, 20_000
+    masks = np.asarray(jax.vmap(lambda k: FixedSize(m).sample(k, n))(random.split(random.key(0), reps)))
+    assert np.all(masks.sum(1) == m)
+    np.testing.assert_allclose(masks.mean(0), m / n, atol=0.015)
+    pairs = {p: 0 for p in itertools.combinations(range(n), 2)}
+    for row in masks:
+        pairs[tuple(np.flatnonzero(row))] += 1
+    np.testing.assert_allclose(np.array(list(pairs.values())) / reps, 1 / len(pairs), atol=0.012)

@@ -116,8 +116,16 @@ class FixedSize(Participation):
         return jnp.zeros((num_clients,), bool).at[self._chosen(key, num_clients)].set(True)
 
     def _chosen(self, key, num_clients):
-        _, chosen = lax.top_k(random.uniform(key, (num_clients,)), self.m)
-        return chosen
+        """A uniform m-subset by Floyd's algorithm: for j = n−m … n−1 draw t uniform on {0..j} and take t, or j
+        when t is already taken — O(m²) work whatever n (a top-k of n uniforms costs O(n))."""
+        n, m = num_clients, self.m
+
+        def body(i, chosen):
+            j = n - m + i
+            t = random.randint(random.fold_in(key, i), (), 0, j + 1)
+            return chosen.at[i].set(jnp.where(jnp.any(chosen == t), j, t))
+
+        return lax.fori_loop(0, m, body, jnp.full((m,), -1, jnp.int32))
 
     def capacity(self, num_clients: int) -> int:
         self.validate(num_clients)
@@ -125,5 +133,5 @@ class FixedSize(Participation):
 
     def active_indices(self, key, num_clients: int):
         self.validate(num_clients)
-        idx = jnp.sort(self._chosen(key, num_clients)).astype(jnp.int32)  # O(n) draws, O(m) afterwards
+        idx = jnp.sort(self._chosen(key, num_clients)).astype(jnp.int32)  # O(m²), independent of n
         return idx, jnp.ones((self.m,), bool)

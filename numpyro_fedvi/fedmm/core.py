@@ -296,8 +296,9 @@ class FedMMDirection(NamedTuple):
 
     H: Any            # V_t + (1/p) Σ_{i∈A} μ_i q_i — unbiased for h(Ŝ_t)
     V: Any            # V_{t+1}
-    V_clients: Any    # V_{t+1,i}
+    V_clients: Any    # V_{t+1,i} (None with defer_client_update: apply ``client_update`` yourself)
     active: jax.Array  # bool (n,), the active set A
+    client_update: Any = None  # (target, increments): V_clients.at[target].add(increments), padding target = n
 
 
 def gather_clients(client_data: ClientData, idx, valid) -> ClientData:
@@ -309,7 +310,8 @@ def gather_clients(client_data: ClientData, idx, valid) -> ClientData:
 
 
 def fedmm_direction(state: FedMMState, family: SurrogateFamily, client_data: ClientData, *, alpha, participation,
-                    compressor, batch_size=None, aggregate="surrogate") -> FedMMDirection:
+                    compressor, batch_size=None, aggregate="surrogate",
+                    defer_client_update: bool = False) -> FedMMDirection:
     """Steps 1–3 and the H / V part of step 4 of Algorithm 2 (masked Algorithm-4 form), for round ``t = state.step``.
 
     Every ACTIVE client computes: ``𝖲_i`` at ``θ_t``; ``Δ_i = 𝖲_i − Ŝ_t − V_{t,i}``; ``q_i = compressor(key_i, Δ_i)``;
@@ -319,6 +321,8 @@ def fedmm_direction(state: FedMMState, family: SurrogateFamily, client_data: Cli
     replaces ``Ŝ_t``.  When the law bounds the active set below n (``participation.capacity(n) < n``, e.g.
     ``FixedSize(m)``) only the active clients' rows are gathered and their oracles run (O(m) work, vmap over m);
     with ``Full`` every client runs (no gather).  Keys are per client index, so both give the same round.
+    ``defer_client_update``: leave ``V_clients`` unchanged (``None``) and return the scatter in ``client_update``,
+    so a caller can apply it only if the round is finite (O(m) instead of a copy of the whole table).
     """
     n = client_data.num_clients
     participation.validate(n)
@@ -342,16 +346,22 @@ def fedmm_direction(state: FedMMState, family: SurrogateFamily, client_data: Cli
     u = valid.astype(jnp.result_type(float))
     q = _tmap(lambda x: _bcast(u, x) * x, q)  # inactive clients send nothing
     target = jnp.where(valid, idx, n)  # rows of V_clients to update (padding dropped)
-    V_clients = _tmap(lambda v, x: v.at[target].add((alpha / p) * x, mode="drop"), state.V_clients, q)
+    increments = _tmap(lambda x: (alpha / p) * x, q)
+    V_clients = None if defer_client_update else apply_client_update(state.V_clients, target, increments)
     agg = _weighted_client_sum(weights, q)  # Σ_{i∈A} μ_i q_i
     H = _tmap(lambda v, a: v + a / p, state.V, agg)
     V = _tmap(lambda v, a: v + (alpha / p) * a, state.V, agg)
-    return FedMMDirection(H, V, V_clients, active)
+    return FedMMDirection(H, V, V_clients, active, (target, increments))
+
+
+def apply_client_update(V_clients, target, increments):
+    """``V_{t+1,i} = V_{t,i} + (α/p) U_i q_i`` as a scatter on the rows ``target`` (``n`` = dropped): O(m)."""
+    return _tmap(lambda v, x: v.at[target].add(x, mode="drop"), V_clients, increments)
 
 
 def fedmm_step(state: FedMMState, family: SurrogateFamily, client_data: ClientData, *, step_size_fn, alpha,
                participation: Participation, compressor: Compressor, batch_size: int | None = None,
-               aggregate: str = "surrogate", with_objective: bool = True):
+               aggregate: str = "surrogate", with_objective: bool = True, guard: bool = False):
     """One round of FedMM (specs/fedmm.md Algorithm 2, masked Algorithm-4 form).
 
     Surrogate aggregation (the method): :func:`fedmm_direction` gives ``H`` and the new control variates, then
@@ -370,6 +380,8 @@ def fedmm_step(state: FedMMState, family: SurrogateFamily, client_data: ClientDa
     :param batch_size: rows per client per round (uniform with replacement), ``None`` = all rows (exact oracle).
     :param with_objective: also evaluate the full objective (an O(all rows) pass; engines call it only every
         ``log_every`` rounds).
+    :param guard: a round with a non-finite direction or new iterate changes nothing (the state comes back as it
+        was, except the step counter) and ``info["ok"]`` says so — O(m) work, no copy of the client table.
     :returns: ``(state, info)``; info: ``E_s = ‖Ŝ_{t+1} − Ŝ_t‖²/γ²`` and ``E_ps = ‖θ_{t+1} − θ_t‖²/γ²``
         (surrogate) or ``E_p = ‖θ_{t+1} − θ_t‖²/γ²`` (parameter), ``num_active`` and, when the family has an
         objective and ``with_objective``, ``objective = Σ_i μ_i objective(θ_t, rows_i, mask_i)`` over ALL rows at
@@ -382,9 +394,9 @@ def fedmm_step(state: FedMMState, family: SurrogateFamily, client_data: ClientDa
                                    or batch_size < 1):
         raise ValueError(f"batch_size must be None (all rows, exact oracle) or an int >= 1, got {batch_size!r}.")
     d = fedmm_direction(state, family, client_data, alpha=alpha, participation=participation,
-                        compressor=compressor, batch_size=batch_size, aggregate=aggregate)
+                        compressor=compressor, batch_size=batch_size, aggregate=aggregate, defer_client_update=guard)
     gamma = _gamma(step_size_fn, state.step)
-    info = {"num_active": jnp.sum(d.active.astype(jnp.int32))}
+    info = {"num_active": jnp.sum((d.client_update[0] < client_data.num_clients).astype(jnp.int32))}  # O(m)
     if aggregate == "surrogate":
         s_new = family.project(_tmap(lambda s, h: s + gamma.astype(s.dtype) * h, state.s, d.H))
         theta_new = family.T(s_new)
@@ -396,8 +408,20 @@ def fedmm_step(state: FedMMState, family: SurrogateFamily, client_data: ClientDa
         info["E_p"] = tree_sqnorm(_tmap(jnp.subtract, theta_new, state.theta)) / gamma**2
     if family.objective is not None and with_objective:
         info["objective"] = full_objective(family, state.theta, client_data)
-    new_state = FedMMState(s_new, theta_new, d.V, d.V_clients, state.step + 1, state.rng_key, state.objective)
+    V, V_clients = d.V, d.V_clients
+    if guard:
+        ok = _all_finite((d.H, s_new, theta_new, d.V))
+        keep = lambda new, old: _tmap(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa: E731
+        s_new, theta_new, V = keep(s_new, state.s), keep(theta_new, state.theta), keep(V, state.V)
+        target, increments = d.client_update
+        V_clients = apply_client_update(state.V_clients, jnp.where(ok, target, client_data.num_clients), increments)
+        info["ok"] = ok
+    new_state = FedMMState(s_new, theta_new, V, V_clients, state.step + 1, state.rng_key, state.objective)
     return new_state, info
+
+
+def _all_finite(tree) -> jax.Array:
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
 
 
 def full_objective(family: SurrogateFamily, theta, client_data: ClientData):

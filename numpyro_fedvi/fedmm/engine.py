@@ -119,9 +119,14 @@ class _Engine:
         """``to_params(θ_t)`` (e.g. NumPyro guide params for ``Predictive``) or θ_t itself."""
         return self.to_params(state.theta) if self.to_params is not None else state.theta
 
+    def _round(self, state, inputs):
+        """``(state, loss)`` of ``_step`` (whose guarded form also returns ``ok``; it already kept the last finite
+        values)."""
+        return self._step(state, inputs)[:2]
+
     def update(self, state, data):
         """One round (compiled once per data shapes); returns ``(state, loss)``."""
-        return self._compiled("update", self._step)(state, self._prepare(data))
+        return self._compiled("update", self._round)(state, self._prepare(data))
 
     def stable_update(self, state, *args, **kwargs):
         """Like ``update`` but keeps the old state when the loss or the new state is not finite."""
@@ -292,13 +297,14 @@ class FedMM(_Engine):
         new, info = fedmm_step(state, family, client_data, step_size_fn=self.step_size, alpha=self.cv_step,
                                participation=self.participation, compressor=self.compressor,
                                batch_size=self._core_batch_size(inputs), aggregate=self.aggregate,
-                               with_objective=False)
+                               with_objective=False, guard=True)
         if objective is None:
-            return new, info.get("E_s", info.get("E_p"))
+            return new, info.get("E_s", info.get("E_p")), info["ok"]
         dtype = state.objective.dtype
         loss = jax.lax.cond(state.step % self.log_every == 0, lambda th: objective(th).astype(dtype),
                             lambda th: state.objective, state.theta)
-        return new._replace(objective=loss), loss
+        ok = info["ok"] & jnp.isfinite(loss)
+        return new._replace(objective=jnp.where(ok, loss, state.objective)), loss, ok
 
     def update(self, state: FedMMState, client_data: ClientData):
         """One round; the loss is Σ_i μ_i objective_i(θ_t) over all rows every ``log_every`` rounds (the last value

@@ -272,7 +272,7 @@ class FedSVI(FedMM):
         client_data, *args)``); returns ``(state, loss)`` with the loss at θ_t."""
         self._require_init()
         client_data, args, kwargs = self._split(args, kwargs, "update")
-        return self._compiled("update", self._step)(state, (client_data, args, kwargs))
+        return self._compiled("update", self._round)(state, (client_data, args, kwargs))
 
     def evaluate(self, state, *args, **kwargs):
         """The full-data negative ELBO at θ_t (the fixed objective key; + the prox's penalty)."""
