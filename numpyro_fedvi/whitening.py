@@ -49,8 +49,8 @@ TRUST_LOC, TRUST_SCALE = 1.0, 0.5   # a step moves μ′ by ≤ 1 and Σ′ entr
 
 
 class WhitenedState(NamedTuple):
-    """Frame ``frame_loc`` m, ``frame_scale`` A (``frame_logdet`` log|det A|, updated once per stage); whitened iterate ``loc`` μ′, ``scale`` Σ′ (with ``scale_inv``
-    (full; else 0) and ``scale_logdet`` log|det Σ′|); ``smoothness`` L′; the stage ``[stage_start, stage_start +
+    """Frame ``frame_loc`` m, ``frame_scale`` A (``frame_logdet`` log|det A|, updated once per stage); whitened
+    iterate ``loc`` μ′, ``scale`` Σ′ (with ``scale_inv`` (full; else 0) and ``scale_logdet`` log|det Σ′|); ``smoothness`` L′; the stage ``[stage_start, stage_start +
     stage_length)``; its tail average ``avg_loc``/``avg_scale`` over ``avg_count`` iterates (the stage's start while
     0) and ``prior_count``, the previous stage's tail count (behind the frame's origin); ``curvature_sum`` Σ of
     the stage's Stein estimates; ``stage_moves`` (mean move in posterior sd, scale change) of the last completed
@@ -166,10 +166,13 @@ def whitened_init(potential: Callable, x0, scale_type: str, rng_key, *, frame_sc
                                              1.0 / jnp.sqrt(L))
     zero = jnp.zeros((), ftype)
     A = A.astype(ftype)
-    return WhitenedState(x0, A, _log_abs_det(scale_type, A), jnp.zeros(dim, ftype), scale, scale_inv.astype(ftype), logdet,
-                         L.astype(ftype), jnp.asarray(0, jnp.int32), jnp.asarray(stage_length, jnp.int32), zero,
-                         zero, jnp.zeros(dim, ftype), scale, jnp.zeros_like(scale), jnp.full((2,), -1.0, ftype),
-                         jnp.asarray(0, jnp.int32), jnp.asarray(0, jnp.int32), rng_key)
+    return WhitenedState(
+        frame_loc=x0, frame_scale=A, frame_logdet=_log_abs_det(scale_type, A), loc=jnp.zeros(dim, ftype),
+        scale=scale, scale_inv=scale_inv.astype(ftype), scale_logdet=logdet, smoothness=L.astype(ftype),
+        stage_start=jnp.asarray(0, jnp.int32), stage_length=jnp.asarray(stage_length, jnp.int32), avg_count=zero,
+        prior_count=zero, avg_loc=jnp.zeros(dim, ftype), avg_scale=scale, curvature_sum=jnp.zeros_like(scale),
+        stage_moves=jnp.full((2,), -1.0, ftype), stages_completed=jnp.asarray(0, jnp.int32),
+        step=jnp.asarray(0, jnp.int32), rng_key=rng_key)
 
 
 def make_whitened_step(potential: Callable, base, scale_type: str, num_particles: int,
@@ -256,7 +259,8 @@ def _rewhiten(scale_type):
         scale, scale_inv, logdet = project_scale(scale_type, eye, 1.0 / jnp.sqrt(L))
         moves = jnp.stack([jnp.max(jnp.abs(loc_w)), jnp.linalg.norm(S - eye) / math.sqrt(dim)])
         return s._replace(frame_loc=frame_loc, frame_scale=frame_scale,
-                          frame_logdet=s.frame_logdet + _log_abs_det(scale_type, S), loc=jnp.zeros_like(s.loc), scale=scale,
+                          frame_logdet=s.frame_logdet + _log_abs_det(scale_type, S), loc=jnp.zeros_like(s.loc),
+                          scale=scale,
                           scale_inv=jnp.asarray(scale_inv, s.scale_inv.dtype), scale_logdet=logdet, smoothness=L,
                           stage_start=s.step, stage_length=2 * s.stage_length, avg_count=jnp.zeros_like(s.avg_count),
                           prior_count=s.avg_count, avg_loc=jnp.zeros_like(s.avg_loc), avg_scale=scale,

@@ -309,7 +309,8 @@ def test_guarded_round_with_a_non_finite_client_changes_nothing(gmm):
             _tree_close((new.s, new.V, new.V_clients), (plain.s, plain.V, plain.V_clients), rtol=1e-6, atol=1e-7)
         else:
             assert not np.all(np.isfinite(np.asarray(plain.V_clients["s1"])))
-            for a, b in ((new.s, state.s), (new.theta, state.theta), (new.V, state.V), (new.V_clients, state.V_clients)):
+            pairs = ((new.s, state.s), (new.theta, state.theta), (new.V, state.V), (new.V_clients, state.V_clients))
+            for a, b in pairs:
                 _tree_close(a, b, rtol=0, atol=0)
         seen.add(bool(info["ok"]))
         assert int(new.step) == t + 1

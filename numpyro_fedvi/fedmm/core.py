@@ -220,8 +220,9 @@ class FedMMState(NamedTuple):
 
     ``s = Ŝ_t`` (server statistic), ``theta = T(Ŝ_t)``, ``V`` (server control variate ``V_t``), ``V_clients`` (the
     ``V_{t,i}``, leaves with a leading client axis ``(n, ...)``), ``step`` (completed rounds), ``rng_key`` (base
-    key), ``objective`` (the full objective at the last round an engine logged it; 0 before).  With ``aggregate="parameter"`` (the naive baseline) the iterate is ``theta`` itself, ``V``/``V_clients``
-    live in θ-space and ``s`` stays ``Ŝ_0`` (unused).
+    key), ``objective`` (the full objective at the last round an engine logged it; 0 before).  With
+    ``aggregate="parameter"`` (the naive baseline) the iterate is ``theta`` itself, ``V``/``V_clients`` live in
+    θ-space and ``s`` stays ``Ŝ_0`` (unused).
     """
 
     s: Any
