@@ -25,7 +25,9 @@ best full-rank Gaussian ``q`` (KL optimum), which bounds what any Gaussian VI ca
 
 Claims per model (from the medians): ``mpsgd_meets_target_<model>``;
 ``mpsgd_reaches_gaussian_optimum_<model>`` (every seed's final q within 0.1 reference sd in the mean and 10% in the
-sds of the best Gaussian q); ``mpsgd_fewer_gradients_than_svi_mvn_<model>`` and
+sds of the best Gaussian q); ``mpsgd_reaches_gaussian_optimum_first_<model>`` (to that neighbourhood of the best
+Gaussian q — what "the same accuracy" means where no Gaussian q meets the target — in fewer gradients AND less
+wall time than SVI-MVN, medians); ``mpsgd_fewer_gradients_than_svi_mvn_<model>`` and
 ``mpsgd_less_wall_time_than_svi_mvn_<model>`` (True when MPSGD reaches the target and SVI-MVN does not, or both do
 and MPSGD needs fewer / less).
 
@@ -90,10 +92,10 @@ def meets(acc: dict, kind: str) -> bool:
     return bool(ok)
 
 
-def _first_hit(curve, kind):
+def _first_hit(curve, kind, ok=None):
     """The first checkpoint from which the target holds at EVERY later checkpoint (a lucky fluctuation does not
-    count)."""
-    ok = [meets(r, kind) for r in curve]
+    count); ``ok`` overrides the per-checkpoint test."""
+    ok = [meets(r, kind) for r in curve] if ok is None else ok
     for i in range(len(curve)):
         if all(ok[i:]):
             return curve[i]
@@ -117,7 +119,8 @@ def run_mpsgd(model, args, kwargs, ref, kind, cfg, seed):
             S = np.asarray(p["auto_scale"])
             step = int(res.state.step)
             curve.append({"step": step, "grads": step * engine._num_particles,
-                          **accuracy(np.asarray(p["auto_loc"]), S @ S.T, ref)})
+                          **accuracy(np.asarray(p["auto_loc"]), S @ S.T, ref),
+                          "q": {"mean": np.asarray(p["auto_loc"]), "sd": np.sqrt(np.diag(S @ S.T))}})
             if step >= cfg["mpsgd_steps"]:
                 break
             res = engine.run(key, cfg["mpsgd_every"], *args, init_state=res.state, progress_bar=False, **kwargs)
@@ -180,7 +183,7 @@ def run_svi(model, args, kwargs, ref, kind, cfg, guide_kind, lr, seed=0):
             state = chunk(state)
         mean, cov = _svi_moments(guide_kind, svi.get_params(state), order)
         acc = accuracy(mean, cov, ref)
-        curve.append({"step": i * every, "grads": i * every, **acc})
+        curve.append({"step": i * every, "grads": i * every, **acc, "q": {"mean": mean, "sd": np.sqrt(np.diag(cov))}})
     t0 = time.perf_counter()
     block(chunk(start))
     per_step = (time.perf_counter() - t0) / every
@@ -206,19 +209,33 @@ def best_svi(model, args, kwargs, ref, kind, cfg, guide_kind):
 
 
 # --- report --------------------------------------------------------------------------------------------------------
-def summarise(runs, kind):
+def near_optimum(q, opt, ref_sd) -> bool:
+    d = distance_to_optimum(q, opt, ref_sd)
+    return d["mean"] <= 0.1 and d["sd"] <= 0.1
+
+
+def summarise(runs, kind, opt=None, ref_sd=None):
     """Over the seeds: the median cost to the target (a seed that never reaches it counts as infinite; None when
-    half or more never do) and every seed's final accuracy."""
-    hits = [_first_hit(r["curve"], kind) for r in runs]
+    half or more never do), the same to the best Gaussian q (within 0.1 reference sd and 10%), and every seed's
+    final accuracy."""
+    out = _costs([_first_hit(r["curve"], kind) for r in runs])
+    if opt is not None:
+        hits = [_first_hit(r["curve"], kind, [near_optimum(c["q"], opt, ref_sd) for c in r["curve"]]) for r in runs]
+        opt_costs = _costs(hits)
+        out.update(grads_to_optimum=opt_costs["grads_to_target"], time_to_optimum_s=opt_costs["time_to_target_s"],
+                   seeds_reaching_optimum=opt_costs["seeds_meeting_target"])
+    return {**out, "final": [{k: v for k, v in r["curve"][-1].items() if k != "q"} for r in runs],
+            "num_seeds": len(runs), "per_step_s": float(np.median([r["per_step_s"] for r in runs])),
+            "one_time_s": float(np.median([r["one_time_s"] for r in runs]))}
+
+
+def _costs(hits):
     grads = [h["grads"] if h else np.inf for h in hits]
     times = [h["time_s"] if h else np.inf for h in hits]
     med_g, med_t = float(np.median(grads)), float(np.median(times))
-    return {"final": [r["curve"][-1] for r in runs], "meets_target": bool(np.isfinite(med_g)),
-            "seeds_meeting_target": int(sum(h is not None for h in hits)), "num_seeds": len(runs),
+    return {"meets_target": bool(np.isfinite(med_g)), "seeds_meeting_target": int(sum(h is not None for h in hits)),
             "grads_to_target": med_g if np.isfinite(med_g) else None,
-            "time_to_target_s": med_t if np.isfinite(med_t) else None,
-            "per_step_s": float(np.median([r["per_step_s"] for r in runs])),
-            "one_time_s": float(np.median([r["one_time_s"] for r in runs]))}
+            "time_to_target_s": med_t if np.isfinite(med_t) else None}
 
 
 def distance_to_optimum(q, opt, ref_sd) -> dict:
@@ -231,10 +248,14 @@ def distance_to_optimum(q, opt, ref_sd) -> dict:
 def claims_for(name, results):
     mp, mvn = results["mpsgd"]["summary"], results["svi_mvn"]["summary"]
     near = all(d["mean"] <= 0.1 and d["sd"] <= 0.1 for d in results["mpsgd"]["distance_to_optimum"])
+    opt_first = mp["grads_to_optimum"] is not None and (
+        mvn["grads_to_optimum"] is None
+        or (mp["grads_to_optimum"] < mvn["grads_to_optimum"] and mp["time_to_optimum_s"] < mvn["time_to_optimum_s"]))
     fewer = mp["meets_target"] and (not mvn["meets_target"] or mp["grads_to_target"] < mvn["grads_to_target"])
     faster = mp["meets_target"] and (not mvn["meets_target"] or mp["time_to_target_s"] < mvn["time_to_target_s"])
     return {f"mpsgd_meets_target_{name}": mp["meets_target"],
             f"mpsgd_reaches_gaussian_optimum_{name}": near,
+            f"mpsgd_reaches_gaussian_optimum_first_{name}": opt_first,
             f"mpsgd_fewer_gradients_than_svi_mvn_{name}": fewer,
             f"mpsgd_less_wall_time_than_svi_mvn_{name}": faster}
 
@@ -270,9 +291,9 @@ def main(argv=None):
                "svi_mvn": best_svi(model, margs, mkwargs, refs[name], kind, cfg, "mvn"),
                "svi_normal": best_svi(model, margs, mkwargs, refs[name], kind, cfg, "normal"),
                "gaussian_optimum": gaussian_optimum(model, margs, mkwargs, refs[name], cfg)}
-        for m in ("mpsgd", "svi_mvn", "svi_normal"):
-            res[m]["summary"] = summarise(res[m]["seeds"], kind)
         ref_sd = np.sqrt(np.diag(refs[name]["cov"]))
+        for m in ("mpsgd", "svi_mvn", "svi_normal"):
+            res[m]["summary"] = summarise(res[m]["seeds"], kind, res["gaussian_optimum"]["q"], ref_sd)
         res["mpsgd"]["distance_to_optimum"] = [distance_to_optimum(r["final_q"], res["gaussian_optimum"]["q"], ref_sd)
                                                for r in res["mpsgd"]["seeds"]]
         all_results[name] = res
@@ -288,6 +309,7 @@ def main(argv=None):
             print(f"{name:20s} {m:10s} final(seed 0) mean_err {f['mean_err']:.3f} sd [{f['sd_ratio_min']:.2f}, "
                   f"{f['sd_ratio_max']:.2f}] cov_err {f['cov_err']:.3f} | target: {s['seeds_meeting_target']}/"
                   f"{s['num_seeds']} seeds, median grads {s['grads_to_target']} time {s['time_to_target_s']} | "
+                  f"to the best Gaussian q: grads {s['grads_to_optimum']} time {s['time_to_optimum_s']} | "
                   f"step {s['per_step_s'] * 1e3:.3f} ms one-time {s['one_time_s']:.1f} s", flush=True)
     path = write_result(NAME, args.quick, {**cfg, "targets": TARGETS,
                                            "references": {n: {k: v for k, v in refs[n].items()
