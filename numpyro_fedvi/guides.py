@@ -332,7 +332,7 @@ def structured_scale(raw, scale_type: str):
     return raw
 
 
-def _apply(scale, z, scale_type):
+def apply_scale(scale, z, scale_type):
     """``Σ z`` for z of shape (..., d)."""
     if scale_type == "diag":
         return scale * z
@@ -396,7 +396,7 @@ class LocationScaleTransform(Transform):
         self.loc, self.scale, self.scale_type = loc, scale, scale_type
 
     def __call__(self, x):
-        return self.loc + _apply(self.scale, x, self.scale_type)
+        return self.loc + apply_scale(self.scale, x, self.scale_type)
 
     def _inverse(self, y):
         return _solve(self.scale, y - self.loc, self.scale_type)
@@ -446,7 +446,7 @@ class EllipticLocationScale(Distribution):
         return LocationScaleTransform(self.loc, self.scale, self.scale_type)
 
     def sample(self, key, sample_shape=()):
-        return self.loc + _apply(self.scale, self.base.sample(key, sample_shape), self.scale_type)
+        return self.loc + apply_scale(self.scale, self.base.sample(key, sample_shape), self.scale_type)
 
     @validate_sample
     def log_prob(self, value):

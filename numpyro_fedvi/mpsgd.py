@@ -35,7 +35,8 @@ from numpyro.infer.util import potential_energy
 from .inputs import InputJit, prepare_inputs, split_inputs
 from .runner import EarlyStopping, RunResult, revert_non_finite, run_loop, tree_all_finite
 from .schedules import batch_growth, constant, dynamic_batching, theorem4
-from .whitening import (WhitenedState, make_whitened_step, project_scale, whitened_init, whitened_params)
+from .guides import apply_scale, log_abs_det_scale
+from .whitening import WhitenedState, make_whitened_step, project_scale, whitened_init, whitened_params
 
 MIN_STAGES = 3          # adaptive: a run counts as converged after this many stages ...
 CONVERGED_MOVE = 0.1    # ... when the last one moved the mean and the scale by at most this (posterior sd / rel.)
@@ -63,19 +64,6 @@ class MPSGDState(NamedTuple):
     rng_key: jax.Array
 
 
-def log_abs_det(scale_type: str, scale):
-    """``log|det Σ|`` (full: via slogdet; tril: Σ log C_ii; diag: Σ log s_i)."""
-    if scale_type == "full":
-        return jnp.linalg.slogdet(scale)[1]
-    diag = jnp.diagonal(scale) if scale_type == "tril" else scale
-    return jnp.sum(jnp.log(jnp.abs(diag)))
-
-
-def _apply_scale(scale_type, scale, z):
-    """Rows ``x_n = Σ z_n`` for a (n, d) batch ``z``."""
-    return z * scale if scale_type == "diag" else z @ scale.T
-
-
 def mpsgd_init(loc, scale, scale_type: str, min_scale, rng_key, avg_a=1.0) -> MPSGDState:
     """Initial state; ``scale`` is projected onto Θ_L first."""
     ftype = jnp.result_type(float)
@@ -101,7 +89,7 @@ def mc_gradient(potential: Callable, base, scale_type: str, loc, scale, scale_in
         z_key, f_key = random.split(random.fold_in(key, i))
         z = base.sample(z_key, (chunk_size,)).astype(loc.dtype)
         valid = (i * chunk_size + jnp.arange(chunk_size)) < n
-        f, g = value_and_grad(loc + _apply_scale(scale_type, scale, z), f_key)
+        f, g = value_and_grad(loc + apply_scale(scale, z, scale_type), f_key)
         g = jnp.where(valid[:, None], g, 0.0)
         g_z = jnp.sum(g * z, 0) if scale_type == "diag" else g.T @ z
         return g_loc + jnp.sum(g, 0), g_scale + g_z, f_sum + jnp.sum(jnp.where(valid, f, 0.0))
@@ -489,9 +477,9 @@ class MPSGD:
         key, num_samples, which, args, kwargs = inputs
         loc, scale = self._pick(state, which)
         z = self.base.sample(key, (num_samples,)).astype(loc.dtype)
-        f = jax.vmap(self._potential(args, kwargs), in_axes=(0, None))(loc + _apply_scale(self.scale_type, scale, z),
+        f = jax.vmap(self._potential(args, kwargs), in_axes=(0, None))(loc + apply_scale(scale, z, self.scale_type),
                                                                        random.fold_in(key, 1))
-        return jnp.mean(f) - log_abs_det(self.scale_type, scale) - self.base.entropy()
+        return jnp.mean(f) - log_abs_det_scale(scale, self.scale_type) - self.base.entropy()
 
     def _pick(self, state, which):
         default = "last" if self.averaging == "none" else "average"

@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax, random
 
+from .guides import apply_scale, log_abs_det_scale
 from .projections import _eig_clip, _rebuild, project_scale_diag, project_scale_tril
 
 __all__ = ["WhitenedState", "whitened_init", "make_whitened_step", "whitened_params", "reported_average",
@@ -104,26 +105,12 @@ def spherical_radial_draws(base, key, num_particles: int, dim: int):
     return jnp.concatenate([z, -z])
 
 
-def _apply(scale_type, scale, rows):
-    """Rows ``x_n = S x′_n`` of a (n, d) batch for a scale or frame ``S`` (diag: (d,))."""
-    return rows * scale if scale_type == "diag" else rows @ scale.T
-
-
 def _matmul(scale_type, a, b):
     return a * b if scale_type == "diag" else a @ b
 
 
 def _identity(scale_type, dim, dtype):
     return jnp.ones(dim, dtype) if scale_type == "diag" else jnp.eye(dim, dtype=dtype)
-
-
-def _log_abs_det(scale_type, M):
-    """log|det M| of a frame or its change (once per stage, never per step)."""
-    if scale_type == "diag":
-        return jnp.sum(jnp.log(jnp.abs(M)))
-    if scale_type == "tril":
-        return jnp.sum(jnp.log(jnp.abs(jnp.diagonal(M))))
-    return jnp.linalg.slogdet(M)[1]
 
 
 def _lambda_max(scale_type, H):
@@ -167,7 +154,7 @@ def whitened_init(potential: Callable, x0, scale_type: str, rng_key, *, frame_sc
     zero = jnp.zeros((), ftype)
     A = A.astype(ftype)
     return WhitenedState(
-        frame_loc=x0, frame_scale=A, frame_logdet=_log_abs_det(scale_type, A), loc=jnp.zeros(dim, ftype),
+        frame_loc=x0, frame_scale=A, frame_logdet=log_abs_det_scale(A, scale_type), loc=jnp.zeros(dim, ftype),
         scale=scale, scale_inv=scale_inv.astype(ftype), scale_logdet=logdet, smoothness=L.astype(ftype),
         stage_start=jnp.asarray(0, jnp.int32), stage_length=jnp.asarray(stage_length, jnp.int32), avg_count=zero,
         prior_count=zero, avg_loc=jnp.zeros(dim, ftype), avg_scale=scale, curvature_sum=jnp.zeros_like(scale),
@@ -190,7 +177,7 @@ def make_whitened_step(potential: Callable, base, scale_type: str, num_particles
             Z = spherical_radial_draws(base, z_key, num_particles, dim).astype(s.loc.dtype)
         else:
             Z = base.sample(z_key, (num_particles,)).astype(s.loc.dtype)
-        X = s.frame_loc + _apply(scale_type, s.frame_scale, s.loc + _apply(scale_type, s.scale, Z))
+        X = s.frame_loc + apply_scale(s.frame_scale, s.loc + apply_scale(s.scale, Z, scale_type), scale_type)
         f, G = grad(X, f_key)
         G = G * s.frame_scale if scale_type == "diag" else G @ s.frame_scale       # rows Aᵀ∇f
         loss = jnp.mean(f) - s.frame_logdet - s.scale_logdet - entropy
@@ -254,12 +241,12 @@ def _rewhiten(scale_type):
         H_new = S * H * S if scale_type == "diag" else S.T @ H @ S
         L = jnp.clip(SAFETY * _lambda_max(scale_type, H_new), s.smoothness / 10, s.smoothness * 10)
         L = jnp.where(jnp.isfinite(L), L, s.smoothness)
-        frame_loc = s.frame_loc + _apply(scale_type, s.frame_scale, loc_w[None])[0]
+        frame_loc = s.frame_loc + apply_scale(s.frame_scale, loc_w, scale_type)
         frame_scale = _matmul(scale_type, s.frame_scale, S)
         scale, scale_inv, logdet = project_scale(scale_type, eye, 1.0 / jnp.sqrt(L))
         moves = jnp.stack([jnp.max(jnp.abs(loc_w)), jnp.linalg.norm(S - eye) / math.sqrt(dim)])
         return s._replace(frame_loc=frame_loc, frame_scale=frame_scale,
-                          frame_logdet=s.frame_logdet + _log_abs_det(scale_type, S), loc=jnp.zeros_like(s.loc),
+                          frame_logdet=s.frame_logdet + log_abs_det_scale(S, scale_type), loc=jnp.zeros_like(s.loc),
                           scale=scale,
                           scale_inv=jnp.asarray(scale_inv, s.scale_inv.dtype), scale_logdet=logdet, smoothness=L,
                           stage_start=s.step, stage_length=2 * s.stage_length, avg_count=jnp.zeros_like(s.avg_count),
@@ -275,7 +262,7 @@ def whitened_params(state: WhitenedState, scale_type: str, last: bool = False):
     (:func:`reported_average`) or to the last iterate — full: the symmetric square root of ``(AΣ̄′)(AΣ̄′)ᵀ``, the same
     elliptic ``q``; tril/diag: ``AΣ̄′``."""
     loc_w, scale_w = (state.loc, state.scale) if last else reported_average(state, scale_type)
-    loc = state.frame_loc + _apply(scale_type, state.frame_scale, loc_w[None])[0]
+    loc = state.frame_loc + apply_scale(state.frame_scale, loc_w, scale_type)
     M = _matmul(scale_type, state.frame_scale, scale_w)
     if scale_type == "full":
         w, V = jnp.linalg.eigh(M @ M.T)

@@ -319,10 +319,7 @@ class FedMM(_Engine):
         objective = self._objective_fn(inputs)
         if objective is not None:
             return objective(state.theta)
-        family, client_data = self._family_for(inputs), self._data_of(inputs)
-        per_client = jax.vmap(family.objective, in_axes=(None, 0, 0))(state.theta, client_data.data,
-                                                                      client_data.mask)
-        return jnp.sum(client_data.weights.astype(per_client.dtype) * per_client)
+        return full_objective(self._family_for(inputs), state.theta, self._data_of(inputs))
 
 
 def _num_rows(data) -> int:
