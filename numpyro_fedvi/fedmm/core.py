@@ -25,10 +25,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import random
 
-from ..federated import ClientData, Compressor, Participation, sample_rows, take_rows
+from ..federated import ClientData, Compressor, Participation, client_minibatch
 
 __all__ = [
     "FedMMDirection",
+    "apply_client_update",
+    "client_message",
+    "client_weights",
+    "collect_messages",
     "FedMMState",
     "SASSMMState",
     "SurrogateFamily",
@@ -39,8 +43,10 @@ __all__ = [
     "gather_clients",
     "lemma2_check",
     "masked_mean",
+    "round_clients",
     "sassmm_init",
     "sassmm_step",
+    "server_update",
     "theory_step_sizes",
     "tree_sqnorm",
 ]
@@ -239,28 +245,32 @@ def _check_choice(value, name, choices):
         raise ValueError(f"{name} must be one of {choices}, got {value!r}.")
 
 
-def _client_stats(family, theta, client_data: ClientData, key, batch_size, client_ids=None):
-    """``𝖲_i`` for every client (vmap over the client axis) at the broadcast ``θ``.
+def client_message(family, theta, x_t, V_i, rows, mask, round_key, client_id, *, compressor, batch_size=None,
+                   aggregate="surrogate"):
+    """Client i's part of round t of Algorithm 2 (steps 1–3): ``q_i = C(𝖲_i − x_t − V_{t,i})``.
 
-    ``batch_size=None``: all of client i's rows with its mask (exact oracle).  Otherwise ``batch_size`` rows drawn
-    uniformly with replacement among client i's real rows (:func:`sample_rows` with ``fold_in(key, PURPOSE_BATCH)``).
-    Oracle keys: ``fold_in(fold_in(key, PURPOSE_ORACLE), i)`` with ``i`` the client's index (``client_ids``, for a
-    ClientData gathered from the active clients; default ``0..n−1``).
+    ``𝖲_i = oracle(θ_t, rows, mask, key)`` on all of the client's rows (``batch_size=None``: the exact oracle) or on
+    ``batch_size`` rows drawn uniformly with replacement among its real rows; with ``aggregate="parameter"`` the
+    target is ``T(𝖲_i)`` and ``x_t = θ_t``, else ``x_t = Ŝ_t``.  Keys per (round, purpose, client):
+    ``fold_in(fold_in(k_t, PURPOSE), i)`` for the rows, the oracle and the compressor, so a client computes the same
+    message in process (vmapped by :func:`fedmm_direction`) and on its own machine (the Flower client app).
+    The client's control variate then moves by ``(α/p) q_i`` (:func:`apply_client_update`).
     """
-    n = client_data.num_clients
-    ids = jnp.arange(n) if client_ids is None else client_ids
-    if batch_size is None:
-        batch, mask = client_data.data, client_data.mask
-    else:
-        idx, mask = sample_rows(random.fold_in(key, PURPOSE_BATCH), client_data, batch_size)
-        batch = take_rows(client_data, idx)
-    okeys = jax.vmap(lambda i: random.fold_in(random.fold_in(key, PURPOSE_ORACLE), i))(ids)
-    return jax.vmap(family.oracle, in_axes=(None, 0, 0, 0))(theta, batch, mask, okeys)
+    def key(purpose):
+        return random.fold_in(random.fold_in(round_key, purpose), client_id)
+
+    if batch_size is not None:
+        rows, mask = client_minibatch(key(PURPOSE_BATCH), rows, mask, batch_size)
+    S = family.oracle(theta, rows, mask, key(PURPOSE_ORACLE))
+    target = S if aggregate == "surrogate" else family.T(S)
+    return compressor(key(PURPOSE_COMPRESS), _tmap(lambda y, x, v: y - x - v, target, x_t, V_i))
 
 
-def _client_targets(family, theta, client_data, key, batch_size, aggregate, client_ids=None):
-    """What the clients aggregate: 𝖲_i (surrogate) or T(𝖲_i) (parameter baseline)."""
-    S = _client_stats(family, theta, client_data, key, batch_size, client_ids)
+def _client_targets(family, theta, client_data, key, aggregate):
+    """What the clients aggregate, exactly (all rows): 𝖲_i (surrogate) or T(𝖲_i) (parameter baseline)."""
+    okeys = jax.vmap(lambda i: random.fold_in(random.fold_in(key, PURPOSE_ORACLE), i))(jnp.arange(
+        client_data.num_clients))
+    S = jax.vmap(family.oracle, in_axes=(None, 0, 0, 0))(theta, client_data.data, client_data.mask, okeys)
     return S if aggregate == "surrogate" else jax.vmap(family.T)(S)
 
 
@@ -286,7 +296,7 @@ def fedmm_init(family: SurrogateFamily, s0, client_data: ClientData, key, init_c
     if init_control_variates == "zero":
         V_clients = _tmap(lambda x: jnp.zeros((n,) + jnp.shape(x), jnp.result_type(x)), x0)
     else:
-        targets = _client_targets(family, theta0, client_data, random.fold_in(key, 2**31 - 1), None, aggregate)
+        targets = _client_targets(family, theta0, client_data, random.fold_in(key, 2**31 - 1), aggregate)
         V_clients = _tmap(lambda y, x: y - x[None], targets, x0)
     V = _weighted_client_sum(client_data.weights, V_clients)
     return FedMMState(s0, theta0, V, V_clients, jnp.asarray(0, jnp.int32), key, jnp.zeros((), jnp.result_type(float)))
@@ -310,6 +320,22 @@ def gather_clients(client_data: ClientData, idx, valid) -> ClientData:
                       client_data.mask[safe] & valid[:, None], jnp.where(valid, client_data.counts[safe], 0))
 
 
+def round_clients(participation: Participation, n: int, round_key):
+    """The active clients of the round with key ``k_t`` as ``(idx, valid)`` (static length: ``capacity(n)``, the
+    clients in increasing order with ``FixedSize``; ``arange(n)`` and the sampled mask otherwise), drawn with
+    ``fold_in(k_t, PURPOSE_PARTICIPATION)`` — the in-process engines and the Flower strategy draw the same set."""
+    pkey = random.fold_in(round_key, PURPOSE_PARTICIPATION)
+    if participation.capacity(n) < n:
+        return participation.active_indices(pkey, n)
+    return jnp.arange(n), participation.sample(pkey, n)
+
+
+def client_weights(counts):
+    """μ_i = N_i / N from the row counts (as :attr:`ClientData.weights`)."""
+    c = jnp.asarray(counts).astype(jnp.result_type(float))
+    return c / jnp.sum(c)
+
+
 def fedmm_direction(state: FedMMState, family: SurrogateFamily, client_data: ClientData, *, alpha, participation,
                     compressor, batch_size=None, aggregate="surrogate",
                     defer_client_update: bool = False) -> FedMMDirection:
@@ -329,30 +355,50 @@ def fedmm_direction(state: FedMMState, family: SurrogateFamily, client_data: Cli
     participation.validate(n)
     p = float(participation.prob(n))
     kt = random.fold_in(state.rng_key, state.step)
-    pkey = random.fold_in(kt, PURPOSE_PARTICIPATION)
     x_t = state.s if aggregate == "surrogate" else state.theta
+    idx, valid = round_clients(participation, n, kt)
     if participation.capacity(n) < n:
-        idx, valid = participation.active_indices(pkey, n)
         cd = gather_clients(client_data, idx, valid)
         V_act = _tmap(lambda v: v[jnp.where(valid, idx, 0)], state.V_clients)
         active = jnp.zeros((n,), bool).at[idx].set(valid, mode="drop")
         weights = jnp.where(valid, client_data.weights[jnp.where(valid, idx, 0)], 0.0)  # the global μ_i
     else:
-        idx, valid, cd, V_act = jnp.arange(n), participation.sample(pkey, n), client_data, state.V_clients
-        active, weights = valid, client_data.weights
-    targets = _client_targets(family, state.theta, cd, kt, batch_size, aggregate, idx)
-    delta = _tmap(lambda y, x, v: y - x[None] - v, targets, x_t, V_act)
-    ckeys = jax.vmap(lambda i: random.fold_in(random.fold_in(kt, PURPOSE_COMPRESS), i))(idx)
-    q = jax.vmap(compressor)(ckeys, delta)
+        cd, V_act, active, weights = client_data, state.V_clients, valid, client_data.weights
+    message = partial(client_message, family, state.theta, x_t, compressor=compressor, batch_size=batch_size,
+                      aggregate=aggregate)
+    q = jax.vmap(message, in_axes=(0, 0, 0, None, 0))(V_act, cd.data, cd.mask, kt, idx)
     u = valid.astype(jnp.result_type(float))
     q = _tmap(lambda x: _bcast(u, x) * x, q)  # inactive clients send nothing
     target = jnp.where(valid, idx, n)  # rows of V_clients to update (padding dropped)
     increments = _tmap(lambda x: (alpha / p) * x, q)
     V_clients = None if defer_client_update else apply_client_update(state.V_clients, target, increments)
-    agg = _weighted_client_sum(weights, q)  # Σ_{i∈A} μ_i q_i
-    H = _tmap(lambda v, a: v + a / p, state.V, agg)
-    V = _tmap(lambda v, a: v + (alpha / p) * a, state.V, agg)
+    H, V = collect_messages(state.V, q, weights, p, alpha)
     return FedMMDirection(H, V, V_clients, active, (target, increments))
+
+
+def collect_messages(V, q, weights, p, alpha):
+    """The server's aggregation (Algorithm 2, step 4): ``H = V_t + (1/p) Σ_i μ_i q_i`` and
+    ``V_{t+1} = V_t + (α/p) Σ_i μ_i q_i`` from the stacked messages ``q`` (leaves ``(m, ...)``, zeros for clients
+    that sent nothing) and their global weights μ_i (``(m,)``)."""
+    agg = _weighted_client_sum(weights, q)
+    return _tmap(lambda v, a: v + a / p, V, agg), _tmap(lambda v, a: v + (alpha / p) * a, V, agg)
+
+
+def server_update(state: FedMMState, family: SurrogateFamily, H, step_size_fn, aggregate="surrogate"):
+    """``(s_{t+1}, θ_{t+1}, info)`` from the aggregated direction ``H`` (Algorithm 2, step 4, B_t = I):
+    ``Ŝ_{t+1} = project(Ŝ_t + γ_{t+1} H)``, ``θ_{t+1} = T(Ŝ_{t+1})`` (surrogate), or ``θ_{t+1} = θ_t + γ_{t+1} H``
+    with ``s`` left at ``Ŝ_0`` (parameter baseline); ``info``: ``E_s``, ``E_ps`` (surrogate) or ``E_p``."""
+    gamma = _gamma(step_size_fn, state.step)
+    if aggregate == "surrogate":
+        s_new = family.project(_tmap(lambda s, h: s + gamma.astype(s.dtype) * h, state.s, H))
+        theta_new = family.T(s_new)
+        info = {"E_s": tree_sqnorm(_tmap(jnp.subtract, s_new, state.s)) / gamma**2,
+                "E_ps": tree_sqnorm(_tmap(jnp.subtract, theta_new, state.theta)) / gamma**2}
+    else:
+        s_new = state.s
+        theta_new = _tmap(lambda th, h: th + gamma.astype(th.dtype) * h, state.theta, H)
+        info = {"E_p": tree_sqnorm(_tmap(jnp.subtract, theta_new, state.theta)) / gamma**2}
+    return s_new, theta_new, info
 
 
 def apply_client_update(V_clients, target, increments):
@@ -396,17 +442,8 @@ def fedmm_step(state: FedMMState, family: SurrogateFamily, client_data: ClientDa
         raise ValueError(f"batch_size must be None (all rows, exact oracle) or an int >= 1, got {batch_size!r}.")
     d = fedmm_direction(state, family, client_data, alpha=alpha, participation=participation,
                         compressor=compressor, batch_size=batch_size, aggregate=aggregate, defer_client_update=guard)
-    gamma = _gamma(step_size_fn, state.step)
-    info = {"num_active": jnp.sum((d.client_update[0] < client_data.num_clients).astype(jnp.int32))}  # O(m)
-    if aggregate == "surrogate":
-        s_new = family.project(_tmap(lambda s, h: s + gamma.astype(s.dtype) * h, state.s, d.H))
-        theta_new = family.T(s_new)
-        info["E_s"] = tree_sqnorm(_tmap(jnp.subtract, s_new, state.s)) / gamma**2
-        info["E_ps"] = tree_sqnorm(_tmap(jnp.subtract, theta_new, state.theta)) / gamma**2
-    else:
-        s_new = state.s
-        theta_new = _tmap(lambda th, h: th + gamma.astype(th.dtype) * h, state.theta, d.H)
-        info["E_p"] = tree_sqnorm(_tmap(jnp.subtract, theta_new, state.theta)) / gamma**2
+    s_new, theta_new, info = server_update(state, family, d.H, step_size_fn, aggregate)
+    info["num_active"] = jnp.sum((d.client_update[0] < client_data.num_clients).astype(jnp.int32))  # O(m)
     if family.objective is not None and with_objective:
         info["objective"] = full_objective(family, state.theta, client_data)
     V, V_clients = d.V, d.V_clients

@@ -177,17 +177,11 @@ class FedSVI(FedMM):
                             f"argument of {where} (lower layer: model(rows, *args)). Got {got}.")
         return args[0], args[1:], kwargs
 
-    def _build(self, rng_key, client_data, args, kwargs, init_params=None):
-        kw = {**kwargs, **self.static_kwargs}
-        if self._plate_mode:
-            structure = inspect_model(self.model, self.guide, rng_key, args, kw, data_plate=self.data_plate,
-                                      init_params=init_params)
-            plate = structure.data_plate
-            client_data = ClientData.from_plate(plate.size, *self._plate_clients, plate_name=plate.name)
-            self._block_loss = block_loss_fn(self.elbo, self.model, self.guide, structure, self.static_kwargs)
-        else:
-            structure = inspect_model(self.model, self.guide, rng_key, (client_data.client(0), *args), kw,
-                                      data_plate=self.data_plate, init_params=init_params)
+    def inspect(self, rng_key, args, kwargs, init_params=None):
+        """Trace model and guide once on the model's arguments and check the guide: the model's structure (also
+        what a Flower server and client build, each on the arguments it has)."""
+        structure = inspect_model(self.model, self.guide, rng_key, args, {**kwargs, **self.static_kwargs},
+                                  data_plate=self.data_plate, init_params=init_params)
         if structure.local_names:
             raise ValueError(f"FedSVI supports guides with global params only; local params {structure.local_names} "
                              f"live inside the data plate {structure.data_plate.name!r} (use PDVI for local latents).")
@@ -198,12 +192,33 @@ class FedSVI(FedMM):
             if missing:
                 raise ValueError(f"prox acts on params {missing} that the guide does not have; its params are "
                                  f"{sorted(structure.global_names)}.")
+        return structure
+
+    def _build(self, rng_key, client_data, args, kwargs, init_params=None):
+        if self._plate_mode:
+            structure = self.inspect(rng_key, args, kwargs, init_params)
+            plate = structure.data_plate
+            client_data = ClientData.from_plate(plate.size, *self._plate_clients, plate_name=plate.name)
+            self._block_loss = block_loss_fn(self.elbo, self.model, self.guide, structure, self.static_kwargs)
+        else:
+            structure = self.inspect(rng_key, (client_data.client(0), *args), kwargs, init_params)
         self.structure = structure
         if self._plate_mode:
             self.client_data = client_data
         self.to_params = structure.constrain_global
         self.family = self._family_for((client_data, args, kwargs))  # concrete (e.g. for lemma2_check)
         return structure.init_global
+
+    def plate_family(self, block_loss, num_total: int, subsampled: bool, args, kwargs,
+                     exact: bool = False) -> SurrogateFamily:
+        """The quadratic family of a client that is a block of the data plate: ``block_loss`` on the client's plate
+        indices with every row counted ``num_total / rows`` times (:func:`client_loss_from_blocks`), minibatches
+        drawn without replacement inside the oracle under an unsubsampled plate (unless ``exact``).  In process the
+        plate is the whole data set; on a Flower client it holds the client's own rows."""
+        loss = client_loss_from_blocks(block_loss, num_total, args, kwargs)
+        if self.batch_size is not None and not subsampled and not exact:
+            loss = _without_replacement(loss, self.batch_size)
+        return with_projection(quadratic_family(loss, self.rho, prox=self.prox), self.projection)
 
     def _require_init(self):
         if self.structure is None:
@@ -221,12 +236,10 @@ class FedSVI(FedMM):
     def _family_for(self, inputs, exact: bool = False) -> SurrogateFamily:
         client_data, args, kwargs = inputs
         if self._plate_mode:
-            loss = client_loss_from_blocks(self._block_loss, self.structure.data_plate.size, args, kwargs)
-            if self.batch_size is not None and self._masked_plate() and not exact:
-                loss = _without_replacement(loss, self.batch_size)
-        else:
-            loss = client_loss_fn(self.elbo, self.model, self.guide, self.structure, self.structure.data_plate.name,
-                                  jnp.sum(client_data.counts), args, {**kwargs, **self.static_kwargs})
+            plate = self.structure.data_plate
+            return self.plate_family(self._block_loss, plate.size, plate.subsampled, args, kwargs, exact)
+        loss = client_loss_fn(self.elbo, self.model, self.guide, self.structure, self.structure.data_plate.name,
+                              jnp.sum(client_data.counts), args, {**kwargs, **self.static_kwargs})
         return with_projection(quadratic_family(loss, self.rho, prox=self.prox), self.projection)
 
     def _data_of(self, inputs):

@@ -1,0 +1,263 @@
+"""FedMM / FedSVI over Flower (numpyro_fedvi.flower): the strategy's round is the in-process core's round, the
+client app keeps V = Σ μ_i V_i through dropped replies, bad replies are dropped and logged, and an end-to-end
+simulation equals the in-process run."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import random
+
+pytest.importorskip("flwr")
+
+from flwr.app import ConfigRecord, Context, Error, Message, MessageType, RecordDict  # noqa: E402
+from numpyro.infer import Trace_ELBO  # noqa: E402
+from numpyro.infer.autoguide import AutoNormal  # noqa: E402
+
+import numpyro_fedvi as nfv  # noqa: E402
+from numpyro_fedvi import flower  # noqa: E402
+from numpyro_fedvi.federated import Bernoulli, ClientData, FixedSize, StochasticQuantizer  # noqa: E402
+from numpyro_fedvi.fedmm import FedMM, gmm_map_em  # noqa: E402
+from numpyro_fedvi.models.logistic import logistic  # noqa: E402
+
+K, D, NUM_CLIENTS = 3, 2, 4
+
+
+@pytest.fixture(autouse=True)
+def task_identity():
+    """Flower stamps every Message with the process's run / task / node ids (set by its runtimes)."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    saved = (TaskIdentity._run_id, TaskIdentity._task_id, TaskIdentity._node_id)
+    TaskIdentity._run_id, TaskIdentity._task_id, TaskIdentity._node_id = 1, 1, 0
+    yield
+    TaskIdentity._run_id, TaskIdentity._task_id, TaskIdentity._node_id = saved
+
+
+def _gmm_clients():
+    rng = np.random.default_rng(0)
+    rows = [rng.normal(size=(8 + 2 * i, D)).astype(np.float32) + 2.0 * (i % 2) for i in range(NUM_CLIENTS)]
+    s0 = {"s1": jnp.asarray(rng.normal(size=(K, D)), jnp.float32), "s2": jnp.full((K,), 1.0 / K, jnp.float32)}
+    return rows, s0
+
+
+def _gmm_engine(participation):
+    return FedMM(gmm_map_em(K, D, 0.1), step_size=0.5, cv_step=0.4, participation=participation,
+                 compressor=StochasticQuantizer(bits=4))
+
+
+class _Reply:
+    """A reply as ``grid.send_and_receive`` returns it (content and metadata.src_node_id)."""
+
+    def __init__(self, content=None, error=None, node=0):
+        self.content, self.error = content, error
+        self.metadata = type("Meta", (), {"src_node_id": node})()
+
+    def has_error(self):
+        return self.error is not None
+
+
+class _Grid:
+    """Delivers every message to an in-memory client app (one Context per node): Flower's Grid contract."""
+
+    def __init__(self, app, num_nodes, faults=None):
+        self.app, self.faults = app, faults or (lambda node, msg, reply: reply)
+        self.contexts = {100 + i: Context(run_id=1, node_id=100 + i, node_config={"partition-id": i},
+                                          state=RecordDict(), run_config={}) for i in range(num_nodes)}
+
+    def get_node_ids(self):
+        return list(self.contexts)
+
+    def send_and_receive(self, messages, timeout=None):
+        out = []
+        for msg in messages:
+            node = msg.metadata.dst_node_id
+            reply = self.app(Message(msg.content, dst_node_id=node, message_type=msg.metadata.message_type),
+                             self.contexts[node])
+            reply = self.faults(node, msg, _Reply(reply.content, None, node))
+            if reply is not None:
+                out.append(reply)
+        return out
+
+
+def _in_process(engine, cd, s0, rounds):
+    state = engine.init(random.key(3), cd, s0)
+    for _ in range(rounds):
+        state, _ = engine.update(state, cd)
+    return state
+
+
+@pytest.mark.parametrize("participation", [FixedSize(2), Bernoulli(0.6)])
+def test_rounds_equal_the_in_process_core(participation):
+    """Three rounds through the strategy and client apps (messages encoded / decoded as over the wire) equal three
+    in-process FedMM rounds: Ŝ, θ and V; and every client's stored control variate satisfies V = Σ μ_i V_i."""
+    rows, s0 = _gmm_clients()
+    cd = ClientData.from_list(rows)
+    expected = _in_process(_gmm_engine(participation), cd, s0, 3)
+    engine = _gmm_engine(participation)
+    strategy = flower.FedMMStrategy(engine, random.key(3), num_clients=NUM_CLIENTS, init_stat=s0)
+    grid = _Grid(flower.make_client_app(engine, lambda ctx: rows[ctx.node_config["partition-id"]],
+                                        stat_template=s0), NUM_CLIENTS)
+    strategy.handshake(grid)
+    np.testing.assert_allclose(strategy.weights, np.asarray(cd.weights), rtol=1e-7)
+    for r in range(1, 4):
+        strategy.aggregate_train(r, grid.send_and_receive(strategy.configure_train(r, None, None, grid)))
+    assert strategy.dropped == []
+    for name in ("s", "theta", "V"):
+        for a, b in zip(jax.tree.leaves(getattr(strategy.state, name)), jax.tree.leaves(getattr(expected, name))):
+            np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+    # the clients' control variates: committed + the pending step of the last accepted reply
+    V_clients = []
+    for i, ctx in enumerate(grid.contexts.values()):
+        st = ctx.state
+        V = (flower.from_record(st["numpyro_fedvi.cv"], s0) if "numpyro_fedvi.cv" in st
+             else jax.tree.map(jnp.zeros_like, s0))
+        if "numpyro_fedvi.pending" in st and int(st["numpyro_fedvi.meta"]["pending-round"]) == strategy.accepted[i]:
+            V = jax.tree.map(jnp.add, V, flower.from_record(st["numpyro_fedvi.pending"], s0))
+        V_clients.append(V)
+    for name in s0:
+        got = sum(w * v[name] for w, v in zip(strategy.weights, V_clients))
+        np.testing.assert_allclose(got, strategy.state.V[name], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(jnp.stack([v[name] for v in V_clients]), expected.V_clients[name], rtol=2e-5,
+                                   atol=2e-6)
+
+
+def test_bad_replies_are_dropped_and_the_control_variates_stay_consistent():
+    """A raising client, a NaN reply, a reply to another round and a malformed record are dropped and logged; the
+    round completes with the others (1/p weighting unchanged: a dropped client counts as one that sent nothing), and
+    a client whose reply was dropped does not commit its control-variate step, so V = Σ μ_i V_i still holds."""
+    rows, s0 = _gmm_clients()
+    engine = FedMM(gmm_map_em(K, D, 0.1), step_size=0.5, cv_step=0.4, compressor=StochasticQuantizer(bits=4))
+    faults = {}
+
+    def fault(node, msg, reply):
+        cfg = msg.content["config"]
+        kind = faults.get((int(cfg["round"]) if "round" in cfg else -1, node - 100))
+        if kind == "error":
+            return _Reply(None, Error(code=0, reason="client raised"), node)
+        if kind == "nan":
+            rec = reply.content["message"]
+            name = next(iter(rec.keys()))
+            arr = rec[name].numpy().copy()
+            arr.flat[0] = np.nan
+            rec[name] = flower.to_record({"a": arr})["['a']"]
+        if kind == "late":
+            reply.content["meta"] = ConfigRecord({"partition-id": node - 100, "round": 99})
+        if kind == "malformed":
+            del reply.content["message"]
+        return reply
+
+    faults.update({(0, 1): "error", (0, 2): "nan", (1, 0): "late", (1, 3): "malformed"})
+    strategy = flower.FedMMStrategy(engine, random.key(3), num_clients=NUM_CLIENTS, init_stat=s0)
+    grid = _Grid(flower.make_client_app(engine, lambda ctx: rows[ctx.node_config["partition-id"]],
+                                        stat_template=s0), NUM_CLIENTS, fault)
+    strategy.handshake(grid)
+    before = strategy.state
+    strategy.aggregate_train(1, grid.send_and_receive(strategy.configure_train(1, None, None, grid)))
+    assert [(t, i) for t, i, _ in strategy.dropped] == [(0, 1), (0, 2)]
+    assert "client error" in strategy.dropped[0][2] and "NaN" in strategy.dropped[1][2]
+    # round 0 aggregated clients 0 and 3 only, with the 1/p = 1 weighting
+    assert list(strategy.accepted) == [0, -1, -1, 0]
+    assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves((strategy.state.s, strategy.state.V)))
+    assert int(strategy.state.step) == 1 and not np.allclose(strategy.state.s["s1"], before.s["s1"])
+    for r in (2, 3):
+        strategy.aggregate_train(r, grid.send_and_receive(strategy.configure_train(r, None, None, grid)))
+    reasons = [reason for t, _, reason in strategy.dropped if t == 1]
+    assert any("arrived in round 1" in x for x in reasons) and any("malformed" in x for x in reasons)
+    V_clients = []
+    for i, ctx in enumerate(grid.contexts.values()):
+        st = ctx.state
+        V = flower.from_record(st["numpyro_fedvi.cv"], s0)
+        if int(st["numpyro_fedvi.meta"]["pending-round"]) == strategy.accepted[i]:
+            V = jax.tree.map(jnp.add, V, flower.from_record(st["numpyro_fedvi.pending"], s0))
+        V_clients.append(V)
+    for name in s0:
+        got = sum(w * v[name] for w, v in zip(strategy.weights, V_clients))
+        np.testing.assert_allclose(got, strategy.state.V[name], rtol=1e-5, atol=1e-6)
+
+
+def test_strategy_rejects_what_it_cannot_run():
+    rows, s0 = _gmm_clients()
+    with pytest.raises(ValueError, match="init_stat"):
+        flower.FedMMStrategy(_gmm_engine(FixedSize(2)), random.key(0), num_clients=NUM_CLIENTS)
+    full_cv = FedMM(gmm_map_em(K, D, 0.1), init_control_variates="full")
+    with pytest.raises(ValueError, match="start at zero"):
+        flower.FedMMStrategy(full_cv, random.key(0), num_clients=NUM_CLIENTS, init_stat=s0)
+    with pytest.raises(ValueError, match="FixedSize"):
+        flower.FedMMStrategy(FedMM(gmm_map_em(K, D, 0.1), participation=FixedSize(5), cv_step=0.5), random.key(0),
+                             num_clients=NUM_CLIENTS, init_stat=s0)
+    with pytest.raises(TypeError, match="FedMM or FedSVI"):
+        flower.make_client_app(object(), lambda ctx: None)
+    strategy = flower.FedMMStrategy(_gmm_engine(FixedSize(2)), random.key(0), num_clients=NUM_CLIENTS, init_stat=s0)
+    with pytest.raises(RuntimeError, match="handshake"):
+        strategy.configure_train(1, None, None, None)
+
+
+# --- end to end on Flower's simulation engine (Ray, loopback) --------------------------------------------------------
+_N, _D, _M, _ROUNDS = 60, 3, 3, 3
+
+
+def _logistic_data():
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(_N, _D)).astype(np.float32)
+    y = (rng.uniform(size=_N) < 1 / (1 + np.exp(-X @ np.array([1.0, -1.0, 0.5])))).astype(np.float32)
+    return X, y, np.repeat(np.arange(_M), _N // _M)
+
+
+def _faulty_app(engine, data_fn):
+    """The client app, except that client 1 raises in round 0 and client 2 replies NaN in round 1."""
+    app = flower.make_client_app(engine, data_fn)
+
+    def call(msg, ctx):
+        i, t = ctx.node_config["partition-id"], int(msg.content["config"]["round"])
+        if (i, t) == (1, 0):
+            raise RuntimeError("client 1 crashed")
+        reply = app(msg, ctx)
+        if (i, t) == (2, 1):
+            rec = reply.content["message"]
+            for name in list(rec.keys()):
+                rec[name] = flower.to_record({"a": np.full_like(rec[name].numpy(), np.nan)})["['a']"]
+        return reply
+
+    from flwr.clientapp import ClientApp
+    wrapper = ClientApp()
+    wrapper.train()(call)
+    wrapper.query()(app)
+    return wrapper
+
+
+def test_simulation_equals_in_process_run_and_survives_failures():
+    """FedSVI on the user's logistic model, 3 Flower nodes (Ray, loopback, telemetry off), FixedSize(2): 3 rounds
+    equal the in-process FedSVI run with the same key; then a run where one client raises and another replies NaN
+    completes, drops exactly those replies and stays finite."""
+    os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+    X, y, ids = _logistic_data()
+
+    def make():
+        return nfv.FedSVI(logistic, AutoNormal(logistic), Trace_ELBO(), clients=ids, rho=0.01,
+                          participation=FixedSize(2), cv_step=0.5, log_every=1)
+
+    expected = make().run(random.key(0), _ROUNDS, X, y, progress_bar=False)
+
+    def data_fn(context):
+        i = int(context.node_config["partition-id"])
+        return X[ids == i], y[ids == i]
+
+    engine = make()
+    strategy = flower.FedMMStrategy(engine, random.key(0), X[:1], y[:1], num_clients=_M)
+    got = flower.simulate(strategy, flower.make_client_app(engine, data_fn), _ROUNDS)
+    assert got.diagnostics["dropped"] == []
+    for k in expected.params:
+        np.testing.assert_allclose(got.params[k], expected.params[k], rtol=1e-5, atol=1e-6)
+    assert len(got.losses) == _ROUNDS and np.all(np.isfinite(got.losses))
+
+    engine = nfv.FedSVI(logistic, AutoNormal(logistic), Trace_ELBO(), clients=ids, rho=0.01, cv_step=0.5)  # all
+    strategy = flower.FedMMStrategy(engine, random.key(0), X[:1], y[:1], num_clients=_M)
+    faulty = flower.simulate(strategy, _faulty_app(engine, data_fn), _ROUNDS)
+    dropped = faulty.diagnostics["dropped"]
+    assert len(dropped) == 2, dropped
+    assert dropped[0][:2] == (0, 1) and "client error" in dropped[0][2]
+    assert dropped[1][:2] == (1, 2) and "NaN" in dropped[1][2]
+    assert all(np.all(np.isfinite(v)) for v in faulty.params.values())
