@@ -35,7 +35,7 @@ from numpyro.infer import Trace_ELBO
 from . import vi_solvers as vs
 from .federated import ClientData, check_clients, client_minibatch
 from .fedmm.engine import strong_types
-from .inputs import InputJit, prepare_inputs
+from .inputs import InputJit, check_static_kwargs, prepare_inputs, prepare_value
 from .objectives import block_loss_fn, client_loss_fn, client_loss_from_blocks, full_loss_fn
 from .prox import as_prox, zero_prox
 from .runner import EarlyStopping, RunResult, revert_non_finite, run_loop, tree_all_finite
@@ -150,6 +150,7 @@ class FedLocalVI:
         if isinstance(clients, ClientData):
             if num_clients is not None:
                 raise ValueError("give clients= (ids, index arrays or a ClientData) or num_clients=, not both.")
+            clients = prepare_value(clients, "clients")  # NaN / inf refused before anything compiles
             self._plate_clients, self.num_clients = None, clients.num_clients
             self.num_total = int(np.sum(np.asarray(clients.counts)))  # N, on the host (traced code needs a constant)
         else:
@@ -207,6 +208,7 @@ class FedLocalVI:
         self.method, self.inner_steps, self.sigma, self.delta = method, inner_steps, sigma, delta
         self.prox = (zero_prox() if prox is None else as_prox(prox)) if method == "local_dual_averaging" else None
         self.batch_size, self.crn, self.output = batch_size, crn, output
+        check_static_kwargs(static_kwargs)
         self.data_plate, self.static_kwargs = data_plate, static_kwargs
         self.solver = self._make_solver()
         self.structure = None

@@ -11,13 +11,14 @@ that uses a Python int for a shape (``plate("data", N)``) still sees a concrete 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["InputJit", "prepare_inputs", "split_inputs"]
+__all__ = ["InputJit", "check_positive", "check_static_kwargs", "prepare_inputs", "prepare_value", "split_inputs"]
 
 _STATIC_TYPES = (bool, int, float, complex, str, bytes, type(None))
 
@@ -56,10 +57,56 @@ def _convert(value, where: str):
 
 def _check_finite(tree, where: str) -> None:
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer) \
+        if isinstance(leaf, (jax.Array, np.ndarray, np.generic)) and not isinstance(leaf, jax.core.Tracer) \
                 and jnp.issubdtype(leaf.dtype, jnp.inexact) and not np.all(np.isfinite(np.asarray(leaf))):
             raise ValueError(f"{where}{jax.tree_util.keystr(path)} holds NaN or inf values; remove or impute them "
                              "(or mask them in the model) before inference.")
+
+
+def prepare_value(value, where: str):
+    """One engine argument that is data (e.g. FedMM's ``init_stat``): converted like a model argument and refused
+    (``ValueError`` naming ``where``) when it holds NaN / inf."""
+    value = _convert_nested(value, where)
+    _check_finite(value, where)
+    return value
+
+
+def _convert_nested(value, where: str):
+    """:func:`_convert`, also on numeric lists nested in dicts / tuples (``{"s2": [0.5, 0.5]}``: an array, not two
+    leaves); a list that is no rectangular numeric array stays a list of converted entries."""
+    if isinstance(value, dict):
+        return type(value)({k: _convert_nested(v, f"{where}[{k!r}]") for k, v in value.items()})
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        try:
+            arr = np.asarray(value)
+        except ValueError:  # ragged: a list of differently shaped entries
+            arr = None
+        if arr is not None and arr.dtype.kind in "biuf":
+            return jnp.asarray(arr)
+        return type(value)(_convert_nested(v, f"{where}[{i}]") for i, v in enumerate(value))
+    return _convert(value, where)
+
+
+def check_static_kwargs(static_kwargs: dict) -> None:
+    """The model keywords an engine takes at construction (``**static_kwargs``): NaN / inf in their arrays is
+    refused (``ValueError`` naming the keyword) as in :func:`prepare_inputs`; they are not converted."""
+    for k, v in static_kwargs.items():
+        _check_finite(v, f"argument {k!r}")
+
+
+def check_positive(value, name: str, *, allow_zero: bool = False, expected: str | None = None) -> float:
+    """``value`` as a Python float, or a ``TypeError`` / ``ValueError`` naming ``name``, what was given and what is
+    expected (``expected``, default: a finite real number > 0, or ``>= 0`` with ``allow_zero``).  Host-side, before
+    anything compiles."""
+    expected = expected or "a finite real number " + (">= 0" if allow_zero else "> 0")
+    if isinstance(value, bool) or not (isinstance(value, (int, float, np.integer, np.floating))
+                                       or (isinstance(value, (np.ndarray, jax.Array)) and np.ndim(value) == 0
+                                           and not isinstance(value, jax.core.Tracer))):
+        raise TypeError(f"{name} must be {expected}, got {value!r} ({type(value).__name__}).")
+    v = float(value)
+    if not math.isfinite(v) or v < 0 or (v == 0 and not allow_zero):
+        raise ValueError(f"{name} must be {expected}, got {value!r}.")
+    return v
 
 
 def prepare_inputs(args, kwargs) -> tuple[tuple, dict]:

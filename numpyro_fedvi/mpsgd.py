@@ -32,12 +32,13 @@ from jax import lax, random
 from numpyro import handlers
 from numpyro.infer.util import potential_energy
 
-from .inputs import InputJit, prepare_inputs, split_inputs
+from .inputs import InputJit, check_positive, check_static_kwargs, prepare_inputs, split_inputs
 from .runner import EarlyStopping, RunResult, revert_non_finite, run_loop, tree_all_finite
 from .schedules import batch_growth, constant, dynamic_batching, theorem4
 from .guides import apply_scale, log_abs_det_scale
 from .whitening import WhitenedState, make_whitened_step, project_scale, whitened_init, whitened_params
 
+THEORY_STEP_WARN = 1e4  # (theory) a float step_size above THEORY_STEP_WARN / L is warned about (1/(2L): theory)
 MIN_STAGES = 3          # adaptive: a run counts as converged after this many stages ...
 CONVERGED_MOVE = 0.1    # ... when the last one moved the mean and the scale by at most this (posterior sd / rel.)
 
@@ -198,12 +199,14 @@ class MPSGD:
 
     :param schedule: ``"adaptive"`` or ``"theory"``.
     :param num_particles: N (even with spherical draws) — adaptive default ``2d``; theory default 1, an int or a
-        schedule ``k -> N_k`` drawn ``chunk_size`` at a time.
+        schedule ``k -> N_k`` drawn ``chunk_size`` at a time (a schedule giving N_k < 1 at any step of a run is
+        refused before the run compiles).
     :param draws: ``"spherical"`` (adaptive default) or ``"iid"`` (theory default, the paper's estimator).
     :param stage_length: (adaptive) length of the first stage (stages double).
     :param init_scale: initial Σ = init_scale·I (theory default 1/√L; adaptive: the first frame's scale, replacing the
         Hessian-based frame).
-    :param step_size: (theory) ``None`` = 1/(2 L_step), a float, or a schedule ``k -> γ_k``.
+    :param step_size: (theory) ``None`` = 1/(2 L_step), a float, or a schedule ``k -> γ_k`` (a float above
+        ``THEORY_STEP_WARN / L`` = 10⁴/L is warned about).
     :param smoothness: (theory) L of the potential (float) or ``"auto"`` (default: :func:`estimate_smoothness` at the
         MAP with safety factor 2, once per engine and input shapes).  Used for the step size and, unless
         ``projection_smoothness`` is given, for the projection threshold 1/√L.
@@ -259,12 +262,13 @@ class MPSGD:
         preconditioner = "theory" if preconditioner is None else preconditioner
         averaging = averaging or ("tail" if schedule == "adaptive" else "tau")
         draws = draws or ("spherical" if schedule == "adaptive" else "iid")
-        if not (smoothness == "auto" or (isinstance(smoothness, (int, float)) and math.isfinite(smoothness)
-                                         and smoothness > 0)):
-            raise ValueError(f"smoothness must be a positive finite float or 'auto', got {smoothness!r}.")
-        if projection_smoothness is not None and not (math.isfinite(projection_smoothness)
-                                                      and projection_smoothness > 0):
-            raise ValueError(f"projection_smoothness must be a positive finite float, got {projection_smoothness!r}.")
+        if isinstance(smoothness, str):
+            if smoothness != "auto":
+                raise ValueError(f"smoothness must be a positive finite float or 'auto', got {smoothness!r}.")
+        else:
+            smoothness = check_positive(smoothness, "smoothness", expected="a positive finite float or 'auto'")
+        if projection_smoothness is not None:
+            projection_smoothness = check_positive(projection_smoothness, "projection_smoothness")
         if step_schedule not in (None, "constant", "S1", "S2", "S3"):
             raise ValueError(f"step_schedule must be None, 'S1', 'S2' or 'S3', got {step_schedule!r}.")
         allowed = ("tail", "none") if schedule == "adaptive" else ("tau", "none")
@@ -293,8 +297,9 @@ class MPSGD:
             raise ValueError(f"stage_length must be an integer >= 2, got {stage_length!r}.")
         if budget is not None and (not isinstance(budget, (int, np.integer)) or budget < 1):
             raise ValueError(f"budget must be a positive integer number of gradient evaluations, got {budget!r}.")
-        if isinstance(step_size, (int, float)) and not (math.isfinite(step_size) and step_size > 0):
-            raise ValueError(f"step_size must be a positive finite float, got {step_size!r}.")
+        if step_size is not None and not callable(step_size):
+            step_size = check_positive(step_size, "step_size",
+                                       expected="None, a positive finite float or a schedule k -> γ_k")
         if init_scale is not None and not (isinstance(init_scale, (int, float)) and math.isfinite(init_scale)
                                            and init_scale > 0):
             raise ValueError(f"init_scale must be a positive finite float, got {init_scale!r}.")
@@ -303,6 +308,7 @@ class MPSGD:
         self.step_size, self.smoothness, self.projection_smoothness = step_size, smoothness, projection_smoothness
         self.num_particles, self.step_schedule, self.preconditioner = num_particles, step_schedule, preconditioner
         self.averaging, self.averaging_a, self.budget = averaging, averaging_a, budget
+        check_static_kwargs(static_kwargs)
         self.init_scale, self.chunk_size, self.static_kwargs = init_scale, chunk_size, static_kwargs
         self._setup_done = False
 
@@ -368,6 +374,12 @@ class MPSGD:
             self._gamma = gamma0 if callable(gamma0) else constant(gamma0)
             self._batch = batch_growth(n_const, 0.0) if n_const is not None else num_particles
         n0 = int(self._batch(0))
+        if n0 < 1:
+            raise ValueError(f"num_particles must give N_k >= 1 draws per step; the schedule gives N_0 = {n0}.")
+        if self.step_size is not None and not callable(self.step_size) and self.step_size * self.L > THEORY_STEP_WARN:
+            warnings.warn(f"step_size={self.step_size:.3g} is {2 * self.step_size * self.L:.3g} times the theory step "
+                          f"1/(2L) = {0.5 / self.L:.3g} (L = {self.L:.3g}); such a step diverges or gives a "
+                          "meaningless q. Lower it, or leave step_size=None.", UserWarning, stacklevel=3)
         self._chunk = int(self.chunk_size or (n0 if n_const is not None and self.step_schedule in (None, "constant")
                                               else min(max(n0, 8), 256)))
         self._min_scale = 1.0 / math.sqrt(self.L_proj)
@@ -395,6 +407,20 @@ class MPSGD:
         if key not in cache:
             cache[key] = InputJit(fn)
         return cache[key]
+
+    def _check_batches(self, step0: int, num_steps: int):
+        """The batch sizes ``N_k`` of steps ``step0 .. step0 + num_steps - 1`` (host array; theory schedule), refused
+        (``ValueError``) when one is below 1: a schedule ``k -> N_k`` that gives 0 would run steps without draws."""
+        if self.adaptive:
+            return np.full(num_steps, self._num_particles)
+        ks = step0 + np.arange(num_steps)
+        batches = np.broadcast_to(np.asarray(jax.vmap(self._batch)(jnp.asarray(ks, jnp.int32))), ks.shape)
+        bad = np.flatnonzero(batches < 1)
+        if bad.size:
+            raise ValueError(f"num_particles must give N_k >= 1 draws per step; the schedule gives N_k = "
+                             f"{int(batches[bad[0]])} at step k = {int(ks[bad[0]])} ({bad.size} of the {num_steps} "
+                             "steps of this run).")
+        return batches
 
     def _batch_size(self, k):
         return self._num_particles if self.adaptive else self._batch(k)
@@ -522,16 +548,13 @@ class MPSGD:
             self._setup(random.split(rng_key)[0], args, kwargs)  # cheap after the first run: L is cached
             state = init_state
         num_steps = num_steps or self.default_num_steps
+        batches = self._check_batches(int(state.step), num_steps)
         result = run_loop(self._step, state, num_steps, inputs=(args, kwargs), get_params=self.get_params,
                           progress_bar=progress_bar, callbacks=callbacks, early_stopping=early_stopping,
                           stable_update=stable_update, chunk_size=chunk_size, desc=type(self).__name__,
                           cache=self.__dict__.setdefault("_run_cache", {}).setdefault(self._config(), {}))
         steps_run = result.diagnostics["num_steps"]
-        ks = int(state.step) + np.arange(steps_run)
-        if self.adaptive:
-            grads = steps_run * self._num_particles
-        else:
-            grads = int(np.sum(np.asarray(jax.vmap(self._batch)(jnp.asarray(ks))))) if steps_run else 0
+        grads = int(np.sum(batches[:steps_run]))
         result.diagnostics.update(last_params=self.get_params(result.state, "last"),
                                   num_particles=int(self._batch_size(0)), gradient_evaluations=grads)
         if self.adaptive:

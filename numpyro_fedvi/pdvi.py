@@ -18,6 +18,7 @@ coordinate) is P²D-VI (Oracle II).  The invariant ``h = D_η^{-1} mean(μ)`` ho
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -32,7 +33,7 @@ from numpyro.infer import Trace_ELBO
 from .curvature import diag_hessian
 from .objectives import block_loss_fn, full_loss_fn
 from .particles import SCHEMES, ControlledDraws
-from .inputs import InputJit, prepare_inputs
+from .inputs import InputJit, check_static_kwargs, prepare_inputs
 from .newton import newton_solve
 from .runner import EarlyStopping, RunResult, run_loop, tree_all_finite
 from .structure import ModelStructure, Partitions, inspect_model, make_partitions
@@ -173,20 +174,73 @@ def prox_solve(f: Callable, lam0, mu, eta, phi, optimizer, num_steps: int, alter
     return lam, phi, f(lam, phi)
 
 
-def _check_eta(eta, global_names):
+_ETA_EXPECTED = ("'auto', a positive float (one η for every coordinate), or a dict {site: η_j} with one entry per "
+                 "global param site (a positive float, or an array shaped like the site's unconstrained value)")
+# a fixed η more than this many times the curvature-based value eta_scale / L̂ (what eta="auto" picks) at EVERY global
+# site is warned about (one site alone is no signal: a log-scale site's curvature at the initial point can be 1000x
+# its curvature later — tests/test_particles.py reaches the optimum with η = 4000x the initial value on q's scale)
+ETA_WARN_RATIO = 1e3
+
+
+def _check_eta_spec(eta):
+    """Construction-time check of the TYPE of ``eta`` (values and shapes are checked against the sites at ``init``)."""
+    if isinstance(eta, str):
+        if eta != "auto":
+            raise ValueError(f"eta must be {_ETA_EXPECTED}; got the string {eta!r}.")
+        return
+    if isinstance(eta, dict):
+        for k, v in eta.items():
+            _eta_array(v, f"eta[{k!r}]", check_values=False)
+        return
+    if isinstance(eta, (list, tuple)):
+        raise TypeError(f"eta must be {_ETA_EXPECTED}; got a {type(eta).__name__} {eta!r} (per-site values go in a "
+                        "dict {site: η_j}).")
+    if np.ndim(eta) != 0:
+        raise ValueError(f"eta must be {_ETA_EXPECTED}; got an array of shape {np.shape(eta)} (per-coordinate values "
+                         "go in a dict {site: array shaped like the site}).")
+    _eta_array(eta, "eta", check_values=False)
+
+
+def _eta_array(value, name, check_values: bool = True):
+    """``value`` as a host float array, checked numeric (and positive and finite: ``check_values``; ``name`` in the
+    messages)."""
+    if isinstance(value, (str, bytes, dict)) or value is None:
+        raise TypeError(f"{name} must be a positive float or an array of them, got {value!r}.")
+    try:
+        arr = np.asarray(value)
+    except ValueError as err:  # ragged lists
+        raise TypeError(f"{name} must be a positive float or a rectangular array of them, got {value!r}.") from err
+    if arr.dtype.kind not in "iuf":
+        raise TypeError(f"{name} must be a positive float or an array of them, got {value!r} (dtype {arr.dtype}).")
+    if check_values and not (np.all(np.isfinite(arr)) and np.all(arr > 0)):
+        raise ValueError(f"{name} must be positive and finite, got {value!r}.")
+    return arr
+
+
+def _check_eta(eta, init_global):
+    """``eta`` as ``{site: η_j}`` (widest float), checked against the global sites' UNCONSTRAINED values: one entry
+    per site, each a positive finite scalar or an array that broadcasts to the site's shape without enlarging it."""
+    global_names = list(init_global)
     if isinstance(eta, dict):
         unknown = set(eta) - set(global_names)
         missing = set(global_names) - set(eta)
         if unknown or missing:
             raise ValueError(f"eta dict must give one entry per global param site {sorted(global_names)}; "
                              f"unknown: {sorted(unknown)}, missing: {sorted(missing)}.")
-        out = {k: jnp.asarray(eta[k], jnp.result_type(float)) for k in global_names}
+        out = {k: _eta_array(eta[k], f"eta[{k!r}]") for k in global_names}
     else:
-        out = {k: jnp.asarray(eta, jnp.result_type(float)) for k in global_names}
+        _check_eta_spec(eta)
+        out = {k: _eta_array(eta, "eta") for k in global_names}
     for k, v in out.items():
-        if not bool(jnp.all(v > 0)) or not bool(jnp.all(jnp.isfinite(v))):
-            raise ValueError(f"eta for {k!r} must be positive and finite, got {v}.")
-    return out
+        shape = np.shape(init_global[k])
+        try:
+            fits = np.broadcast_shapes(v.shape, shape) == shape
+        except ValueError:
+            fits = False
+        if not fits:
+            raise ValueError(f"eta[{k!r}] has shape {v.shape}, but the global param site {k!r} has shape {shape} (its "
+                             "unconstrained value, where η acts); give a scalar or an array of that shape.")
+    return {k: jnp.asarray(v, jnp.result_type(float)) for k, v in out.items()}
 
 
 class PDVI:
@@ -207,7 +261,10 @@ class PDVI:
         second derivative of block ``j`` of a block loss at the initial state (over up to 8 evenly spaced
         blocks, see ``eta_curvature``; specs/pdvi.md §4 suggests c ∈ [0.3, 10]); a float (PD-VI, Oracle I: one
         η for every coordinate — the theory needs η ≲ 1/(22 L), and a block of |b| data has L ∝ |b|), or a dict
-        ``{site: η_j}``.
+        ``{site: η_j}`` (a float or an array shaped like the site's unconstrained value).  A list or a wrongly shaped
+        array is refused before anything compiles; a float η more than ``ETA_WARN_RATIO = 1000`` times the value
+        ``eta="auto"`` would pick at the initial point, at every site, is warned about (one compile of the curvature
+        estimate; a dict is taken as deliberate per-site tuning and not compared).
     :param eta_scale: the constant ``c`` of ``eta="auto"`` (default 0.3, the low end of the spec's [0.3, 10]:
         measured on per-datum random effects with 100-point blocks, c = 1 oscillated and collapsed q(β)'s scale,
         c = 0.3 reached the optimum to 1e-4 in 200 iterations, c = 0.1 was 3× slower).
@@ -277,8 +334,7 @@ class PDVI:
             raise ValueError("PDVI needs fixed blocks of the data: pass num_partitions=B or partitions=[...].")
         if local_steps is not None and (not isinstance(local_steps, (int, np.integer)) or local_steps < 1):
             raise ValueError(f"local_steps must be a positive integer, got {local_steps!r}.")
-        if isinstance(eta, str) and eta != "auto":
-            raise ValueError(f"eta must be a positive float, a dict of them, or 'auto'; got {eta!r}.")
+        _check_eta_spec(eta)
         if not eta_scale > 0:
             raise ValueError(f"eta_scale must be positive, got {eta_scale!r}.")
         if eta_scale > 1:
@@ -314,6 +370,7 @@ class PDVI:
             raise TypeError(f"block_solver must be callable, got {type(block_solver).__name__}.")
         self.block_solver = block_solver
         self.data_plate = data_plate
+        check_static_kwargs(static_kwargs)
         self.static_kwargs = static_kwargs
         self.structure: ModelStructure | None = None
         self.blocks: Partitions | None = None
@@ -508,7 +565,31 @@ class PDVI:
             eta = self._auto_eta(lam0, local, eta_key, self._inputs(args, kwargs))
         else:
             eta = self.eta_spec
-        return pdvi_init(lam0, self.num_units, local, _check_eta(eta, self.structure.global_names), rng_key)
+        eta = _check_eta(eta, lam0)
+        if not isinstance(self.eta_spec, (str, dict)):  # one number for every site: compared with their curvatures
+            self._warn_far_eta(eta, lam0, local, eta_key, self._inputs(args, kwargs))
+        return pdvi_init(lam0, self.num_units, local, eta, rng_key)
+
+    def _warn_far_eta(self, eta, lam0, local, key, inputs):
+        """Warn when a fixed η is far (``ETA_WARN_RATIO``) above the curvature-based value ``eta_scale / L̂_j`` that
+        ``eta="auto"`` would pick (L̂_j at the initial point, see :meth:`_auto_eta`) at every global site: the penalty
+        then vanishes, every block solves its own problem and the consensus is garbage.  One compile of the curvature
+        estimate per engine; advisory only."""
+        try:
+            auto = self._auto_eta(lam0, local, key, inputs)
+        except Exception:  # noqa: BLE001 - an estimate that cannot be computed never blocks a run with a fixed η
+            return
+        far = []
+        for k, v in eta.items():
+            ref, high = float(auto[k]), float(jnp.max(v))
+            if math.isfinite(ref) and ref > 0 and high > ETA_WARN_RATIO * ref:
+                far.append(f"{k!r}: {high:.3g} = {high / ref:.3g} x {ref:.3g}")
+        if far and len(far) == len(eta):
+            warnings.warn(f"eta is far above the curvature-based value eta_scale / L̂ that eta='auto' picks at the "
+                          f"initial point (site: η = ratio x auto value; {'; '.join(far)}); the theory needs "
+                          "η ≲ 1/(22 L). The penalty then all but vanishes, each block solves its own problem and the "
+                          "consensus can be far from the optimum: use eta='auto' or a smaller eta.",
+                          UserWarning, stacklevel=3)
 
     def _require_init(self):
         if self.structure is None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from collections.abc import Callable
 
 import jax
@@ -18,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import random
 
-from ..federated import ClientData, Full, Identity
-from ..inputs import InputJit, prepare_inputs
+from ..federated import Bernoulli, ClientData, Full, Identity
+from ..inputs import InputJit, prepare_inputs, prepare_value
 from ..runner import EarlyStopping, RunResult, revert_non_finite, run_loop, tree_all_finite
 from .core import (
     FedMMState,
@@ -61,6 +60,35 @@ def strong_types(tree):
     """``tree`` as arrays without weak types (as ``SVI.init`` does): a state whose leaves change from weak to strong
     types after one round would retrace the compiled round / run loop at the second call or a resumed run."""
     return jax.tree.map(lambda x: jax.lax.convert_element_type(x, jnp.result_type(x)), tree)
+
+
+def _shapes(tree):
+    return jax.tree.map(lambda x: tuple(jnp.shape(x)), tree)
+
+
+def check_init_stat(family: SurrogateFamily, init_stat, rows, mask, rows_name: str):
+    """``init_stat`` (Ŝ_0) converted (lists, NumPy) and checked against ``family`` before anything compiles: finite,
+    and of the structure and shapes of the family's statistic — ``oracle(T(project(Ŝ_0)), rows, mask)`` traced
+    abstractly (``jax.eval_shape``: no compilation, no FLOPs) on ``rows`` (``rows_name`` in the messages).  A raw
+    ``KeyError`` / ``TypeError`` / ``IndexError`` of that trace (wrong keys, mismatched feature dimensions) becomes a
+    ``ValueError`` naming init_stat and the rows; a family's own ``ValueError`` passes through."""
+    init_stat = prepare_value(init_stat, "init_stat")
+
+    def statistic(s, rows, mask):
+        s = family.project(s)
+        return s, family.oracle(family.T(s), rows, mask, random.key(0))
+
+    try:
+        s0, stat = jax.eval_shape(statistic, init_stat, rows, mask)
+    except (KeyError, TypeError, IndexError) as err:
+        raise ValueError(f"init_stat (shapes {_shapes(init_stat)}) and {rows_name} (shapes {_shapes(rows)}) do not "
+                         f"fit the family: projecting init_stat, mapping it to θ = T(Ŝ_0) and calling the oracle on "
+                         f"those rows raised {type(err).__name__}: {err}") from err
+    if jax.tree.structure(s0) != jax.tree.structure(stat) or _shapes(s0) != _shapes(stat):
+        raise ValueError(f"init_stat has shapes {_shapes(s0)}, but the family's statistic (its oracle at "
+                         f"θ = T(init_stat) on {rows_name}) has shapes {_shapes(stat)}; Ŝ_0 must be a statistic of "
+                         "the family (same keys and shapes).")
+    return init_stat
 
 
 def _check_batch_size(batch_size):
@@ -179,8 +207,11 @@ class SASSMM(_Engine):
         super().__init__(family, step_size, batch_size, to_params, projection)
 
     def init(self, rng_key, data, init_stat) -> SASSMMState:
-        """``Ŝ_0 = project(init_stat)``, ``θ_0 = T(Ŝ_0)``."""
-        _num_rows(self._prepare(data))
+        """``Ŝ_0 = project(init_stat)``, ``θ_0 = T(Ŝ_0)``; ``init_stat`` is checked against the family's statistic
+        (:func:`check_init_stat`) before anything compiles."""
+        data = self._prepare(data)
+        n = _num_rows(data)
+        init_stat = check_init_stat(self.family, init_stat, data, jnp.ones((n,), bool), "the data rows")
         return sassmm_init(self.family, strong_types(init_stat), rng_key)
 
     def _batch_fn(self, data):
@@ -218,7 +249,7 @@ class FedMM(_Engine):
     :param family: a :class:`~numpyro_fedvi.fedmm.SurrogateFamily`.
     :param step_size: γ in (0, 1] or a schedule ``t -> γ_{t+1}`` (paper: ``β/√(β+t)``).
     :param cv_step: the control-variate step α ≥ 0; α = 0 is allowed only with full participation and no
-        compression (otherwise the method plateaus); theory: α ≤ 1/(1+ω_p) (warned when exceeded).
+        compression (otherwise the method plateaus); theory: α ≤ 1/(1+ω_p) (refused when exceeded, at init).
     :param participation: ``Full()``, ``Bernoulli(p)`` or ``FixedSize(m)`` (numpyro_fedvi.federated).
     :param compressor: ``Identity()``, ``StochasticQuantizer(bits=8)`` or ``RandK(k)``.
     :param batch_size: rows per client per round, ``None`` = all rows (exact oracle).
@@ -249,7 +280,9 @@ class FedMM(_Engine):
         self.compressor = Identity() if compressor is None else compressor
         if not (isinstance(cv_step, (int, float)) and math.isfinite(cv_step) and cv_step >= 0):
             raise ValueError(f"cv_step (α) must be a finite float >= 0, got {cv_step!r}.")
-        exact_comms = isinstance(self.participation, Full) and isinstance(self.compressor, Identity)
+        full = isinstance(self.participation, Full) or (isinstance(self.participation, Bernoulli)
+                                                        and self.participation.p == 1.0)
+        exact_comms = full and isinstance(self.compressor, Identity)
         if cv_step == 0 and not exact_comms:
             raise ValueError("cv_step=0 (no control-variate updates) is only valid with full participation and no "
                              "compression (specs/fedmm.md: it plateaus otherwise); use cv_step in (0, 1/(1+ω_p)].")
@@ -264,11 +297,15 @@ class FedMM(_Engine):
         return self.batch_size
 
     def init(self, rng_key, client_data: ClientData, init_stat) -> FedMMState:
-        """Validate the participation law against the clients, warn when α > 1/(1+ω_p), build the state."""
+        """Check ``init_stat`` against the family (:func:`check_init_stat`), the participation law against the
+        clients and α <= 1/(1+ω_p) (``ValueError`` otherwise), build the state."""
         client_data = self._prepare(client_data)
         if not isinstance(client_data, ClientData):
             raise TypeError("FedMM needs a numpyro_fedvi.federated.ClientData (ClientData.from_list / from_ids), "
                             f"got {type(client_data).__name__}.")
+        rows = jax.tree.map(lambda x: x[0], client_data.data)
+        init_stat = check_init_stat(self._family_for(client_data, exact=True), init_stat, rows, client_data.mask[0],
+                                    "client 0's rows")
         return self._init_state(rng_key, client_data, init_stat)
 
     def _init_state(self, rng_key, inputs, init_stat) -> FedMMState:
@@ -281,8 +318,9 @@ class FedMM(_Engine):
         omega = float(self.compressor.omega(s0 if self.aggregate == "surrogate" else family.T(s0)))
         omega_p = omega + (1 - p) * (1 + omega) / p
         if omega_p > 0 and self.cv_step > 1 / (1 + omega_p) + 1e-12:
-            warnings.warn(f"cv_step={self.cv_step} exceeds the theory bound 1/(1+ω_p) = {1 / (1 + omega_p):.3g} "
-                          f"(ω = {omega:.3g}, p = {p:.3g}).", UserWarning, stacklevel=3)
+            raise ValueError(f"cv_step={self.cv_step} exceeds its bound 1/(1+ω_p) = {1 / (1 + omega_p):.3g} (ω = "
+                             f"{omega:.3g}, p = {p:.3g}): the control variates overshoot and the run diverges. Use "
+                             f"cv_step <= {1 / (1 + omega_p):.3g}.")
         return fedmm_init(family, init_stat, client_data, rng_key, self.init_control_variates, self.aggregate)
 
     def _step(self, state: FedMMState, inputs):
@@ -294,15 +332,22 @@ class FedMM(_Engine):
         if objective is None and family.objective is not None:
             def objective(theta):
                 return full_objective(family, theta, client_data)
-        new, info = fedmm_step(state, family, client_data, step_size_fn=self.step_size, alpha=self.cv_step,
+        step_size = self.step_size
+        if objective is not None:
+            dtype = state.objective.dtype
+            loss = jax.lax.cond(state.step % self.log_every == 0, lambda th: objective(th).astype(dtype),
+                                lambda th: state.objective, state.theta)
+            # the run loop's guarded-step convention: a round whose loss (at θ_t, before the update) is not finite
+            # changes nothing either, so the NaN stop returns the last finite state with its own step counter.  The
+            # core's guard drops a round whose new iterate is not finite (O(m), no copy of the client table): such a
+            # round gets a NaN step size and M-step.
+            family, step_size = _poisoned(family, step_size, jnp.isfinite(loss))
+        new, info = fedmm_step(state, family, client_data, step_size_fn=step_size, alpha=self.cv_step,
                                participation=self.participation, compressor=self.compressor,
                                batch_size=self._core_batch_size(inputs), aggregate=self.aggregate,
                                with_objective=False, guard=True)
         if objective is None:
             return new, info.get("E_s", info.get("E_p")), info["ok"]
-        dtype = state.objective.dtype
-        loss = jax.lax.cond(state.step % self.log_every == 0, lambda th: objective(th).astype(dtype),
-                            lambda th: state.objective, state.theta)
         ok = info["ok"] & jnp.isfinite(loss)
         return new._replace(objective=jnp.where(ok, loss, state.objective)), loss, ok
 
@@ -320,6 +365,21 @@ class FedMM(_Engine):
         if objective is not None:
             return objective(state.theta)
         return full_objective(self._family_for(inputs), state.theta, self._data_of(inputs))
+
+
+def _poisoned(family: SurrogateFamily, step_size, ok):
+    """``(family, step size)`` whose M-step ``T`` and step size are NaN where ``ok`` is False (a traced bool): the
+    round's new iterate is then not finite in either aggregation, and the core's guard keeps the state."""
+    def nan_unless_ok(x):
+        return jnp.where(ok, x, jnp.nan) if jnp.issubdtype(jnp.result_type(x), jnp.inexact) else x
+
+    def T(s):
+        return jax.tree.map(nan_unless_ok, family.T(s))
+
+    def gamma(t):
+        return nan_unless_ok(jnp.asarray(step_size(t) if callable(step_size) else step_size, jnp.result_type(float)))
+
+    return dataclasses.replace(family, T=T), gamma
 
 
 def _num_rows(data) -> int:

@@ -31,16 +31,30 @@ def remark1_toy(floor: float = 1e-6) -> SurrogateFamily:
     if not floor > 0:
         raise ValueError(f"floor must be > 0 (𝒮 = R_{{>0}}), got {floor}.")
 
+    def check_rows(batch):
+        if jnp.ndim(batch) != 1:
+            raise ValueError(f"remark1_toy: a client's data is one array of shape (rows,), got shape "
+                             f"{jnp.shape(batch)}.")
+
+    def check_stat(s):
+        if not (hasattr(s, "shape") or isinstance(s, (int, float))) or jnp.ndim(s) != 0:
+            raise ValueError(f"remark1_toy: the statistic s (init_stat) is a scalar, got "
+                             f"{f'shape {jnp.shape(s)}' if hasattr(s, 'shape') else repr(s)}.")
+
     def oracle(theta, batch, mask, key):
+        check_rows(batch)
         return masked_mean(batch, mask)
 
     def T(s):
+        check_stat(s)
         return 1.0 / jnp.sqrt(s)
 
     def project(s):
+        check_stat(s)
         return jnp.maximum(s, floor)
 
     def objective(theta, data, mask):
+        check_rows(data)
         return masked_mean(data * theta + 1.0 / theta, mask)
 
     def phi(theta):
@@ -88,11 +102,30 @@ def gmm_map_em(K: int, d: int, lam: float, Gamma=None) -> SurrogateFamily:
     def log_joint(theta, z):  # log (1/K) N(z; θ_ℓ, I), shape (K,)
         return -0.5 * jnp.sum(jnp.square(z[None, :] - theta), axis=-1) - log_norm
 
+    def check_stat(s):
+        """Shapes are static: a statistic (e.g. init_stat) not of this family fails at init, before compilation."""
+        expected = {"s1": (K, d), "s2": (K,)}
+        if not isinstance(s, dict) or set(s) != set(expected):
+            keys = sorted(s) if isinstance(s, dict) else type(s).__name__
+            raise ValueError(f"gmm_map_em(K={K}, d={d}): the statistic s (init_stat) is a dict with keys ['s1', 's2'] "
+                             f"(shapes {(K, d)} and {(K,)}), got {keys}.")
+        got = {k: tuple(jnp.shape(v)) for k, v in s.items()}
+        if got != expected:
+            raise ValueError(f"gmm_map_em(K={K}, d={d}): the statistic s (init_stat) has shapes {got}, expected "
+                             f"{expected}.")
+
+    def check_rows(batch):
+        if jnp.ndim(batch) != 2 or jnp.shape(batch)[-1] != d:
+            raise ValueError(f"gmm_map_em(K={K}, d={d}): a client's rows have shape (rows, d) = (rows, {d}), got "
+                             f"{tuple(jnp.shape(batch))} (feature dimension {jnp.shape(batch)[-1:]}).")
+
     def oracle(theta, batch, mask, key):
+        check_rows(batch)
         r = jax.vmap(lambda z: jax.nn.softmax(log_joint(theta, z)))(batch)  # (b, K)
         return masked_mean({"s1": r[:, :, None] * batch[:, None, :], "s2": r}, mask)
 
     def T(s):
+        check_stat(s)
         s1, s2 = s["s1"], s["s2"]
         if Gamma is None:
             return s1 / jnp.maximum(s2 + lam, 1e-12)[:, None]
@@ -102,6 +135,7 @@ def gmm_map_em(K: int, d: int, lam: float, Gamma=None) -> SurrogateFamily:
         return jnp.linalg.solve(A, s1[..., None])[..., 0]
 
     def project(s):
+        check_stat(s)
         return {"s1": s["s1"], "s2": project_simplex(s["s2"])}
 
     def penalty(theta):
@@ -110,6 +144,7 @@ def gmm_map_em(K: int, d: int, lam: float, Gamma=None) -> SurrogateFamily:
         return 0.5 * lam * jnp.einsum("ki,kij,kj->", theta, Gmat(theta.dtype), theta)
 
     def objective(theta, data, mask):
+        check_rows(data)
         nll = jax.vmap(lambda z: -jax.nn.logsumexp(log_joint(theta, z)))(data)
         return masked_mean(nll, mask) + penalty(theta)
 

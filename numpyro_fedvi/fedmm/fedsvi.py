@@ -28,7 +28,7 @@ from jax import random
 from numpyro.infer import Trace_ELBO
 
 from ..federated import ClientData, check_clients, client_minibatch
-from ..inputs import prepare_inputs
+from ..inputs import check_positive, check_static_kwargs, prepare_inputs, prepare_value
 from ..objectives import block_loss_fn, client_loss_fn, client_loss_from_blocks, full_loss_fn
 from ..prox import as_prox
 from ..runner import EarlyStopping, RunResult
@@ -131,8 +131,7 @@ class FedSVI(FedMM):
                  data_plate: str | None = None, step_size=1.0, cv_step: float = 0.0, participation=None,
                  compressor=None, batch_size: int | None = None, init_control_variates: str = "zero", prox=None,
                  projection: Callable | None = None, log_every: int = 10, **static_kwargs):
-        if not (isinstance(rho, (int, float)) and rho > 0):
-            raise ValueError(f"rho must be a positive float (the SGD step of the quadratic surrogate), got {rho!r}.")
+        rho = check_positive(rho, "rho", expected="a positive finite float (the SGD step of the quadratic surrogate)")
         _check_elbo(loss, "FedSVI")
         placeholder = SurrogateFamily(oracle=lambda *a: None, T=lambda s: s)
         super().__init__(placeholder, step_size=step_size, cv_step=cv_step, participation=participation,
@@ -140,13 +139,14 @@ class FedSVI(FedMM):
                          projection=projection, log_every=log_every)
         self.prox = as_prox(prox)
         self.model, self.guide, self.elbo = model, guide, Trace_ELBO() if loss is None else loss
+        check_static_kwargs(static_kwargs)
         self.rho, self.data_plate, self.static_kwargs = float(rho), data_plate, static_kwargs
         self._fixed_rows = None      # a ClientData given at construction (lower layer)
         self._plate_clients = None   # (clients, num_clients): blocks of the data plate
         if isinstance(clients, ClientData):
             if num_clients is not None:
                 raise ValueError("give clients= (ids, index arrays or a ClientData) or num_clients=, not both.")
-            self._fixed_rows = clients
+            self._fixed_rows = clients = prepare_value(clients, "clients")  # NaN / inf refused before compiling
             self.num_clients = clients.num_clients
         elif clients is not None or num_clients is not None:
             self.num_clients = check_clients(clients, num_clients)

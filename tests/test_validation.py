@@ -1,0 +1,238 @@
+"""Inputs that never turn into garbage (issue 13): every bad input below is a clear ``ValueError`` / ``TypeError``
+naming the argument, what was given and what is expected, raised before anything is compiled — or, for a value
+that is legal but far outside its curvature-based range, a warning.  One test per item; the models are tiny and
+the engines are only set up (``init``), except where a run is what is checked.
+"""
+
+import dataclasses
+import math
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+import pytest
+from jax import random
+from numpyro.infer import Trace_ELBO
+from numpyro.infer.autoguide import AutoNormal
+from shared_models import LG_A, LG_Y, linear_gaussian
+
+import numpyro_fedvi as nfv
+from numpyro_fedvi.federated import Bernoulli, ClientData, FixedSize, Full
+from numpyro_fedvi.fedmm import SASSMM, FedMM, FedSVI, SurrogateFamily, gmm_map_em, remark1_toy
+
+# --- a tiny Normal-mean model with its data in a plate (PD-VI, MPSGD, the federated engines) -------------------------
+_rng = np.random.default_rng(0)
+X = _rng.normal(1.0, 1.0, size=12).astype(np.float32)
+CLIENT_ROWS = [X[:4], X[4:8], X[8:]]
+
+
+def normal_mean(x):
+    mu = numpyro.sample("mu", dist.Normal(0.0, 10.0))
+    with numpyro.plate("data", x.shape[0]):
+        numpyro.sample("x", dist.Normal(mu, 1.0), obs=x)
+
+
+def with_nan(a):
+    a = np.array(a, copy=True)
+    a.flat[1] = np.nan
+    return a
+
+
+# --- FedMM: the GMM family of tests/test_fedmm_engine.py ---------------------------------------------------------
+K, D = 3, 2
+GMM = gmm_map_em(K, D, 0.1)
+GMM_CLIENTS = ClientData.from_list([_rng.normal(size=(8, D)).astype(np.float32) for _ in range(4)])
+S0 = {"s1": np.zeros((K, D), np.float32), "s2": np.full(K, 1 / K, np.float32)}
+
+
+# ------------------------------------------------------------------------------------------------------------------
+def test_pdvi_eta_list_or_wrong_shape_is_refused():
+    pdvi = lambda eta: nfv.PDVI(normal_mean, AutoNormal(normal_mean), num_partitions=3, eta=eta)
+    with pytest.raises(TypeError, match=r"eta must be .*got a list \[0\.1, 0\.2\]"):
+        pdvi([0.1, 0.2])
+    with pytest.raises(ValueError, match=r"eta must be .*got an array of shape \(3,\)"):
+        pdvi(np.ones(3))
+    with pytest.raises(ValueError, match="eta must be positive and finite, got -1"):
+        pdvi(-1.0).init(random.key(0), X)
+    # per site: a dict entry whose shape does not fit the site's (unconstrained) shape, found at init before compiling
+    engine = pdvi({"mu_auto_loc": np.full(3, 0.1), "mu_auto_scale": 0.1})
+    with pytest.raises(ValueError, match=r"eta\['mu_auto_loc'\] has shape \(3,\), but the global param site "
+                                         r"'mu_auto_loc' has shape \(\)"):
+        engine.init(random.key(0), X)
+    with pytest.raises(TypeError, match=r"eta\['mu_auto_loc'\] must be a positive float"):
+        pdvi({"mu_auto_loc": "big", "mu_auto_scale": 0.1})
+
+
+def test_pdvi_eta_far_above_curvature_warns():
+    with pytest.warns(UserWarning, match="eta is far above the curvature-based value"):
+        state = nfv.PDVI(normal_mean, AutoNormal(normal_mean), num_partitions=3, eta=1e6).init(random.key(0), X)
+    assert float(state.eta["mu_auto_loc"]) == 1e6  # a warning, not a change: the user's η is kept
+
+
+def test_mpsgd_non_finite_smoothness_is_refused():
+    guide = nfv.AutoLocationScale(linear_gaussian)
+    for bad in (math.inf, np.float32(np.inf), -1.0, 0.0, math.nan):
+        with pytest.raises(ValueError, match="smoothness must be a positive finite float or 'auto'"):
+            nfv.MPSGD(linear_gaussian, guide, schedule="theory", smoothness=bad)
+    with pytest.raises(TypeError, match="smoothness must be a positive finite float or 'auto', got \\[2.0\\]"):
+        nfv.MPSGD(linear_gaussian, guide, schedule="theory", smoothness=[2.0])
+    with pytest.raises(ValueError, match="projection_smoothness must be a finite real number > 0, got inf"):
+        nfv.MPSGD(linear_gaussian, guide, schedule="theory", smoothness=2.0, projection_smoothness=math.inf)
+    with pytest.raises(TypeError, match="projection_smoothness must be a finite real number > 0, got 'big'"):
+        nfv.MPSGD(linear_gaussian, guide, schedule="theory", smoothness=2.0, projection_smoothness="big")
+
+
+def test_mpsgd_num_steps_zero_reports_the_value():
+    engine = nfv.MPSGD(linear_gaussian, nfv.AutoLocationScale(linear_gaussian), schedule="theory", smoothness=10.0,
+                       budget=100)
+    for bad in (0, -3):
+        with pytest.raises(ValueError, match=f"num_steps must be a positive integer, got {bad}"):
+            engine.run(random.key(0), bad, LG_A, LG_Y, progress_bar=False)
+
+
+def test_mpsgd_num_particles_schedule_below_one_is_refused():
+    def engine(schedule):
+        return nfv.MPSGD(linear_gaussian, nfv.AutoLocationScale(linear_gaussian), schedule="theory",
+                         smoothness=10.0, num_particles=schedule)
+
+    with pytest.raises(ValueError, match="num_particles must give N_k >= 1 draws per step; the schedule gives N_0 = 0"):
+        engine(lambda k: 0).init(random.key(0), LG_A, LG_Y)
+    with pytest.raises(ValueError, match="N_0 = -2"):
+        engine(lambda k: jnp.asarray(-2)).init(random.key(0), LG_A, LG_Y)
+    # a schedule that drops to 0 later in the run: refused before the run loop is compiled
+    with pytest.raises(ValueError, match="gives N_k = 0 at step k = 2"):
+        engine(lambda k: jnp.where(k < 2, 4, 0)).run(random.key(0), 5, LG_A, LG_Y, progress_bar=False)
+
+
+def test_mpsgd_step_size_list_is_refused_and_a_huge_one_warns():
+    guide = nfv.AutoLocationScale(linear_gaussian)
+    with pytest.raises(TypeError, match=r"step_size must be None, a positive finite float or a schedule .*\[0\.1\]"):
+        nfv.MPSGD(linear_gaussian, guide, schedule="theory", smoothness=10.0, step_size=[0.1])
+    with pytest.warns(UserWarning, match="times the theory step 1/\\(2L\\)"):
+        nfv.MPSGD(linear_gaussian, guide, schedule="theory", smoothness=10.0, step_size=1e6).init(
+            random.key(0), LG_A, LG_Y)
+
+
+def test_fedmm_init_stat_is_validated_against_the_family():
+    engine = FedMM(GMM)
+    with pytest.raises(ValueError, match=r"keys \['s1', 's2'\].*got \['a', 's2'\]"):
+        engine.init(random.key(0), GMM_CLIENTS, {"a": S0["s1"], "s2": S0["s2"]})
+    with pytest.raises(ValueError, match=r"gmm_map_em\(K=3, d=2\).*shapes \{'s1': \(2, 2\), 's2': \(2,\)\}"):
+        engine.init(random.key(0), GMM_CLIENTS, {"s1": np.zeros((2, D)), "s2": np.full(2, 0.5)})  # a K = 2 Ŝ_0
+    with pytest.raises(ValueError, match=r"init_stat\['s1'\] holds NaN or inf"):
+        engine.init(random.key(0), GMM_CLIENTS, {"s1": with_nan(S0["s1"]), "s2": S0["s2"]})
+    with pytest.raises(ValueError, match="shapes"):
+        SASSMM(GMM).init(random.key(0), np.zeros((5, D), np.float32), {"s1": np.zeros((2, D)), "s2": np.ones(2)})
+    # a family without checks of its own: Ŝ_0 is compared with the statistic its oracle returns
+    toy = remark1_toy()
+    bare = SurrogateFamily(oracle=toy.oracle, T=lambda s: 1.0 / jnp.sqrt(s), project=lambda s: s,
+                           objective=toy.objective)
+    toy_clients = ClientData.from_list([np.ones(5, np.float32), np.full(5, 9.0, np.float32)])
+    with pytest.raises(ValueError, match=r"init_stat has shapes \(3,\), but the family's statistic .* has shapes \(\)"):
+        FedMM(bare).init(random.key(0), toy_clients, np.ones(3))
+    assert FedMM(GMM).init(random.key(0), GMM_CLIENTS, {"s1": S0["s1"], "s2": list(S0["s2"])}).theta.shape == (K, D)
+
+
+def test_fedmm_client_feature_dimension_must_match_the_family():
+    wide = ClientData.from_list([_rng.normal(size=(8, 5)).astype(np.float32) for _ in range(2)])
+    with pytest.raises(ValueError, match=r"gmm_map_em\(K=3, d=2\): a client's rows have shape .*\(8, 5\)"):
+        FedMM(GMM).init(random.key(0), wide, S0)
+    with pytest.raises(ValueError, match="feature dimension"):
+        SASSMM(GMM).init(random.key(0), np.zeros((8, 5), np.float32), S0)
+    # a family without checks of its own: the raw shape error of its oracle becomes a ValueError naming both
+    bare = dataclasses.replace(GMM, oracle=lambda theta, rows, mask, key: {"s1": theta - rows[:1],
+                                                                          "s2": jnp.sum(theta, -1)})
+    bare = dataclasses.replace(bare, project=lambda s: s, T=lambda s: s["s1"])
+    with pytest.raises(ValueError, match=r"init_stat .* and client 0's rows \(shapes \(8, 5\)\) do not fit the family"):
+        FedMM(bare).init(random.key(0), wide, S0)
+
+
+def test_bernoulli_one_is_full_participation():
+    engine = FedMM(GMM, participation=Bernoulli(1.0))  # cv_step=0 is valid with full participation
+    result = engine.run(random.key(0), 3, GMM_CLIENTS, S0, progress_bar=False)
+    full = FedMM(GMM, participation=Full()).run(random.key(0), 3, GMM_CLIENTS, S0, progress_bar=False)
+    np.testing.assert_allclose(result.params, full.params, rtol=1e-6)
+    with pytest.raises(ValueError, match="cv_step=0"):
+        FedMM(GMM, participation=Bernoulli(0.5))
+
+
+def test_cv_step_above_its_bound_is_refused():
+    with pytest.raises(ValueError, match=r"cv_step=0.9 exceeds its bound 1/\(1\+ω_p\) = 0.5 .*p = 0.5"):
+        FedMM(GMM, cv_step=0.9, participation=FixedSize(2)).init(random.key(0), GMM_CLIENTS, S0)
+    with pytest.raises(ValueError, match="cv_step=5.0 exceeds its bound"):
+        FedMM(GMM, cv_step=5.0, participation=Bernoulli(0.5)).run(random.key(0), 5, GMM_CLIENTS, S0,
+                                                                   progress_bar=False)
+    FedMM(GMM, cv_step=0.5, participation=FixedSize(2)).init(random.key(0), GMM_CLIENTS, S0)  # at the bound: fine
+
+
+def test_fedmm_nan_stop_returns_the_last_finite_state():
+    # Remark 1's toy whose objective is NaN once θ > 0.5: the rounds themselves stay finite (s: 9 → 5 → 3 → 2, θ =
+    # 1/√s), so the run must stop at the first NaN loss (round 2, θ_2 = 1/√3) with the state of that round
+    toy = remark1_toy()
+    fam = dataclasses.replace(toy, objective=lambda th, z, m: jnp.where(th > 0.5, jnp.nan, toy.objective(th, z, m)))
+    clients = ClientData.from_list([np.ones(6, np.float32), np.ones(6, np.float32)])
+    engine = FedMM(fam, step_size=0.5, log_every=1)
+    with pytest.warns(RuntimeWarning, match="last finite state"):
+        result = engine.run(random.key(0), 10, clients, 9.0, progress_bar=False)
+    assert result.diagnostics["stop_reason"] == "non_finite" and result.diagnostics["non_finite_step"] == 2
+    assert int(result.state.step) == 2 and np.isfinite(result.params)
+    two = engine.run(random.key(0), 2, clients, 9.0, progress_bar=False)
+    for a, b in zip(jax.tree.leaves(result.state), jax.tree.leaves(two.state)):
+        if jnp.issubdtype(jnp.asarray(a).dtype, jnp.inexact):
+            np.testing.assert_array_equal(a, b)
+    assert float(result.params) == pytest.approx(1 / math.sqrt(3), rel=1e-6)
+    # a round whose new iterate is NaN (no projection, s < 0): the run returns Ŝ_0, θ_0
+    negative = ClientData.from_list([np.full(6, -1.0, np.float32), np.full(6, -9.0, np.float32)])
+    with pytest.warns(RuntimeWarning, match="last finite state"):
+        result = FedMM(toy, step_size=0.5, projection=lambda s: s).run(random.key(0), 5, negative, 2.0,
+                                                                        progress_bar=False)
+    assert int(result.state.step) == 0 and float(result.params) == pytest.approx(1 / math.sqrt(2), rel=1e-6)
+
+
+def test_non_finite_data_is_refused_by_every_engine():
+    bad_x = with_nan(X)
+    nan_msg = "holds NaN or inf values"
+    clients_nan = ClientData(GMM_CLIENTS.data.at[0, 0, 0].set(jnp.inf), GMM_CLIENTS.mask, GMM_CLIENTS.counts)
+    rows = ClientData.from_list(CLIENT_ROWS)
+    rows_nan = ClientData(rows.data.at[1, 2].set(jnp.nan), rows.mask, rows.counts)  # built around from_list's check
+    guide = AutoNormal(normal_mean)
+    fed = {"local_steps": 2, "step_size": 0.01}
+    cases = {
+        "PDVI": lambda: nfv.PDVI(normal_mean, guide, num_partitions=3, eta=0.1).init(random.key(0), bad_x),
+        "PDVI static": lambda: nfv.PDVI(normal_mean, guide, num_partitions=3, eta=0.1, x=bad_x),
+        "MPSGD": lambda: nfv.MPSGD(normal_mean, nfv.AutoLocationScale(normal_mean)).run(random.key(0), 2, x=bad_x),
+        "MPSGD static": lambda: nfv.MPSGD(normal_mean, nfv.AutoLocationScale(normal_mean), x=bad_x),
+        "FedMM": lambda: FedMM(GMM).init(random.key(0), clients_nan, S0),
+        "SASSMM": lambda: SASSMM(GMM).init(random.key(0), with_nan(np.zeros((4, D))), S0),
+        "FedSVI": lambda: FedSVI(normal_mean, guide, rho=0.1, num_clients=3).init(random.key(0), bad_x),
+        "FedSVI rows": lambda: FedSVI(normal_mean, guide, rho=0.1, clients=rows_nan),
+        "FedLocalVI": lambda: nfv.FedLocalVI(normal_mean, guide, Trace_ELBO(), num_clients=3, **fed).init(
+            random.key(0), bad_x),
+        "FedLocalVI rows": lambda: nfv.FedLocalVI(normal_mean, guide, Trace_ELBO(), clients=rows_nan, **fed),
+        "RobustFedVI rows": lambda: nfv.RobustFedVI(normal_mean, guide, Trace_ELBO(), clients=rows_nan, tau=1.0,
+                                                    **fed),
+    }
+    failures = []
+    for name, call in cases.items():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                call()
+            except ValueError as err:
+                if nan_msg not in str(err):
+                    failures.append(f"{name}: {err}")
+            else:
+                failures.append(f"{name}: no error")
+    assert not failures, failures
+
+
+def test_fedsvi_rho_must_be_positive_and_finite():
+    guide = AutoNormal(normal_mean)
+    for bad in (0.0, math.inf, -1.0):
+        with pytest.raises(ValueError, match="rho must be a positive finite float"):
+            FedSVI(normal_mean, guide, rho=bad, num_clients=3)
+    with pytest.raises(TypeError, match=r"rho must be a positive finite float .*got \[0.1\]"):
+        FedSVI(normal_mean, guide, rho=[0.1], num_clients=3)
