@@ -95,7 +95,7 @@ def test_errors_and_warnings(gmm):
         FedMM(fam).init(random.key(0), np.zeros((4, 2)), s0)
     with pytest.raises(ValueError, match="init_stat"):
         FedMM(fam).run(random.key(0), 2, cd)
-    with pytest.warns(UserWarning, match="1/\\(1\\+ω_p\\)"):
+    with pytest.raises(ValueError, match="1/\\(1\\+ω_p\\)"):
         FedMM(fam, cv_step=0.9, participation=FixedSize(2)).init(random.key(0), cd, s0)
     with pytest.raises(ValueError, match="FixedSize|clients|m"):
         FedMM(fam, cv_step=0.1, participation=FixedSize(9)).init(random.key(0), cd, s0)
