@@ -408,7 +408,7 @@ def apply_client_update(V_clients, target, increments):
 
 def fedmm_step(state: FedMMState, family: SurrogateFamily, client_data: ClientData, *, step_size_fn, alpha,
                participation: Participation, compressor: Compressor, batch_size: int | None = None,
-               aggregate: str = "surrogate", with_objective: bool = True, guard: bool = False):
+               aggregate: str = "surrogate", with_objective: bool = True, guard: bool = False, accept=True):
     """One round of FedMM (specs/fedmm.md Algorithm 2, masked Algorithm-4 form).
 
     Surrogate aggregation (the method): :func:`fedmm_direction` gives ``H`` and the new control variates, then
@@ -429,6 +429,8 @@ def fedmm_step(state: FedMMState, family: SurrogateFamily, client_data: ClientDa
         ``log_every`` rounds).
     :param guard: a round with a non-finite direction or new iterate changes nothing (the state comes back as it
         was, except the step counter) and ``info["ok"]`` says so — O(m) work, no copy of the client table.
+    :param accept: with ``guard``, a (traced) bool: False drops the round like a non-finite one (e.g. an engine
+        whose logged loss at θ_t is not finite).
     :returns: ``(state, info)``; info: ``E_s = ‖Ŝ_{t+1} − Ŝ_t‖²/γ²`` and ``E_ps = ‖θ_{t+1} − θ_t‖²/γ²``
         (surrogate) or ``E_p = ‖θ_{t+1} − θ_t‖²/γ²`` (parameter), ``num_active`` and, when the family has an
         objective and ``with_objective``, ``objective = Σ_i μ_i objective(θ_t, rows_i, mask_i)`` over ALL rows at
@@ -448,7 +450,7 @@ def fedmm_step(state: FedMMState, family: SurrogateFamily, client_data: ClientDa
         info["objective"] = full_objective(family, state.theta, client_data)
     V, V_clients = d.V, d.V_clients
     if guard:
-        ok = _all_finite((d.H, s_new, theta_new, d.V))
+        ok = _all_finite((d.H, s_new, theta_new, d.V)) & accept
         keep = lambda new, old: _tmap(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa: E731
         s_new, theta_new, V = keep(s_new, state.s), keep(theta_new, state.theta), keep(V, state.V)
         target, increments = d.client_update

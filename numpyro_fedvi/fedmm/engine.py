@@ -338,14 +338,15 @@ class FedMM(_Engine):
             loss = jax.lax.cond(state.step % self.log_every == 0, lambda th: objective(th).astype(dtype),
                                 lambda th: state.objective, state.theta)
             # the run loop's guarded-step convention: a round whose loss (at θ_t, before the update) is not finite
-            # changes nothing either, so the NaN stop returns the last finite state with its own step counter.  The
-            # core's guard drops a round whose new iterate is not finite (O(m), no copy of the client table): such a
-            # round gets a NaN step size and M-step.
-            family, step_size = _poisoned(family, step_size, jnp.isfinite(loss))
+            # changes nothing either (the core's guard, O(m)), so the NaN stop returns the last finite state with
+            # its own step counter
+            accept = jnp.isfinite(loss)
+        else:
+            accept = True
         new, info = fedmm_step(state, family, client_data, step_size_fn=step_size, alpha=self.cv_step,
                                participation=self.participation, compressor=self.compressor,
                                batch_size=self._core_batch_size(inputs), aggregate=self.aggregate,
-                               with_objective=False, guard=True)
+                               with_objective=False, guard=True, accept=accept)
         if objective is None:
             return new, info.get("E_s", info.get("E_p")), info["ok"]
         ok = info["ok"] & jnp.isfinite(loss)
@@ -365,21 +366,6 @@ class FedMM(_Engine):
         if objective is not None:
             return objective(state.theta)
         return full_objective(self._family_for(inputs), state.theta, self._data_of(inputs))
-
-
-def _poisoned(family: SurrogateFamily, step_size, ok):
-    """``(family, step size)`` whose M-step ``T`` and step size are NaN where ``ok`` is False (a traced bool): the
-    round's new iterate is then not finite in either aggregation, and the core's guard keeps the state."""
-    def nan_unless_ok(x):
-        return jnp.where(ok, x, jnp.nan) if jnp.issubdtype(jnp.result_type(x), jnp.inexact) else x
-
-    def T(s):
-        return jax.tree.map(nan_unless_ok, family.T(s))
-
-    def gamma(t):
-        return nan_unless_ok(jnp.asarray(step_size(t) if callable(step_size) else step_size, jnp.result_type(float)))
-
-    return dataclasses.replace(family, T=T), gamma
 
 
 def _num_rows(data) -> int:
