@@ -281,7 +281,6 @@ class FedMMStrategy(_strategy_base()):
         if isinstance(num_clients, bool) or not isinstance(num_clients, (int, np.integer)) or num_clients < 1:
             raise ValueError(f"num_clients must be an int >= 1, got {num_clients!r}.")
         self.engine, self.num_clients, self.timeout = engine, int(num_clients), float(timeout)
-        engine.participation.validate(self.num_clients)
         self.family = _server_family(engine)
         if isinstance(engine, FedSVI):
             if init_stat is not None:
@@ -294,7 +293,9 @@ class FedMMStrategy(_strategy_base()):
             if init_stat is None:
                 raise ValueError("FedMMStrategy needs init_stat (the initial statistic Ŝ_0), as FedMM.run.")
             self.structure, self.to_params = None, engine.to_params
-        s0 = self.family.project(jax.tree.map(jnp.asarray, strong_types(init_stat)))
+        init_stat = strong_types(init_stat)
+        engine.check_settings(self.family, init_stat, self.num_clients)
+        s0 = self.family.project(jax.tree.map(jnp.asarray, init_stat))
         theta0 = self.family.T(s0)
         x0 = s0 if engine.aggregate == "surrogate" else theta0
         V0 = jax.tree.map(jnp.zeros_like, x0)

@@ -311,9 +311,14 @@ class FedMM(_Engine):
     def _init_state(self, rng_key, inputs, init_stat) -> FedMMState:
         client_data, family = self._data_of(inputs), self._family_for(inputs, exact=True)
         init_stat = strong_types(init_stat)
-        n = client_data.num_clients
-        self.participation.validate(n)
-        p = float(self.participation.prob(n))
+        self.check_settings(family, init_stat, client_data.num_clients)
+        return fedmm_init(family, init_stat, client_data, rng_key, self.init_control_variates, self.aggregate)
+
+    def check_settings(self, family: SurrogateFamily, init_stat, num_clients: int) -> None:
+        """The participation law against ``num_clients`` and α ≤ 1/(1+ω_p) (ω: the compressor's variance factor on
+        the messages' space, p: the inclusion probability), before anything runs (in process or on Flower)."""
+        self.participation.validate(num_clients)
+        p = float(self.participation.prob(num_clients))
         s0 = family.project(jax.tree.map(jnp.asarray, init_stat))
         omega = float(self.compressor.omega(s0 if self.aggregate == "surrogate" else family.T(s0)))
         omega_p = omega + (1 - p) * (1 + omega) / p
@@ -321,7 +326,6 @@ class FedMM(_Engine):
             raise ValueError(f"cv_step={self.cv_step} exceeds its bound 1/(1+ω_p) = {1 / (1 + omega_p):.3g} (ω = "
                              f"{omega:.3g}, p = {p:.3g}): the control variates overshoot and the run diverges. Use "
                              f"cv_step <= {1 / (1 + omega_p):.3g}.")
-        return fedmm_init(family, init_stat, client_data, rng_key, self.init_control_variates, self.aggregate)
 
     def _step(self, state: FedMMState, inputs):
         """One round: ``(state, loss)``.  The loss is the full objective at θ_t (before the update, like
