@@ -3,6 +3,7 @@
 Use them where you use ``numpyro.infer.SVI``: same model, same guide, same ``init/update/run/get_params``.
 """
 
+from .checkpoint import Checkpoint, CheckpointError, load, save
 from .datatree import compare_posteriors, to_datatree
 from .federated import ClientData
 from .fedlocalvi import FedLocalVI
@@ -18,6 +19,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AutoLocationScale",
+    "Checkpoint",
+    "CheckpointError",
     "ClientData",
     "FedLocalVI",
     "FedMM",
@@ -34,6 +37,8 @@ __all__ = [
     "RobustFedVI",
     "RunResult",
     "inspect_model",
+    "load",
+    "save",
     "make_partitions",
     "robust_federated_vi",
     "compare_posteriors",

@@ -178,7 +178,10 @@ def run_loop(
     :param progress_bar: show a tqdm bar updated between chunks (with the last loss).  ``False`` runs one
         compiled loop unless callbacks ask for chunks.
     :param callbacks: host functions ``cb(step, state, losses)`` called after each chunk; a truthy return
-        stops the run.  ``losses`` holds the losses of all steps run so far.
+        stops the run.  ``losses`` holds the losses of all steps run so far.  A callback with an integer attribute
+        ``every`` is also called after every multiple of ``every`` steps (chunks are cut there); one with a method
+        ``start_run(get_params=..., num_steps=...)`` gets it called before the first step (e.g.
+        :class:`numpyro_fedvi.Checkpoint`).
     :param early_stopping: an :class:`EarlyStopping` rule (evaluated inside the compiled loop).
     :param stable_update: skip non-finite steps instead of stopping at the first one.
     :param chunk_size: steps per compiled chunk (default: ``ceil(num_steps / 50)`` steps, at most 256, with a bar
@@ -216,9 +219,13 @@ def run_loop(
     stop_reason = COMPLETED
     bar = tqdm(total=num_steps, desc=desc or None, disable=not progress_bar, leave=True)
     done = 0
+    every = [int(cb.every) for cb in callbacks if getattr(cb, "every", None)]
+    for cb in callbacks:
+        if hasattr(cb, "start_run"):
+            cb.start_run(get_params=get_params, num_steps=num_steps)
     try:
         while done < num_steps:
-            pending = [k for k, _ in hooks if k > done]
+            pending = [k for k, _ in hooks if k > done] + [done - done % k + k for k in every]
             stop_at = jnp.asarray(min([done + per_chunk, num_steps] + pending))
             new_carry, chunk_losses, steps = chunk(carry, stop_at, arrays, static)
             steps = int(steps)  # waits for the chunk: an interrupt before this line keeps the previous carry
