@@ -232,22 +232,26 @@ class FedLocalVI:
     def _plate_mode(self) -> bool:
         return self._plate_clients is not None
 
-    def _setup(self, rng_key, args, kwargs, init_params=None):
-        kw = {**kwargs, **self.static_kwargs}
-        if self._plate_mode:
-            structure = inspect_model(self.model, self.guide, rng_key, args, kw, data_plate=self.data_plate,
-                                      init_params=init_params)
-            plate = structure.data_plate
-            clients = ClientData.from_plate(plate.size, *self._plate_clients, plate_name=plate.name)
-        else:
-            structure = inspect_model(self.model, self.guide, rng_key, (self.clients.client(0), *args), kw,
-                                      data_plate=self.data_plate, init_params=init_params)
+    def inspect(self, rng_key, args, kwargs, init_params=None):
+        """Trace model and guide once on the model's arguments and check the guide (global params only): the
+        model's structure (also what a Flower server and client build, each on the arguments it has)."""
+        structure = inspect_model(self.model, self.guide, rng_key, args, {**kwargs, **self.static_kwargs},
+                                  data_plate=self.data_plate, init_params=init_params)
         if structure.local_names:
             raise ValueError(f"{type(self).__name__} supports guides with global params only; local params "
                              f"{list(structure.local_names)} live inside the data plate {structure.data_plate.name!r} "
                              "(use PDVI for local latents).")
         if not structure.init_global:
             raise ValueError("the guide has no numpyro.param sites to optimise.")
+        return structure
+
+    def _setup(self, rng_key, args, kwargs, init_params=None):
+        if self._plate_mode:
+            structure = self.inspect(rng_key, args, kwargs, init_params)
+            plate = structure.data_plate
+            clients = ClientData.from_plate(plate.size, *self._plate_clients, plate_name=plate.name)
+        else:
+            structure = self.inspect(rng_key, (self.clients.client(0), *args), kwargs, init_params)
         if self._plate_mode:
             self.clients, self.num_total = clients, plate.size
             self._block_loss = block_loss_fn(self.elbo, self.model, self.guide, structure, self.static_kwargs)
@@ -292,15 +296,16 @@ class FedLocalVI:
             rows, mask = client_minibatch(bkey, rows, mask, self.batch_size, replace=replace)
         return rows, mask, key if mc_key is None else mc_key
 
-    def _operator(self, loss, mc_key, cd: ClientData) -> vs.Operator:
-        """``V_m(θ) = M μ_m ∇_θ F_m(θ)`` on client m's rows."""
-        weight = cd.num_clients * cd.weights
+    def _operator(self, loss, mc_key, cd: ClientData, weight=None, row=lambda m: m) -> vs.Operator:
+        """``V_m(θ) = M μ_m ∇_θ F_m(θ)`` on client m's rows (row ``row(m)`` of ``cd`` and of ``weight`` = M μ, by
+        default ``cd``'s own; a Flower client holds only its own row 0)."""
+        weight = cd.num_clients * cd.weights if weight is None else weight
         grad = jax.grad(loss, argnums=1)
 
         def operator(theta, key, m):
-            rows, mask, key = self._rows(key, m, mc_key, cd)
+            rows, mask, key = self._rows(key, row(m), mc_key, cd)
             g = grad(key, theta, rows, mask)
-            return jax.tree.map(lambda gi: weight[m].astype(gi.dtype) * gi, g)
+            return jax.tree.map(lambda gi: weight[row(m)].astype(gi.dtype) * gi, g)
 
         return operator
 

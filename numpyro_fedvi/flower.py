@@ -27,6 +27,7 @@ computes its message unbatched, the in-process engine vmapped).
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import time
@@ -47,13 +48,16 @@ from .fedmm.core import (
     round_clients,
     server_update,
 )
+from . import vi_solvers as vs
+from .federated import ClientData
+from .fedlocalvi import FedLocalVI
 from .fedmm.engine import FedMM, strong_types
 from .fedmm.fedsvi import FedSVI
 from .inputs import prepare_inputs
 from .objectives import block_loss_fn
 from .runner import RunResult
 
-__all__ = ["LOCAL_SIMULATION", "FedMMStrategy", "from_record", "make_client_app", "make_server_app", "simulate",
+__all__ = ["LOCAL_SIMULATION", "FedLocalVIStrategy", "FedMMStrategy", "from_record", "make_client_app", "make_server_app", "simulate",
            "to_record"]
 
 log = logging.getLogger("numpyro_fedvi.flower")
@@ -140,34 +144,29 @@ def from_record(record, template, *, check_finite: bool = False):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# FedMM / FedSVI over Flower
+# client side
 # ----------------------------------------------------------------------------------------------------------
 
-_CV, _PENDING, _META = "numpyro_fedvi.cv", "numpyro_fedvi.pending", "numpyro_fedvi.meta"
+_STATE = "numpyro_fedvi.state"    # a client's persistent arrays (Context.state)
+_META = "numpyro_fedvi.meta"      # its persistent scalars
 
 
-def _check_engine(engine):
-    if not isinstance(engine, FedMM):
-        raise TypeError(f"engine must be a numpyro_fedvi FedMM or FedSVI, got {type(engine).__name__}.")
-    if engine.init_control_variates != "zero":
-        raise ValueError("over Flower the control variates start at zero (init_control_variates='zero'); 'full' "
-                         "needs an exact pass over every client before round 1, which the strategy does not run.")
+def _zeros(template):
+    return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), template)
 
 
-def _server_family(engine) -> SurrogateFamily:
-    """The family the server needs: ``T`` and the projection (the server never calls the oracle)."""
-    if isinstance(engine, FedSVI):
-        return engine.plate_family(None, 1, True, (), {})
-    return engine.family
+def _model_inputs(data):
+    """A client's ``data_fn`` result as the model's ``(args, kwargs)``: a tuple of positional arguments."""
+    return prepare_inputs(tuple(data) if isinstance(data, (tuple, list)) else (data,), {})
 
 
-class _ClientSetup:
-    """What one client needs, built once per process from its own data: its family, rows, mask and the jitted
-    message (``client_message`` with the engine's settings)."""
+class _FedMMClient:
+    """FedMM / FedSVI client: :func:`client_message` on the client's own rows; the control variate V_{t,i} is
+    committed ``(α/p) q_i`` once the server reports the reply accepted."""
 
-    def __init__(self, engine, data, num_total: int, stat_template):
+    def __init__(self, engine, data, num_total: int, num_clients: int, stat_template):
         if isinstance(engine, FedSVI):
-            args, kwargs = prepare_inputs(tuple(data) if isinstance(data, (tuple, list)) else (data,), {})
+            args, kwargs = _model_inputs(data)
             structure = engine.inspect(random.key(0), args, kwargs)
             plate = structure.data_plate
             block_loss = block_loss_fn(engine.elbo, engine.model, engine.guide, structure, engine.static_kwargs)
@@ -191,63 +190,164 @@ class _ClientSetup:
                                        batch_size=batch_size, aggregate=engine.aggregate))
         self.objective = None if self.family.objective is None else jax.jit(self.family.objective)
 
+    def train(self, i, b, cfg, state):
+        """``(reply arrays, metrics)``; ``state`` is the client's ``Context.state``."""
+        keep = {"V": self.x_template, "pending": self.x_template}
+        saved = from_record(state[_STATE], keep) if _STATE in state else {"V": _zeros(self.x_template)}
+        V = saved["V"]
+        if "pending" in saved and int(state[_META]["pending-round"]) == int(cfg["accepted-round"]):
+            V = jax.tree.map(jnp.add, V, saved["pending"])   # the server accepted the last reply: commit its step
+        q = self.message(b["theta"], b["x"], V, self.rows, self.mask, b["round_key"], i)
+        pending = jax.tree.map(lambda x: float(cfg["cv-scale"]) * x, q)
+        _save(state, {"V": V, "pending": pending}, {"pending-round": int(cfg["round"])})
+        metrics = {}
+        if bool(cfg["log"]) and self.objective is not None:
+            metrics["objective"] = float(self.objective(b["theta"], self.rows, self.mask))
+        return q, metrics
 
-_CLIENTS: dict = {}  # per process: (app token, partition id, N) -> _ClientSetup
+
+class _FedLocalVIClient:
+    """FedLocalVI client: the engine's solver runs the round's K local steps for this client alone (a one-client
+    ``VIState`` holding ``clients=[m]``: the same keys and steps as in process); with drift correction its control
+    variate h_m takes Scaffnew's step from the server's average of the previous round."""
+
+    def __init__(self, engine, data, num_total: int, num_clients: int, stat_template):
+        if not engine._plate_mode:
+            raise ValueError("over Flower, FedLocalVI clients are blocks of the model's data plate (clients= ids or "
+                             "index arrays, or num_clients=); data_fn returns the model's arguments for its rows.")
+        args, kwargs = _model_inputs(data)
+        local = copy.copy(engine)   # this client's view: its own data plate, the federation's N
+        local.structure = engine.inspect(random.key(0), args, kwargs)
+        plate = local.structure.data_plate
+        local._block_loss = block_loss_fn(engine.elbo, engine.model, engine.guide, local.structure,
+                                          engine.static_kwargs)
+        local.num_total = num_total
+        self.engine, self.inputs = local, (None, args, kwargs)
+        self.rows = ClientData.from_plate(plate.size, num_clients=1, plate_name=plate.name)
+        self.num_rows = int(plate.size)
+        self.weight = jnp.asarray([num_clients * plate.size / num_total], jnp.result_type(float))
+        z0 = strong_types(engine._initial_point(local.structure.init_global))
+        self.z_template = z0
+        self.broadcast_template = {"z": z0, "output": z0, "step": jnp.zeros((), jnp.int32),
+                                   "round": jnp.zeros((), jnp.int32), "key": random.key(0)}
+        self.base = engine.solver if engine.drift_correction is None else _base_solver(engine)
+        self.round = jax.jit(self._round)
+
+    def _round(self, b, h, m):
+        """The round's K local steps of client m from the broadcast ``b``, and its objective at ``b["z"]``."""
+        e = self.engine
+        st = vs.VIState(z=jax.tree.map(lambda a: a[None], b["z"]), output=b["output"], anchor=None,
+                        step=b["step"], round=b["round"], key=b["key"], clients=jnp.reshape(m, (1,)))
+        loss = e._client_loss(self.inputs)
+        op = e._operator(loss, e._mc_key(st), self.rows, self.weight, row=lambda _: 0)
+        if h is not None:
+            op = vs.corrected_operator(op, jax.tree.map(lambda a: a[None], h), row=lambda _: 0)
+        new, _ = self.base.round(st, op)
+        objective = loss(e._eval_key(st), e._theta(b["z"]), self.rows.data[0], self.rows.mask[0])
+        return jax.tree.map(lambda a: a[0], new.z), new.output, objective
+
+    def train(self, i, b, cfg, state):
+        e = self.engine
+        keep = {"h": self.z_template, "presync": self.z_template}
+        saved = from_record(state[_STATE], keep) if _STATE in state else {"h": _zeros(self.z_template)}
+        h = saved["h"]
+        if "presync" in saved and int(b["round"]) == int(state[_META]["round"]) + 1:
+            # Scaffnew's step with the server's average of the round this client's presync value came from
+            h = vs.control_update(h, saved["presync"], b["z"], e.local_steps, e.step_size, e.control_step)
+        z, output, objective = self.round(b, h if e.drift_correction else None, i)
+        _save(state, {"h": h, "presync": z}, {"round": int(b["round"])})
+        return {"z": z, "output": output}, {"objective": float(objective)}
+
+
+def _base_solver(engine):
+    """The solver without its drift correction (a Flower client applies the correction itself)."""
+    return vs.local_sgd(engine.step_size, engine.local_steps) if engine.method == "local_sgd" else (
+        vs.lippax(engine.step_size, engine.local_steps, engine.L, engine.inner_steps) if engine.method == "lippax"
+        else vs.slippax(engine.step_size, engine.local_steps, engine.L, engine.inner_steps, engine.sigma,
+                        delta=engine.delta))
+
+
+def _server_family(engine) -> SurrogateFamily:
+    """The family the server needs: ``T`` and the projection (the server never calls the oracle)."""
+    if isinstance(engine, FedSVI):
+        return engine.plate_family(None, 1, True, (), {})
+    return engine.family
+
+
+def _save(state, arrays: dict, meta: dict):
+    from flwr.app import ConfigRecord
+
+    state[_STATE] = to_record(arrays)
+    state[_META] = ConfigRecord(meta)
+
+
+def _client_type(engine):
+    """The client protocol of ``engine`` (or a clear error for an engine that has none over Flower)."""
+    if isinstance(engine, FedMM):
+        if engine.init_control_variates != "zero":
+            raise ValueError("over Flower the control variates start at zero (init_control_variates='zero'); "
+                             "'full' needs an exact pass over every client before round 1, which the strategy does "
+                             "not run.")
+        return _FedMMClient
+    if isinstance(engine, FedLocalVI):
+        if type(engine) is not FedLocalVI or engine.method not in _SINGLE_SYNC:
+            raise ValueError(f"over Flower, FedLocalVI runs the methods that synchronise once per round "
+                             f"{_SINGLE_SYNC}; method={engine.method!r} (or RobustFedVI) averages twice within the "
+                             "last local step and has no Flower strategy yet.")
+        return _FedLocalVIClient
+    raise TypeError(f"engine must be a numpyro_fedvi FedMM, FedSVI or FedLocalVI, got {type(engine).__name__}.")
+
+
+_SINGLE_SYNC = ("local_sgd", "lippax", "slippax")
+_CLIENTS: dict = {}  # per process: (app token, partition id, N) -> client protocol
 
 
 def make_client_app(engine, data_fn: Callable, *, stat_template=None):
     """A Flower ``ClientApp`` running ``engine``'s client step on the node's own data.
 
-    :param engine: the ``FedSVI`` (model, guide, ELBO and settings: the same object the user runs in process) or
-        ``FedMM`` (family and settings) whose rounds the server's :class:`FedMMStrategy` drives.
-    :param data_fn: ``data_fn(context) -> data``: FedSVI: the model's positional arguments for this client's rows
-        (a tuple, e.g. ``(X_i, y_i)``; the model's data plate then holds N_i rows); FedMM: the client's rows (a pytree
-        with a leading row axis).  The client index is ``context.node_config["partition-id"]``.
+    :param engine: the ``FedSVI`` or ``FedLocalVI`` (model, guide, ELBO and settings: the same object the user runs
+        in process) or ``FedMM`` (family and settings) whose rounds the server's strategy drives.
+    :param data_fn: ``data_fn(context) -> data``: FedSVI / FedLocalVI: the model's positional arguments for this
+        client's rows (a tuple, e.g. ``(X_i, y_i)``; the model's data plate then holds N_i rows); FedMM: the
+        client's rows (a pytree with a leading row axis).  The client index is ``context.node_config
+        ["partition-id"]``.
     :param stat_template: FedMM only: a statistic with the structure of Ŝ (e.g. the server's ``init_stat``).
     """
     from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
     from flwr.clientapp import ClientApp
 
-    _check_engine(engine)
+    protocol = _client_type(engine)
     token = os.urandom(8).hex()   # travels with the pickled app: one cache entry per app and client
     app = ClientApp()
 
-    def setup(context, num_total):
+    def setup(context, num_total=1, num_clients=1):
         i = int(context.node_config["partition-id"])
-        key = (token, i, num_total)
+        key = (token, i, num_total, num_clients)
         if key not in _CLIENTS:
-            _CLIENTS[key] = _ClientSetup(engine, data_fn(context), num_total, stat_template)
+            _CLIENTS[key] = protocol(engine, data_fn(context), num_total, num_clients, stat_template)
         return i, _CLIENTS[key]
 
     @app.query()
     def query(msg, context):
-        i, c = setup(context, 1)
+        i, c = setup(context)
         return Message(RecordDict({"meta": ConfigRecord({"partition-id": i, "num-rows": c.num_rows})}), reply_to=msg)
 
     @app.train()
     def train(msg, context):
         cfg = msg.content["config"]
-        t, num_total = int(cfg["round"]), int(cfg["num-total"])
-        i, c = setup(context, num_total)
+        i, c = setup(context, int(cfg["num-total"]), int(cfg["num-clients"]))
         b = from_record(msg.content["broadcast"], c.broadcast_template)
-        state = context.state
-        V = (from_record(state[_CV], c.x_template) if _CV in state
-             else jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), c.x_template))
-        if _PENDING in state:   # commit the last reply's control-variate step once the server has accepted it
-            if int(state[_META]["pending-round"]) == int(cfg["accepted-round"]):
-                V = jax.tree.map(jnp.add, V, from_record(state[_PENDING], c.x_template))
-            del state[_PENDING]
-        q = c.message(b["theta"], b["x"], V, c.rows, c.mask, b["round_key"], i)
-        state[_CV] = to_record(V)
-        state[_PENDING] = to_record(jax.tree.map(lambda x: float(cfg["cv-scale"]) * x, q))
-        state[_META] = ConfigRecord({"pending-round": t})
-        metrics = {"num-rows": c.num_rows}
-        if bool(cfg["log"]) and c.objective is not None:
-            metrics["objective"] = float(c.objective(b["theta"], c.rows, c.mask))
-        return Message(RecordDict({"message": to_record(q), "meta": ConfigRecord({"partition-id": i, "round": t}),
+        reply, metrics = c.train(i, b, cfg, context.state)
+        return Message(RecordDict({"message": to_record(reply),
+                                   "meta": ConfigRecord({"partition-id": i, "round": int(cfg["round"])}),
                                    "metrics": MetricRecord(metrics)}), reply_to=msg)
 
     return app
+
+
+# ----------------------------------------------------------------------------------------------------------
+# server side
+# ----------------------------------------------------------------------------------------------------------
 
 
 def _strategy_base():
@@ -258,72 +358,51 @@ def _strategy_base():
     return Strategy
 
 
-class FedMMStrategy(_strategy_base()):
-    """A Flower ``Strategy`` running FedMM / FedSVI rounds (see the module docstring).
+class _EngineStrategy(_strategy_base()):
+    """The shared Flower machinery: the set-up handshake, one message per active client, replies checked and
+    dropped with a reason, the losses and the result.  Subclasses give the round's clients, the broadcast, the
+    reply template and the server step."""
 
-    :param engine: a ``FedSVI`` or ``FedMM`` (its step size, ``cv_step``, participation, compressor, batch size,
-        aggregate, projection and ``log_every`` are the round's settings).
-    :param rng_key: the run's key, as ``engine.run(rng_key, ...)``: with the same key, participation and data the
-        rounds equal the in-process run's.
-    :param args: FedSVI: model arguments used only to trace the model for its params' names, shapes, constraints
-        and init values (any rows with the clients' trailing shapes, e.g. one synthetic row); FedMM: none.
-    :param num_clients: n, the number of clients (nodes with ``partition-id`` 0..n−1).
-    :param init_stat: FedMM: the initial statistic Ŝ_0 (as ``FedMM.run``); FedSVI: the guide's init (default).
-    :param timeout: seconds to wait for the nodes to come up and for each round's replies.
-
-    After ``start`` (or :func:`simulate`): :meth:`result` (a ``RunResult``), ``state`` (the server's
-    ``FedMMState``; ``V_clients`` lives on the clients) and ``dropped`` (``(round, client, reason)`` per dropped
-    reply).
-    """
-
-    def __init__(self, engine, rng_key, *args, num_clients: int, init_stat=None, timeout: float = 600.0, **kwargs):
-        _check_engine(engine)
+    def __init__(self, engine, num_clients: int, timeout: float):
+        _client_type(engine)
         if isinstance(num_clients, bool) or not isinstance(num_clients, (int, np.integer)) or num_clients < 1:
             raise ValueError(f"num_clients must be an int >= 1, got {num_clients!r}.")
         self.engine, self.num_clients, self.timeout = engine, int(num_clients), float(timeout)
-        self.family = _server_family(engine)
-        if isinstance(engine, FedSVI):
-            if init_stat is not None:
-                raise ValueError("FedSVI starts from the guide's init params; pass init_params through the guide.")
-            build_key, rng_key = random.split(rng_key)
-            args, kwargs = prepare_inputs(args, kwargs)
-            self.structure = engine.inspect(build_key, args, kwargs)
-            init_stat, self.to_params = self.structure.init_global, self.structure.constrain_global
-        else:
-            if init_stat is None:
-                raise ValueError("FedMMStrategy needs init_stat (the initial statistic Ŝ_0), as FedMM.run.")
-            self.structure, self.to_params = None, engine.to_params
-        init_stat = strong_types(init_stat)
-        engine.check_settings(self.family, init_stat, self.num_clients)
-        s0 = self.family.project(jax.tree.map(jnp.asarray, init_stat))
-        theta0 = self.family.T(s0)
-        x0 = s0 if engine.aggregate == "surrogate" else theta0
-        V0 = jax.tree.map(jnp.zeros_like, x0)
-        self.state = FedMMState(s0, theta0, V0, (), jnp.asarray(0, jnp.int32), rng_key,
-                                jnp.zeros((), jnp.result_type(float)))
-        self.p = float(engine.participation.prob(self.num_clients))
         self.nodes: dict[int, int] = {}
         self.counts = None
-        self.accepted = np.full(self.num_clients, -1, np.int64)
         self.dropped: list[tuple[int, int | None, str]] = []
         self.losses: list[float] = []
         self._loss = float("nan")
         self._round = None
-        self._clients = jax.jit(partial(round_clients, engine.participation, self.num_clients))
-        self._server = jax.jit(partial(_server_round, self.family, engine.step_size, engine.cv_step, self.p,
-                                       engine.aggregate))
 
-    # -- Flower Strategy ---------------------------------------------------------------------------------------
+    # -- hooks ----------------------------------------------------------------------------------------------------
+    def _active(self):           # (round t, idx, valid) of the next round
+        raise NotImplementedError
+
+    def _broadcast(self):        # the pytree every active client receives
+        raise NotImplementedError
+
+    def _config(self, i) -> dict:   # client i's extra config
+        return {}
+
+    def _reply_template(self):
+        raise NotImplementedError
+
+    def _aggregate(self, replies, received) -> bool:   # replies aligned with idx (zeros where none); ok?
+        raise NotImplementedError
+
+    def _log_round(self, t) -> bool:
+        return True
+
+    # -- Flower Strategy ------------------------------------------------------------------------------------------
     def summary(self) -> None:
-        e = self.engine
-        log.info("%s over %d clients: participation %s, compressor %s, cv_step %g, aggregate %s", type(e).__name__,
-                 self.num_clients, e.participation, e.compressor, e.cv_step, e.aggregate)
+        log.info("%s over Flower: %d clients", type(self.engine).__name__, self.num_clients)
 
     def start(self, grid, initial_arrays=None, num_rounds: int = 3, timeout: float | None = None, **kwargs):
         """The set-up handshake (client index and row count of every node), then Flower's round loop."""
         timeout = self.timeout if timeout is None else timeout
         self.handshake(grid, timeout)
-        initial = to_record(self.state.theta) if initial_arrays is None else initial_arrays
+        initial = to_record(self._broadcast()) if initial_arrays is None else initial_arrays
         return super().start(grid, initial, num_rounds=num_rounds, timeout=timeout, **kwargs)
 
     def handshake(self, grid, timeout: float | None = None) -> None:
@@ -359,17 +438,12 @@ class FedMMStrategy(_strategy_base()):
 
         if self.counts is None:
             raise RuntimeError("call handshake(grid) (start does) before the first round.")
-        s, e = self.state, self.engine
-        t = int(s.step)
-        kt = random.fold_in(s.rng_key, t)
-        idx, valid = (np.asarray(a) for a in self._clients(kt))
-        self._round = (t, idx, valid)
-        x = s.s if e.aggregate == "surrogate" else s.theta
-        payload = to_record({"theta": s.theta, "x": x, "round_key": kt})
+        t, idx, valid = self._round = self._active()
+        payload = to_record(self._broadcast())
         messages = []
         for i in idx[valid].tolist():
-            cfg = ConfigRecord({"round": t, "cv-scale": e.cv_step / self.p, "accepted-round": int(self.accepted[i]),
-                                "num-total": int(self.counts.sum()), "log": t % e.log_every == 0})
+            cfg = ConfigRecord({"round": t, "num-total": int(self.counts.sum()), "num-clients": self.num_clients,
+                                "log": self._log_round(t), **self._config(i)})
             messages.append(Message(RecordDict({"broadcast": payload, "config": cfg}), message_type=MessageType.TRAIN,
                                     dst_node_id=self.nodes[i]))
         log.info("round %d: %d clients", t, len(messages))
@@ -380,9 +454,9 @@ class FedMMStrategy(_strategy_base()):
 
         t, idx, valid = self._round
         position = {int(i): k for k, i in enumerate(idx.tolist()) if valid[k]}
-        x = self.state.s if self.engine.aggregate == "surrogate" else self.state.theta
-        q = [jax.tree.map(jnp.zeros_like, x) for _ in idx]
-        w = np.zeros(len(idx), self.weights.dtype)
+        template = self._reply_template()
+        got = [jax.tree.map(jnp.zeros_like, template) for _ in idx]
+        received = np.zeros(len(idx), bool)
         objectives = {}
         for reply in replies:
             i, reason = self._client_of.get(reply.metadata.src_node_id), None
@@ -393,10 +467,10 @@ class FedMMStrategy(_strategy_base()):
                 i = int(meta["partition-id"])
                 if int(meta["round"]) != t:
                     raise ValueError(f"reply to round {int(meta['round'])} arrived in round {t}")
-                if i not in position or w[position[i]] > 0:
+                if i not in position or received[position[i]]:
                     raise ValueError("not asked this round, or a second reply")
-                q[position[i]] = from_record(reply.content["message"], x, check_finite=True)
-                w[position[i]] = self.weights[i]
+                got[position[i]] = from_record(reply.content["message"], template, check_finite=True)
+                received[position[i]] = True
                 if "objective" in reply.content["metrics"]:
                     objectives[i] = float(reply.content["metrics"]["objective"])
             except KeyError as err:
@@ -406,24 +480,16 @@ class FedMMStrategy(_strategy_base()):
             if reason is not None:
                 self.dropped.append((t, i, reason))
                 log.warning("round %d: dropped the reply of client %s: %s", t, i, reason)
-        answered = int(np.sum(w > 0))
-        stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *q)
-        new, ok = self._server(self.state, stacked, jnp.asarray(w))
-        if bool(ok):
-            self.state = new
-            for i, k in position.items():
-                if w[k] > 0:
-                    self.accepted[i] = t
-        else:   # the core's guard: a non-finite round changes nothing but the round counter
+        stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *got)
+        if not self._aggregate(stacked, received):
             self.dropped.append((t, None, "non-finite server step: round skipped"))
             log.warning("round %d: the aggregated step is not finite; the round is skipped", t)
-            self.state = self.state._replace(step=self.state.step + 1)
         if objectives:
             mu = np.asarray([self.weights[i] for i in objectives])
             self._loss = float(np.dot(mu, list(objectives.values())) / mu.sum())
         self.losses.append(self._loss)
-        return to_record(self.state.theta), MetricRecord({"answered": answered, "asked": len(position),
-                                                          "loss": self._loss})
+        return to_record(self._broadcast()), MetricRecord({"answered": int(received.sum()), "asked": len(position),
+                                                           "loss": self._loss})
 
     def configure_evaluate(self, server_round, arrays, config, grid):
         return []
@@ -431,29 +497,190 @@ class FedMMStrategy(_strategy_base()):
     def aggregate_evaluate(self, server_round, replies):
         return None
 
-    # -- results -----------------------------------------------------------------------------------------------
+    # -- results --------------------------------------------------------------------------------------------------
+    def result(self) -> RunResult:
+        """The run as a ``RunResult``: params, the server state, the losses (the answering clients' objective, see
+        the subclass) and ``diagnostics["dropped"]`` (``(round, client, reason)`` per dropped reply)."""
+        return RunResult(self.get_params(), self.state, jnp.asarray(self.losses),
+                         {"num_steps": len(self.losses), "stop_reason": "completed", "non_finite_step": None,
+                          "skipped_steps": 0, "dropped": list(self.dropped)})
+
+
+class FedMMStrategy(_EngineStrategy):
+    """A Flower ``Strategy`` running FedMM / FedSVI rounds (see the module docstring).
+
+    :param engine: a ``FedSVI`` or ``FedMM`` (its step size, ``cv_step``, participation, compressor, batch size,
+        aggregate, projection and ``log_every`` are the round's settings).
+    :param rng_key: the run's key, as ``engine.run(rng_key, ...)``: with the same key, participation and data the
+        rounds equal the in-process run's.
+    :param args: FedSVI: model arguments used only to trace the model for its params' names, shapes, constraints
+        and init values (any rows with the clients' trailing shapes, e.g. one synthetic row); FedMM: none.
+    :param num_clients: n, the number of clients (nodes with ``partition-id`` 0..n−1).
+    :param init_stat: FedMM: the initial statistic Ŝ_0 (as ``FedMM.run``); FedSVI: the guide's init (default).
+    :param timeout: seconds to wait for the nodes to come up and for each round's replies.
+
+    After ``start`` (or :func:`simulate`): :meth:`result` (a ``RunResult``; its losses are the answering clients'
+    objective at θ_t every ``log_every`` rounds, exact with full participation), ``state`` (the server's
+    ``FedMMState``; ``V_clients`` lives on the clients) and ``dropped``.
+    """
+
+    def __init__(self, engine, rng_key, *args, num_clients: int, init_stat=None, timeout: float = 600.0, **kwargs):
+        if not isinstance(engine, FedMM):
+            raise TypeError(f"FedMMStrategy runs a FedMM or FedSVI engine, got {type(engine).__name__}.")
+        super().__init__(engine, num_clients, timeout)
+        self.family = _server_family(engine)
+        if isinstance(engine, FedSVI):
+            if init_stat is not None:
+                raise ValueError("FedSVI starts from the guide's init params; pass init_params through the guide.")
+            build_key, rng_key = random.split(rng_key)
+            args, kwargs = prepare_inputs(args, kwargs)
+            self.structure = engine.inspect(build_key, args, kwargs)
+            init_stat, self.to_params = self.structure.init_global, self.structure.constrain_global
+        else:
+            if init_stat is None:
+                raise ValueError("FedMMStrategy needs init_stat (the initial statistic Ŝ_0), as FedMM.run.")
+            self.structure, self.to_params = None, engine.to_params
+        init_stat = strong_types(init_stat)
+        engine.check_settings(self.family, init_stat, self.num_clients)
+        s0 = self.family.project(jax.tree.map(jnp.asarray, init_stat))
+        theta0 = self.family.T(s0)
+        x0 = s0 if engine.aggregate == "surrogate" else theta0
+        self.state = FedMMState(s0, theta0, jax.tree.map(jnp.zeros_like, x0), (), jnp.asarray(0, jnp.int32),
+                                rng_key, jnp.zeros((), jnp.result_type(float)))
+        self.p = float(engine.participation.prob(self.num_clients))
+        self.accepted = np.full(self.num_clients, -1, np.int64)
+        self._clients = jax.jit(partial(round_clients, engine.participation, self.num_clients))
+        self._server = jax.jit(partial(_server_round, self.family, engine.step_size, engine.cv_step, self.p,
+                                       engine.aggregate))
+
+    def summary(self) -> None:
+        e = self.engine
+        log.info("%s over %d clients: participation %s, compressor %s, cv_step %g, aggregate %s", type(e).__name__,
+                 self.num_clients, e.participation, e.compressor, e.cv_step, e.aggregate)
+
+    def _x(self):
+        return self.state.s if self.engine.aggregate == "surrogate" else self.state.theta
+
+    def _active(self):
+        t = int(self.state.step)
+        idx, valid = (np.asarray(a) for a in self._clients(random.fold_in(self.state.rng_key, t)))
+        return t, idx, valid
+
+    def _broadcast(self):
+        t = int(self.state.step)
+        return {"theta": self.state.theta, "x": self._x(), "round_key": random.fold_in(self.state.rng_key, t)}
+
+    def _config(self, i):
+        return {"cv-scale": self.engine.cv_step / self.p, "accepted-round": int(self.accepted[i])}
+
+    def _log_round(self, t):
+        return t % self.engine.log_every == 0
+
+    def _reply_template(self):
+        return self._x()
+
+    def _aggregate(self, q, received):
+        t, idx, _ = self._round
+        w = np.where(received, self.weights[np.minimum(idx, self.num_clients - 1)], 0.0).astype(self.weights.dtype)
+        new, ok = self._server(self.state, q, jnp.asarray(w))
+        if bool(ok):
+            self.state = new
+            self.accepted[idx[received]] = t
+        else:   # the core's guard: a non-finite round changes nothing but the round counter
+            self.state = self.state._replace(step=self.state.step + 1)
+        return bool(ok)
+
     def get_params(self, state=None):
         """Constrained guide params (FedSVI) or ``to_params(θ)`` / θ (FedMM) of ``state`` (default: the last)."""
         theta = (self.state if state is None else state).theta
         return self.to_params(theta) if self.to_params is not None else theta
-
-    def result(self) -> RunResult:
-        """The run as a ``RunResult``: params, the server state, the losses (the answering clients' objective at
-        θ_t every ``log_every`` rounds, the last value in between) and ``diagnostics["dropped"]``."""
-        return RunResult(self.get_params(), self.state, jnp.asarray(self.losses),
-                         {"num_steps": len(self.losses), "stop_reason": "completed", "non_finite_step": None,
-                          "skipped_steps": 0, "dropped": list(self.dropped)})
 
 
 def _server_round(family, step_size, alpha, p, aggregate, state, q, weights):
     """The core's server step on the stacked messages: ``(new state, ok)`` (ok: every new value finite)."""
     H, V = collect_messages(state.V, q, weights, p, alpha)
     s, theta, _ = server_update(state, family, H, step_size, aggregate)
-    ok = jnp.all(jnp.stack([jnp.all(jnp.isfinite(a)) for a in jax.tree.leaves((H, V, s, theta))]))
+    ok = _finite((H, V, s, theta))
     return state._replace(s=s, theta=theta, V=V, step=state.step + 1), ok
 
 
-def make_server_app(strategy: FedMMStrategy, num_rounds: int):
+def _finite(tree):
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(a)) for a in jax.tree.leaves(tree)]))
+
+
+class FedLocalVIStrategy(_EngineStrategy):
+    """A Flower ``Strategy`` running FedLocalVI rounds (methods that synchronise once per round: ``local_sgd``,
+    ``lippax``, ``slippax``; with or without drift correction).
+
+    Every client receives the synchronised iterate z̄, the running output mean, the step and round counters and the
+    run's key, runs the round's K local steps with the engine's solver (its own keys: the same steps as in
+    process) and replies with its pre-synchronisation iterate and output; the server averages them (the solver's
+    synchronisation).  Drift correction: each client keeps h_m in ``Context.state`` and takes Scaffnew's step when
+    the next round's z̄ arrives.  A dropped reply is left out of that round's average.  The losses are the
+    answering clients' objective at the round's starting iterate (one round behind ``FedLocalVI.run``'s).
+
+    :param engine: a ``FedLocalVI`` built with ``clients=`` / ``num_clients=`` (blocks of the data plate).
+    :param rng_key: the run's key (as ``engine.run``).
+    :param args: model arguments used only to trace the model (shapes; e.g. one row).
+    :param num_clients: M.
+    """
+
+    def __init__(self, engine, rng_key, *args, num_clients: int, timeout: float = 600.0, **kwargs):
+        if not isinstance(engine, FedLocalVI):
+            raise TypeError(f"FedLocalVIStrategy runs a FedLocalVI engine, got {type(engine).__name__}.")
+        super().__init__(engine, num_clients, timeout)
+        if engine.num_clients != self.num_clients:
+            raise ValueError(f"the engine has {engine.num_clients} clients, num_clients={num_clients}.")
+        setup_key, rng_key = random.split(rng_key)
+        args, kwargs = prepare_inputs(args, kwargs)
+        self.structure = engine.inspect(setup_key, args, kwargs)
+        z0 = strong_types(engine._initial_point(self.structure.init_global))
+        self.state = engine.solver.init(z0, self.num_clients, rng_key)
+        self._mean = jax.jit(_client_average)
+
+    def _active(self):
+        return int(self.state.round), np.arange(self.num_clients), np.ones(self.num_clients, bool)
+
+    def _broadcast(self):
+        s = self.state
+        return {"z": jax.tree.map(lambda a: a[0], s.z), "output": s.output, "step": s.step, "round": s.round,
+                "key": s.key}
+
+    def _reply_template(self):
+        z = jax.tree.map(lambda a: a[0], self.state.z)
+        return {"z": z, "output": self.state.output}
+
+    def _aggregate(self, replies, received):
+        if not received.any():
+            return False
+        z, output, ok = self._mean(replies, jnp.asarray(received))
+        if not bool(ok):
+            return False
+        K = self.engine.local_steps
+        self.state = self.state._replace(z=jax.tree.map(lambda a, b: jnp.broadcast_to(a, b.shape), z, self.state.z),
+                                         output=output, step=self.state.step + K, round=self.state.round + 1)
+        return True
+
+    def get_params(self, state=None):
+        """Constrained guide params of the synchronised iterate (``engine.output="last"``) or the output mean."""
+        return self.structure.constrain_global(self.engine._theta(self.engine._iterate(
+            self.state if state is None else state)))
+
+
+def _client_average(replies, received):
+    """The solver's synchronisation over the clients that answered: ``(z̄, output mean, ok)`` (the plain client
+    mean when every client answered, as in process)."""
+    w = received.astype(jnp.result_type(float))
+
+    def mean(a):
+        return jnp.where(jnp.all(received), jnp.mean(a, axis=0),
+                         jnp.tensordot(w.astype(a.dtype), a, axes=1) / jnp.sum(w).astype(a.dtype))
+
+    z, output = jax.tree.map(mean, replies["z"]), jax.tree.map(mean, replies["output"])
+    return z, output, _finite((z, output))
+
+
+def make_server_app(strategy, num_rounds: int):
     """A Flower ``ServerApp`` whose main runs ``strategy.start(grid, num_rounds=num_rounds)``."""
     from flwr.serverapp import ServerApp
 
@@ -466,7 +693,7 @@ def make_server_app(strategy: FedMMStrategy, num_rounds: int):
     return app
 
 
-def simulate(strategy: FedMMStrategy, client_app, num_rounds: int, *, backend_config: dict | None = None,
+def simulate(strategy, client_app, num_rounds: int, *, backend_config: dict | None = None,
              verbose: bool = False) -> RunResult:
     """Run ``num_rounds`` rounds on Flower's simulation engine (Ray) with one node per client, offline: loopback
     only, Flower and Ray telemetry off, :data:`LOCAL_SIMULATION` resources by default.  Returns

@@ -61,6 +61,8 @@ __all__ = [
     "RoundInfo",
     "Solver",
     "VIState",
+    "control_update",
+    "corrected_operator",
     "drift_corrected",
     "inner_steps_for",
     "lesgd",
@@ -84,7 +86,9 @@ class VIState(NamedTuple):
     averaging: the DUAL z).  ``output``: running mean of the output sequence over all local steps and clients so far.
     ``anchor``: ``w0`` of ``h = ½‖· − w0‖²`` (dual averaging; ``None`` otherwise).  ``step``: local steps done
     (t); ``round``: rounds done; ``key``: base key (never split in place: every call folds in its indices);
-    ``control``: the clients' control variates h_m of :func:`drift_corrected` (``None`` without it).
+    ``control``: the clients' control variates h_m of :func:`drift_corrected` (``None`` without it);
+    ``clients``: the indices of the clients on the leading axis (``None``: ``0..M−1``; a client that runs its own
+    part of a round — Flower — holds ``[m]`` and draws client m's keys).
     """
 
     z: Any
@@ -94,6 +98,7 @@ class VIState(NamedTuple):
     round: jax.Array
     key: jax.Array
     control: Any = None
+    clients: Any = None
 
 
 class RoundInfo(NamedTuple):
@@ -182,10 +187,11 @@ def _tree_normal(key, tree):
         treedef, [random.normal(k, jnp.shape(a), jnp.result_type(a)) for k, a in zip(keys, leaves)])
 
 
-def _call_keys(round_key, num_clients: int, K: int, calls: int, step, call):
-    """(M,) keys for (round, client m, step k, call c): ``fold_in(round_key, (m·K + k)·calls + c)`` with
-    ``round_key = fold_in(key, round)`` (one hash per call; the index is unique within a round)."""
-    m = jnp.arange(num_clients, dtype=jnp.uint32)
+def _call_keys(round_key, clients, K: int, calls: int, step, call):
+    """Keys for (round, client m, step k, call c), one per client index m in ``clients``:
+    ``fold_in(round_key, (m·K + k)·calls + c)`` with ``round_key = fold_in(key, round)`` (one hash per call; the
+    index is unique within a round)."""
+    m = clients.astype(jnp.uint32)
     index = (m * jnp.uint32(K) + jnp.asarray(step, jnp.uint32)) * jnp.uint32(calls) + jnp.asarray(call, jnp.uint32)
     return jax.vmap(lambda i: random.fold_in(round_key, i))(index)
 
@@ -227,9 +233,10 @@ def _finish_round(state, z, out_sum, K, mean_iterate, drift, calls):
 
 
 def _round_context(state):
-    """(M, client indices, round key) of the round ``state.round``."""
-    M = _num_clients(state.z)
-    return M, jnp.arange(M, dtype=jnp.int32), random.fold_in(state.key, state.round)
+    """(client indices, round key) of the round ``state.round``: ``state.clients`` (a client running its own part
+    of the round, e.g. on Flower) or ``0..M−1``."""
+    clients = jnp.arange(_num_clients(state.z), dtype=jnp.int32) if state.clients is None else state.clients
+    return clients, random.fold_in(state.key, state.round)
 
 
 def _sync(y, sync, carried):
@@ -262,11 +269,11 @@ def local_sgd(eta, num_local_steps: int) -> Solver:
     _check_positive(eta, "eta")
 
     def round_(state, operator):
-        M, idx, rkey = _round_context(state)
+        idx, rkey = _round_context(state)
 
         def body(carry, k, sync):
             x, out_sum, drift = carry
-            keys = _call_keys(rkey, M, K, 1, k, 0)
+            keys = _call_keys(rkey, idx, K, 1, k, 0)
             x = jax.vmap(lambda xm, km, m: _axpy(-eta, operator(xm, km, m), xm))(x, keys, idx)
             x, drift = _sync(x, sync, drift)
             return x, _tmap(jnp.add, out_sum, _client_mean(x)), drift
@@ -286,12 +293,12 @@ def lesgd(eta, num_local_steps: int) -> Solver:
     _check_positive(eta, "eta")
 
     def round_(state, operator):
-        M, idx, rkey = _round_context(state)
+        idx, rkey = _round_context(state)
 
         def body(carry, k, sync):
             z, out_sum, drift = carry
-            k0 = _call_keys(rkey, M, K, 2, k, 0)
-            k1 = _call_keys(rkey, M, K, 2, k, 1)
+            k0 = _call_keys(rkey, idx, K, 2, k, 0)
+            k1 = _call_keys(rkey, idx, K, 2, k, 1)
             x = jax.vmap(lambda zm, km, m: _axpy(-eta, operator(zm, km, m), zm))(z, k0, idx)
             x = _where(sync, _broadcast_mean(x), x)
             z = jax.vmap(lambda zm, xm, km, m: _axpy(-eta, operator(xm, km, m), zm))(z, x, k1, idx)
@@ -311,7 +318,7 @@ def _lippax_solver(eta, K, L, H, delta_fn, name) -> Solver:
     _check_positive(L, "L")
 
     def round_(state, operator):
-        M, idx, rkey = _round_context(state)
+        idx, rkey = _round_context(state)
         gamma = eta / (1.0 + eta * L) ** 2
         delta = delta_fn(state)
 
@@ -335,7 +342,7 @@ def _lippax_solver(eta, K, L, H, delta_fn, name) -> Solver:
 
         def body(carry, k, sync):
             z, out_sum, drift = carry
-            keys = jax.vmap(lambda c: _call_keys(rkey, M, K, H + 1, k, c), out_axes=1)(jnp.arange(H + 1))
+            keys = jax.vmap(lambda c: _call_keys(rkey, idx, K, H + 1, k, c), out_axes=1)(jnp.arange(H + 1))
             x, z = jax.vmap(client_step)(z, keys, idx)
             z, drift = _sync(z, sync, drift)  # only z is communicated
             return z, _tmap(jnp.add, out_sum, _client_mean(x)), drift
@@ -389,7 +396,7 @@ def local_dual_averaging(eta, num_local_steps: int, prox: ProxMap | None = None)
         return _init_state(z0, num_clients, key, dual=True)
 
     def round_(state, operator):
-        M, idx, rkey = _round_context(state)
+        idx, rkey = _round_context(state)
         w0 = state.anchor
 
         def primal(y, t):
@@ -398,8 +405,8 @@ def local_dual_averaging(eta, num_local_steps: int, prox: ProxMap | None = None)
         def body(carry, k, sync):
             z, out_sum, drift = carry
             t = state.step + k + 1
-            k0 = _call_keys(rkey, M, K, 2, k, 0)
-            k1 = _call_keys(rkey, M, K, 2, k, 1)
+            k0 = _call_keys(rkey, idx, K, 2, k, 0)
+            k1 = _call_keys(rkey, idx, K, 2, k, 1)
             x = jax.vmap(lambda zm, km, m: _axpy(-eta, operator(primal(zm, t - 1), km, m), zm))(z, k0, idx)
             x = _where(sync, _broadcast_mean(x), x)
             v = jax.vmap(lambda xm: primal(xm, t))(x)
@@ -412,6 +419,21 @@ def local_dual_averaging(eta, num_local_steps: int, prox: ProxMap | None = None)
         return _finish_round(state, z, out_sum, K, mean_primal, drift, 2)
 
     return Solver(init, round_, "local_dual_averaging", K, 2)
+
+
+def corrected_operator(operator: Operator, h, row=lambda m: m) -> Operator:
+    """Scaffnew's corrected oracle ``Ṽ_m(x) − h_m`` (``h`` stacked over clients; ``row(m)``: client m's row of
+    ``h``, e.g. 0 for a client that holds only its own)."""
+    def corrected(x, key, m):
+        return _tmap(lambda v, hm: v - hm[row(m)], operator(x, key, m), h)
+
+    return corrected
+
+
+def control_update(h, presync, synced, K: int, eta, control_step):
+    """Scaffnew's control-variate step ``h_m ← h_m + α (ȳ − y_m) / (K η)`` (``presync`` = y_m, ``synced`` = ȳ)."""
+    rate = control_step / (K * eta)
+    return _tmap(lambda hm, ym, ybar: hm + rate * (ybar - ym), h, presync, synced)
 
 
 def drift_corrected(solver: Solver, eta, control_step=1.0) -> Solver:
@@ -441,14 +463,9 @@ def drift_corrected(solver: Solver, eta, control_step=1.0) -> Solver:
 
     def round_(state, operator):
         h = state.control
-
-        def corrected(x, key, m):
-            return _tmap(lambda v, hm: v - hm[m], operator(x, key, m), h)
-
-        new, info = solver.round(state, corrected)
-        rate = control_step / (K * eta)
-        h = _tmap(lambda hm, ym: hm + rate * (jnp.mean(ym, axis=0, keepdims=True) - ym), h, info.presync)
-        return new._replace(control=h), info
+        new, info = solver.round(state, corrected_operator(operator, h))
+        return new._replace(control=control_update(h, info.presync, _broadcast_mean(info.presync), K, eta,
+                                                   control_step)), info
 
     return Solver(init, round_, f"{solver.name}+scaffnew", K, solver.calls_per_step)
 

@@ -82,6 +82,21 @@ class _Grid:
         return out
 
 
+def _client_control_variates(grid, strategy, s0):
+    """Every client's V_i as the server sees it: committed + the pending step of its last ACCEPTED reply."""
+    out = []
+    for i, ctx in enumerate(grid.contexts.values()):
+        if "numpyro_fedvi.state" not in ctx.state:
+            out.append(jax.tree.map(jnp.zeros_like, s0))
+            continue
+        saved = flower.from_record(ctx.state["numpyro_fedvi.state"], {"V": s0, "pending": s0})
+        V = saved["V"]
+        if int(ctx.state["numpyro_fedvi.meta"]["pending-round"]) == strategy.accepted[i]:
+            V = jax.tree.map(jnp.add, V, saved["pending"])
+        out.append(V)
+    return out
+
+
 def _in_process(engine, cd, s0, rounds):
     state = engine.init(random.key(3), cd, s0)
     for _ in range(rounds):
@@ -109,14 +124,7 @@ def test_rounds_equal_the_in_process_core(participation):
         for a, b in zip(jax.tree.leaves(getattr(strategy.state, name)), jax.tree.leaves(getattr(expected, name))):
             np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
     # the clients' control variates: committed + the pending step of the last accepted reply
-    V_clients = []
-    for i, ctx in enumerate(grid.contexts.values()):
-        st = ctx.state
-        V = (flower.from_record(st["numpyro_fedvi.cv"], s0) if "numpyro_fedvi.cv" in st
-             else jax.tree.map(jnp.zeros_like, s0))
-        if "numpyro_fedvi.pending" in st and int(st["numpyro_fedvi.meta"]["pending-round"]) == strategy.accepted[i]:
-            V = jax.tree.map(jnp.add, V, flower.from_record(st["numpyro_fedvi.pending"], s0))
-        V_clients.append(V)
+    V_clients = _client_control_variates(grid, strategy, s0)
     for name in s0:
         got = sum(w * v[name] for w, v in zip(strategy.weights, V_clients))
         np.testing.assert_allclose(got, strategy.state.V[name], rtol=1e-5, atol=1e-6)
@@ -166,13 +174,7 @@ def test_bad_replies_are_dropped_and_the_control_variates_stay_consistent():
         strategy.aggregate_train(r, grid.send_and_receive(strategy.configure_train(r, None, None, grid)))
     reasons = [reason for t, _, reason in strategy.dropped if t == 1]
     assert any("arrived in round 1" in x for x in reasons) and any("malformed" in x for x in reasons)
-    V_clients = []
-    for i, ctx in enumerate(grid.contexts.values()):
-        st = ctx.state
-        V = flower.from_record(st["numpyro_fedvi.cv"], s0)
-        if int(st["numpyro_fedvi.meta"]["pending-round"]) == strategy.accepted[i]:
-            V = jax.tree.map(jnp.add, V, flower.from_record(st["numpyro_fedvi.pending"], s0))
-        V_clients.append(V)
+    V_clients = _client_control_variates(grid, strategy, s0)
     for name in s0:
         got = sum(w * v[name] for w, v in zip(strategy.weights, V_clients))
         np.testing.assert_allclose(got, strategy.state.V[name], rtol=1e-5, atol=1e-6)
@@ -191,11 +193,70 @@ def test_strategy_rejects_what_it_cannot_run():
     with pytest.raises(ValueError, match="cv_step"):
         flower.FedMMStrategy(FedMM(gmm_map_em(K, D, 0.1), participation=FixedSize(2), cv_step=0.9), random.key(0),
                              num_clients=NUM_CLIENTS, init_stat=s0)
-    with pytest.raises(TypeError, match="FedMM or FedSVI"):
+    with pytest.raises(TypeError, match="FedMM, FedSVI or FedLocalVI"):
         flower.make_client_app(object(), lambda ctx: None)
     strategy = flower.FedMMStrategy(_gmm_engine(FixedSize(2)), random.key(0), num_clients=NUM_CLIENTS, init_stat=s0)
     with pytest.raises(RuntimeError, match="handshake"):
         strategy.configure_train(1, None, None, None)
+
+
+def _sorted_sites():
+    """Logistic regression rows sorted by the first covariate and cut into 3 sites (heterogeneous clients)."""
+    rng = np.random.default_rng(1)
+    X = rng.normal(size=(45, 2)).astype(np.float32)
+    X = X[np.argsort(X[:, 0])]
+    y = (rng.uniform(size=45) < 1 / (1 + np.exp(-X @ np.array([1.5, -1.0])))).astype(np.float32)
+    return X, y, np.repeat(np.arange(3), 15)
+
+
+@pytest.mark.parametrize("method, drift", [("local_sgd", "scaffnew"), ("lippax", None), ("slippax", "scaffnew")])
+def test_fedlocalvi_rounds_equal_the_in_process_engine(method, drift):
+    """Four FedLocalVI rounds (K = 3 local steps on heterogeneous sites) through the strategy and client apps
+    equal four in-process rounds: the synchronised iterate, the output mean, the step counters and, with drift
+    correction, the control variates h_m (their Scaffnew step taken on the client when the next z̄ arrives)."""
+    X, y, site = _sorted_sites()
+    extra = {"sigma": 0.1} if method == "slippax" else {}
+
+    def make():
+        return nfv.FedLocalVI(logistic, AutoNormal(logistic), Trace_ELBO(), clients=site, method=method,
+                              local_steps=3, step_size=0.02, drift_correction=drift, **extra)
+
+    expected = make()
+    state = expected.init(random.key(5), X, y)
+    for _ in range(4):
+        state, _ = expected.update(state, X, y)
+    engine = make()
+    strategy = flower.FedLocalVIStrategy(engine, random.key(5), X[:1], y[:1], num_clients=3)
+    grid = _Grid(flower.make_client_app(engine, lambda ctx: (X[site == ctx.node_config["partition-id"]],
+                                                             y[site == ctx.node_config["partition-id"]])), 3)
+    strategy.handshake(grid)
+    for r in range(1, 5):
+        strategy.aggregate_train(r, grid.send_and_receive(strategy.configure_train(r, None, None, grid)))
+    assert strategy.dropped == [] and int(strategy.state.round) == 4 and int(strategy.state.step) == 12
+    for a, b in zip(jax.tree.leaves((strategy.state.z, strategy.state.output)),
+                    jax.tree.leaves((state.z, state.output))):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+    got, want = strategy.get_params(), expected.get_params(state)
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=2e-5, atol=2e-6)
+    if drift:   # the clients' h_m after the next z̄ arrives = the in-process control variates after round 4
+        template = jax.tree.map(lambda a: a[0], state.z)
+        for m, ctx in enumerate(grid.contexts.values()):
+            saved = flower.from_record(ctx.state["numpyro_fedvi.state"], {"h": template, "presync": template})
+            h = nfv.vi_solvers.control_update(saved["h"], saved["presync"], strategy._broadcast()["z"],
+                                              engine.local_steps, engine.step_size, engine.control_step)
+            for a, b in zip(jax.tree.leaves(h), jax.tree.leaves(jax.tree.map(lambda c: c[m], state.control))):
+                np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_fedlocalvi_strategy_refuses_two_sync_methods():
+    X, y, site = _sorted_sites()
+    engine = nfv.FedLocalVI(logistic, AutoNormal(logistic), Trace_ELBO(), clients=site, method="lesgd",
+                            local_steps=2, step_size=0.01)
+    with pytest.raises(ValueError, match="synchronise once per round"):
+        flower.FedLocalVIStrategy(engine, random.key(0), X[:1], y[:1], num_clients=3)
+    with pytest.raises(ValueError, match="synchronise once per round"):
+        flower.make_client_app(engine, lambda ctx: None)
 
 
 # --- end to end on Flower's simulation engine (Ray, loopback) --------------------------------------------------------
