@@ -39,7 +39,7 @@ from .inputs import InputJit, check_static_kwargs, prepare_inputs, prepare_value
 from .objectives import block_loss_fn, client_loss_fn, client_loss_from_blocks, full_loss_fn
 from .prox import as_prox, zero_prox
 from .runner import EarlyStopping, RunResult, revert_non_finite, run_loop, tree_all_finite
-from .structure import Partitions, inspect_model
+from .structure import Partitions, inspect_global_model
 
 __all__ = ["METHODS", "FedLocalVI"]
 
@@ -235,15 +235,9 @@ class FedLocalVI:
     def inspect(self, rng_key, args, kwargs, init_params=None):
         """Trace model and guide once on the model's arguments and check the guide (global params only): the
         model's structure (also what a Flower server and client build, each on the arguments it has)."""
-        structure = inspect_model(self.model, self.guide, rng_key, args, {**kwargs, **self.static_kwargs},
-                                  data_plate=self.data_plate, init_params=init_params)
-        if structure.local_names:
-            raise ValueError(f"{type(self).__name__} supports guides with global params only; local params "
-                             f"{list(structure.local_names)} live inside the data plate {structure.data_plate.name!r} "
-                             "(use PDVI for local latents).")
-        if not structure.init_global:
-            raise ValueError("the guide has no numpyro.param sites to optimise.")
-        return structure
+        return inspect_global_model(type(self).__name__, self.model, self.guide, rng_key, args,
+                                    {**kwargs, **self.static_kwargs}, data_plate=self.data_plate,
+                                    init_params=init_params)
 
     def _setup(self, rng_key, args, kwargs, init_params=None):
         if self._plate_mode:

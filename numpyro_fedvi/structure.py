@@ -334,3 +334,17 @@ def inspect_model(
             init_local[name] = jnp.moveaxis(unc, local_axis, 0)
             init_global.pop(name, None)
     return ModelStructure(infos, plate, init_global, init_local)
+
+
+def inspect_global_model(engine: str, model, guide, rng_key, args, kwargs, *, data_plate=None,
+                         init_params=None) -> ModelStructure:
+    """:func:`inspect_model` for the federated engines, whose guides have GLOBAL params only (``engine`` names the
+    engine in the errors): no param inside the data plate, and at least one param to optimise."""
+    structure = inspect_model(model, guide, rng_key, args, kwargs, data_plate=data_plate, init_params=init_params)
+    if structure.local_names:
+        raise ValueError(f"{engine} supports guides with global params only; local params "
+                         f"{list(structure.local_names)} live inside the data plate {structure.data_plate.name!r} "
+                         "(use PDVI for local latents).")
+    if not structure.init_global:
+        raise ValueError("the guide has no numpyro.param sites to optimise.")
+    return structure

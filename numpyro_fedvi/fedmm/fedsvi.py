@@ -32,7 +32,7 @@ from ..inputs import check_positive, check_static_kwargs, prepare_inputs, prepar
 from ..objectives import block_loss_fn, client_loss_fn, client_loss_from_blocks, full_loss_fn
 from ..prox import as_prox
 from ..runner import EarlyStopping, RunResult
-from ..structure import Partitions, inspect_model
+from ..structure import Partitions, inspect_global_model
 from .core import SurrogateFamily
 from .engine import FedMM, with_projection
 
@@ -180,13 +180,9 @@ class FedSVI(FedMM):
     def inspect(self, rng_key, args, kwargs, init_params=None):
         """Trace model and guide once on the model's arguments and check the guide: the model's structure (also
         what a Flower server and client build, each on the arguments it has)."""
-        structure = inspect_model(self.model, self.guide, rng_key, args, {**kwargs, **self.static_kwargs},
-                                  data_plate=self.data_plate, init_params=init_params)
-        if structure.local_names:
-            raise ValueError(f"FedSVI supports guides with global params only; local params {structure.local_names} "
-                             f"live inside the data plate {structure.data_plate.name!r} (use PDVI for local latents).")
-        if not structure.init_global:
-            raise ValueError("the guide has no numpyro.param sites to optimise.")
+        structure = inspect_global_model("FedSVI", self.model, self.guide, rng_key, args,
+                                         {**kwargs, **self.static_kwargs}, data_plate=self.data_plate,
+                                         init_params=init_params)
         if self.prox is not None and self.prox.sites is not None:
             missing = sorted(self.prox.sites - set(structure.global_names))
             if missing:
