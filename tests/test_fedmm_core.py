@@ -167,23 +167,27 @@ def test_fedmm_heterogeneous_partial_quantized_decreases(gmm, em_run):
     em_state, em_info = em_run
     w_em = float(em_info["objective"][-1])
 
-    def run(aggregate):
+    def run(aggregate, batch_size=32, alpha=0.01):
         st = fedmm_init(fam, s0, cd, random.key(1), aggregate=aggregate)
-        step = partial(fedmm_step, family=fam, client_data=cd, step_size_fn=0.3, alpha=0.01,
-                       participation=FixedSize(2), compressor=StochasticQuantizer(8), batch_size=32,
+        step = partial(fedmm_step, family=fam, client_data=cd, step_size_fn=0.3, alpha=alpha,
+                       participation=FixedSize(2), compressor=StochasticQuantizer(8), batch_size=batch_size,
                        aggregate=aggregate)
         return jax.jit(lambda s: lax.scan(lambda c, _: step(c), s, None, length=120))(st)
 
-    st, info = run("surrogate")
+    _, info = run("surrogate")
     obj = np.asarray(info["objective"])
     w0 = obj[0]
     final = float(np.mean(obj[-10:]))
     assert np.all(np.isfinite(obj))
     assert final < w0 - 0.95 * (w0 - w_em), (w0, final, w_em)  # ~10.96 -> ~5.65 (EM: 5.64)
-    # FedMM lands next to the EM (MAP) solution; the naive parameter average does not (means collapse)
-    np.testing.assert_allclose(np.asarray(st.theta), np.asarray(em_state.theta), atol=0.5)
     _, infop = run("parameter")
     assert final < float(np.mean(np.asarray(infop["objective"])[-10:])) - 0.3  # naive: ~6.6
+    # FedMM lands ON the EM (MAP) fixed point.  The minibatch run above keeps its minibatch noise at a constant step
+    # (θ within ~0.1-0.2 of EM's, and another key can settle in another mode), whence the former atol = 0.5; with
+    # exact client oracles and α = 0.3 ≤ 1/(1 + ω_p) the control variates absorb the participation and quantisation
+    # noise (Δ_i → 0) and the iterate converges to EM's θ in float32 (measured: 1e-6 over 3 keys).
+    st_exact, _ = run("surrogate", batch_size=None, alpha=0.3)
+    np.testing.assert_allclose(np.asarray(st_exact.theta), np.asarray(em_state.theta), atol=1e-4)
 
 
 def test_lemma2_both_families():

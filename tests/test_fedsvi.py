@@ -3,7 +3,8 @@
 Checked: with AutoDelta (deterministic MAP objective) one round with full participation is exactly a gradient
 step on the FULL-data negative log joint (likelihood counted once via the N/b scaling, prior once) and the
 iterates converge to the conjugate posterior mode; with AutoNormal, partial participation, an 8-bit quantizer
-and control variates the posterior mean and sd approach the exact conjugate posterior; local params rejected.
+and control variates the posterior mean and sd reach the exact conjugate posterior (exact client oracles) or come
+close to it (minibatches); local params rejected.
 """
 
 import jax
@@ -19,6 +20,7 @@ from numpyro.infer.util import log_density
 
 from numpyro_fedvi.federated import ClientData, FixedSize, StochasticQuantizer
 from numpyro_fedvi.fedmm import FedSVI
+from numpyro_fedvi.particles import ControlledDraws
 
 S0, SIG = 10.0, 2.0
 _rng = np.random.default_rng(0)
@@ -56,15 +58,23 @@ def test_map_converges_to_posterior_mode(clients):
     assert float(res.params["mu_auto_loc"]) == pytest.approx(POST_MEAN, abs=1e-3)
 
 
-def test_autonormal_partial_participation_quantized(clients):
+@pytest.mark.parametrize("batch_size", [None, 10], ids=["all-rows", "minibatch"])
+def test_autonormal_partial_participation_quantized(clients, batch_size):
+    """Why these tolerances: the client gradient is the ELBO on controlled draws (antithetic, moment-matched:
+    ``ControlledDraws``), exact for this Gaussian-quadratic ELBO (8 iid particles left a ~7% noise floor on the scale,
+    whence the former rel = 0.35).  With all of a client's rows the oracle is then exact, and FedMM's control
+    variates take the partial-participation and quantisation noise away (Δ_i → 0): a CONSTANT step converges to the
+    exact posterior (measured: 4e-6 sd).  With 10-row minibatches their fresh noise stays: a step 1/(1 + t/100) over
+    3000 rounds left the mean within 0.15 sd and the scale 1.4% low (not yet converged) over 6 seeds."""
     guide = AutoNormal(model)
-    engine = FedSVI(model, guide, Trace_ELBO(num_particles=8), rho=0.2 / PREC,
-                    step_size=lambda t: 1.0 / (1.0 + t / 200.0), cv_step=0.2, participation=FixedSize(2),
-                    compressor=StochasticQuantizer(bits=8), batch_size=10)
-    res = engine.run(random.key(1), 1500, clients, progress_bar=False)
+    step, rounds = (1.0, 1500) if batch_size is None else (lambda t: 1.0 / (1.0 + t / 100.0), 3000)
+    engine = FedSVI(model, guide, ControlledDraws(Trace_ELBO(), 4), rho=0.2 / PREC, step_size=step, cv_step=0.2,
+                    participation=FixedSize(2), compressor=StochasticQuantizer(bits=8), batch_size=batch_size)
+    res = engine.run(random.key(1), rounds, clients, progress_bar=False)
     loc, scale = float(res.params["mu_auto_loc"]), float(res.params["mu_auto_scale"])
-    assert loc == pytest.approx(POST_MEAN, abs=0.5 * POST_SD)
-    assert scale == pytest.approx(POST_SD, rel=0.35)
+    exact = batch_size is None
+    assert loc == pytest.approx(POST_MEAN, abs=(1e-3 if exact else 0.3) * POST_SD)
+    assert scale == pytest.approx(POST_SD, rel=1e-3 if exact else 0.03)
     draws = Predictive(model, guide=guide, params=res.params, num_samples=500, return_sites=["mu"])(
         random.key(2), jnp.asarray(CLIENTS[0]))["mu"]
     assert abs(float(draws.mean()) - POST_MEAN) < POST_SD

@@ -190,46 +190,32 @@ def test_cyclic_selection_visits_every_block_once_per_epoch():
 # convergence to the closed-form mean-field optimum
 # ----------------------------------------------------------------------------------------------------------
 
-NUM_PARTICLES = 256
-
-
-def mc_tolerance(opt):
-    """5 standard deviations of the optimum of the Monte-Carlo objective (crn="run": each block's ELBO is a
-    fixed average over S = NUM_PARTICLES reparameterised draws) around the exact optimum.
-
-    For group i, with ε_s ~ N(0,1) the draws of theta and c_i = (n_i/σ²)/P_i the share of the likelihood in
-    the precision, the sample-average optimum moves by a_i: c_i·w_i·mean(ε) and w_i: ½c_i·w_i·(mean(ε²)−1),
-    i.e. sd ≈ c_i w_i/√S and c_i w_i/√(2S); mu's draws move m by ≈ v/√S (plus the mean shift of the a_i) and v
-    by ≈ v/√(2S).  An absolute 0.01 covers the finite number of PD-VI iterations.
-    """
-    root_s = np.sqrt(NUM_PARTICLES)
-    c = (N_OBS / SIG**2) / (N_OBS / SIG**2 + 1 / TAU**2)
-    sd_a = c * opt["w"] / root_s
-    return {
-        "a": 5 * sd_a + 0.01,
-        "w": 5 * c * opt["w"] / np.sqrt(2 * NUM_PARTICLES) + 0.01,
-        "m": 5 * (opt["v"] / root_s + sd_a.mean()) + 0.01,
-        "v": 5 * opt["v"] / np.sqrt(2 * NUM_PARTICLES) + 0.01,
-    }
+# Why the tolerance is float precision, not Monte Carlo: the oracle evaluates the user's ELBO on PDVI's default
+# oracle_draws="orthogonal" (antithetic, moment-matched draws with zero global-local cross moments,
+# numpyro_fedvi.particles.ControlledDraws, which also replaces the ELBO's own num_particles), and every term of this
+# Gaussian model's ELBO is quadratic in the draws, so each block's sample-average objective IS the exact block
+# -ELBO.  The fixed point of Algorithm 1 is then the exact mean-field optimum (measured after 200 iterations: every
+# param within 4e-7 of the closed form, in float32).  (An earlier bound here allowed 5 Monte-Carlo sd of a 256-draw
+# sample average: m within 0.21 = 0.7 posterior sd.)
+TOL = 1e-4
 
 
 @functools.cache
 def _converged(eta):
     # the paper's eta="auto" (c = 1, fixed η); the default c = 0.3 with refreshes is tested in test_pdvi_defaults
     kw = {"local_optimizer": optax.sgd(0.1), "local_steps": 30, "eta_scale": 1.0, "eta_refresh": False}
-    pd = PDVI(model, guide, TraceMeanField_ELBO(num_particles=NUM_PARTICLES, vectorize_particles=True),
-              num_partitions=4, eta=eta, crn="run", **kw)
+    pd = PDVI(model, guide, TraceMeanField_ELBO(), num_partitions=4, eta=eta, crn="run", **kw)
     return pd, pd.run(random.key(0), 200, Y, MASK, progress_bar=False)
 
 
 def _assert_near_optimum(params):
-    opt, tol = mean_field_optimum(), mc_tolerance(mean_field_optimum())
+    opt = mean_field_optimum()
     init = {"m": 0.0, "v": 1.0, "a": np.zeros(G), "w": np.ones(G)}
     for k in opt:
         err = np.abs(np.asarray(params[k], np.float64) - opt[k])
-        assert np.all(err < tol[k]), (k, err, tol[k])
+        assert np.all(err < TOL), (k, err, TOL)
         # the tolerance has teeth: the initial value is far outside it
-        assert np.max(np.abs(init[k] - opt[k]) / tol[k]) > 3
+        assert np.max(np.abs(init[k] - opt[k]) / TOL) > 3
 
 
 def test_constant_eta_converges_to_mean_field_optimum():
@@ -241,14 +227,14 @@ def test_constant_eta_converges_to_mean_field_optimum():
     _assert_near_optimum(params)
     # at a fixed point of Algorithm 1: Σ_i μ_i = 0 and h = 0 (up to the optimisation residual)
     for k in res.state.mu:
-        assert np.abs(np.asarray(res.state.mu[k]).sum(0)).max() < 1e-2
-        assert np.abs(np.asarray(res.state.h[k])).max() < 1e-3
-    # evaluate() is the full-data -ELBO: compare with the closed form at the returned params (MC: S particles)
+        assert np.abs(np.asarray(res.state.mu[k]).sum(0)).max() < 1e-4
+        assert np.abs(np.asarray(res.state.h[k])).max() < 1e-5
+    # evaluate() is the full-data -ELBO, exact on the oracle's controlled draws: the closed form (float32 sums)
     full = float(pd.evaluate(res.state, Y, MASK))
     exact = closed_form_neg_elbo(params)
-    assert abs(full - exact) < 0.05 * np.sqrt(G) + 1e-3 * abs(exact)
-    assert exact >= closed_form_neg_elbo(mean_field_optimum()) - 1e-6
-    assert exact - closed_form_neg_elbo(mean_field_optimum()) < 0.1
+    assert abs(full - exact) < 1e-4 + 1e-6 * abs(exact)
+    assert exact >= closed_form_neg_elbo(mean_field_optimum()) - 1e-9
+    assert exact - closed_form_neg_elbo(mean_field_optimum()) < 1e-6
 
 
 def test_get_params_work_with_predictive():
@@ -279,7 +265,7 @@ def test_eta_auto_per_site_positive_and_converges():
     # same fixed point as the constant-η run: PD-VI's fixed point does not depend on η
     _, res_const = _converged(1.0)
     for k in res.params:
-        np.testing.assert_allclose(np.asarray(res.params[k]), np.asarray(res_const.params[k]), atol=5e-3)
+        np.testing.assert_allclose(np.asarray(res.params[k]), np.asarray(res_const.params[k]), atol=1e-5)
 
 
 # ----------------------------------------------------------------------------------------------------------
