@@ -299,7 +299,16 @@ def _client_type(engine):
 
 
 _SINGLE_SYNC = ("local_sgd", "lippax", "slippax")
-_CLIENTS: dict = {}  # per process: (app token, partition id, N) -> client protocol
+_CLIENTS: dict = {}  # per process: (app token, partition id, N, M) -> client protocol (its compiled steps)
+
+
+def _cached_client(key, build):
+    """The process's client object for ``key`` (built once).  A module-level function on purpose: Flower ships the
+    ClientApp to its workers by value (cloudpickle) for every message, which would copy a dict the app's closures
+    referenced — and recompile the client step every round; this function, and ``_CLIENTS``, are imported."""
+    if key not in _CLIENTS:
+        _CLIENTS[key] = build()
+    return _CLIENTS[key]
 
 
 def make_client_app(engine, data_fn: Callable, *, stat_template=None):
@@ -322,10 +331,8 @@ def make_client_app(engine, data_fn: Callable, *, stat_template=None):
 
     def setup(context, num_total=1, num_clients=1):
         i = int(context.node_config["partition-id"])
-        key = (token, i, num_total, num_clients)
-        if key not in _CLIENTS:
-            _CLIENTS[key] = protocol(engine, data_fn(context), num_total, num_clients, stat_template)
-        return i, _CLIENTS[key]
+        return i, _cached_client((token, i, num_total, num_clients),
+                                 lambda: protocol(engine, data_fn(context), num_total, num_clients, stat_template))
 
     @app.query()
     def query(msg, context):

@@ -180,6 +180,24 @@ def test_bad_replies_are_dropped_and_the_control_variates_stay_consistent():
         np.testing.assert_allclose(got, strategy.state.V[name], rtol=1e-5, atol=1e-6)
 
 
+def test_client_app_shipped_by_value_still_compiles_once_per_process():
+    """Flower ships the ClientApp to its workers pickled by value for every message: the client objects (and their
+    compiled steps) must live in the imported module's cache, not in a copy that travels with the app (that bug
+    recompiled every client's step every round: 8.5 s per round instead of 0.2 s in the hospitals example)."""
+    import cloudpickle
+
+    rows, s0 = _gmm_clients()
+    engine = _gmm_engine(FixedSize(2))
+    app = flower.make_client_app(engine, lambda ctx: rows[ctx.node_config["partition-id"]], stat_template=s0)
+    before = len(flower._CLIENTS)
+    grid = _Grid(None, NUM_CLIENTS)
+    for _ in range(3):   # three messages, each through a fresh by-value copy of the app
+        grid.app = cloudpickle.loads(cloudpickle.dumps(app))
+        grid.send_and_receive([Message(RecordDict({"config": ConfigRecord({})}), message_type=MessageType.QUERY,
+                                       dst_node_id=100)])
+    assert len(flower._CLIENTS) == before + 1
+
+
 def test_strategy_rejects_what_it_cannot_run():
     rows, s0 = _gmm_clients()
     with pytest.raises(ValueError, match="init_stat"):
