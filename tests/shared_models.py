@@ -25,3 +25,19 @@ def linear_gaussian(a, y=None):
     """``x ~ N(0, S0² I)``, ``y ~ N(a x, SIG² I)``: the posterior is ``N(LG_MEAN, LG_COV)``."""
     x = numpyro.sample("x", dist.Normal(0.0, LG_S0).expand([LG_D]).to_event(1))
     numpyro.sample("y", dist.Normal(a @ x, LG_SIG).to_event(1), obs=y)
+
+
+def random_effects(x, batch=None):
+    """One local latent per datum inside a SUBSAMPLED data plate (PD-VI's local rows; engine contract and
+    checkpoint tests)."""
+    mu = numpyro.sample("mu", dist.Normal(0.0, 3.0))
+    with numpyro.plate("data", x.shape[0], subsample_size=batch) as idx:
+        theta = numpyro.sample("theta", dist.Normal(mu, 1.0))
+        numpyro.sample("obs", dist.Normal(theta, 0.5), obs=x[idx])
+
+
+def random_effects_guide(x, batch=None):
+    numpyro.sample("mu", dist.Normal(numpyro.param("m", 0.0), 0.3))
+    with numpyro.plate("data", x.shape[0], subsample_size=batch):
+        a = numpyro.param("a", jnp.zeros(x.shape[0]), event_dim=0)
+        numpyro.sample("theta", dist.Normal(a, 0.4))

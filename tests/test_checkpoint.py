@@ -36,6 +36,7 @@ from numpyro_fedvi import checkpoint as ckpt_mod
 from numpyro_fedvi.federated import ClientData, FixedSize
 from numpyro_fedvi.fedmm import FedMM, gmm_map_em
 from numpyro_fedvi.runner import run_loop
+from shared_models import random_effects, random_effects_guide
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -48,18 +49,6 @@ def logistic(X, y=None):
         numpyro.sample("y", dist.Bernoulli(logits=X @ w + b), obs=y)
 
 
-def random_effects(x, batch=None):
-    mu = numpyro.sample("mu", dist.Normal(0.0, 3.0))
-    with numpyro.plate("data", x.shape[0], subsample_size=batch) as idx:
-        theta = numpyro.sample("theta", dist.Normal(mu, 1.0))
-        numpyro.sample("obs", dist.Normal(theta, 0.5), obs=x[idx])
-
-
-def random_effects_guide(x, batch=None):
-    numpyro.sample("mu", dist.Normal(numpyro.param("m", 0.0), 0.3))
-    with numpyro.plate("data", x.shape[0], subsample_size=batch):
-        a = numpyro.param("a", jnp.zeros(x.shape[0]), event_dim=0)
-        numpyro.sample("theta", dist.Normal(a, 0.4))
 
 
 _rng = np.random.default_rng(0)

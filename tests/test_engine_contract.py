@@ -74,19 +74,12 @@ def logistic(X, y=None, batch=None):
 
 
 def random_effects(x, batch=None):
-    """One local latent per datum inside a SUBSAMPLED data plate."""
+    """One local latent per datum inside a SUBSAMPLED data plate (shared_models.random_effects, traces counted)."""
     TRACES["random_effects"] += 1
-    mu = numpyro.sample("mu", dist.Normal(0.0, 3.0))
-    with numpyro.plate("data", x.shape[0], subsample_size=batch) as idx:
-        theta = numpyro.sample("theta", dist.Normal(mu, 1.0))
-        numpyro.sample("obs", dist.Normal(theta, 0.5), obs=x[idx])
+    return shared_models.random_effects(x, batch)
 
 
-def random_effects_guide(x, batch=None):
-    numpyro.sample("mu", dist.Normal(numpyro.param("m", 0.0), 0.3))
-    with numpyro.plate("data", x.shape[0], subsample_size=batch):
-        a = numpyro.param("a", jnp.zeros(x.shape[0]), event_dim=0)
-        numpyro.sample("theta", dist.Normal(a, 0.4))
+random_effects_guide = shared_models.random_effects_guide
 
 
 # --- data (NumPy, as a user has it) -------------------------------------------------------------------------------
