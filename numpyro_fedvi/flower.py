@@ -57,8 +57,8 @@ from .inputs import prepare_inputs
 from .objectives import block_loss_fn
 from .runner import RunResult
 
-__all__ = ["LOCAL_SIMULATION", "FedLocalVIStrategy", "FedMMStrategy", "from_record", "make_client_app", "make_server_app", "simulate",
-           "to_record"]
+__all__ = ["LOCAL_SIMULATION", "FedLocalVIStrategy", "FedMMStrategy", "from_record", "make_client_app",
+           "make_server_app", "simulate", "to_record"]
 
 log = logging.getLogger("numpyro_fedvi.flower")
 
