@@ -64,7 +64,8 @@ def round_time(cd, participation, log_every, rounds):
     fam = gmm_map_em(K, D, 0.1)
     s0 = {"s1": jnp.asarray(np.random.default_rng(1).normal(size=(K, D)) * 0.3, jnp.float32),
           "s2": jnp.full((K,), 1.0 / K, jnp.float32)}
-    engine = FedMM(fam, step_size=0.5, cv_step=0.05, participation=participation,
+    p = participation.prob(cd.num_clients)   # α below its bound 1/(1+ω_p) ≈ p (refused above it)
+    engine = FedMM(fam, step_size=0.5, cv_step=0.5 * p, participation=participation,
                    compressor=StochasticQuantizer(bits=8), log_every=log_every)
     state = engine.init(random.key(0), cd, s0)
 
