@@ -215,6 +215,12 @@ class FedLocalVI:
 
     # -- construction ---------------------------------------------------------------------------------------------
     def _make_solver(self) -> vs.Solver:
+        solver = self.base_solver()
+        return (vs.drift_corrected(solver, self.step_size, self.control_step) if self.drift_correction == "scaffnew"
+                else solver)
+
+    def base_solver(self) -> vs.Solver:
+        """The paper's solver of ``method`` (without drift correction; a Flower client applies it itself)."""
         eta, K = self.step_size, self.local_steps
         if self.method == "local_sgd":
             solver = vs.local_sgd(eta, K)
@@ -226,7 +232,7 @@ class FedLocalVI:
             solver = vs.slippax(eta, K, self.L, self.inner_steps, self.sigma, delta=self.delta)
         else:
             solver = vs.local_dual_averaging(eta, K, self.prox)
-        return vs.drift_corrected(solver, eta, self.control_step) if self.drift_correction == "scaffnew" else solver
+        return solver
 
     @property
     def _plate_mode(self) -> bool:

@@ -230,7 +230,7 @@ class _FedLocalVIClient:
         self.z_template = z0
         self.broadcast_template = {"z": z0, "output": z0, "step": jnp.zeros((), jnp.int32),
                                    "round": jnp.zeros((), jnp.int32), "key": random.key(0)}
-        self.base = engine.solver if engine.drift_correction is None else _base_solver(engine)
+        self.base = engine.base_solver()
         self.round = jax.jit(self._round)
 
     def _round(self, b, h, m):
@@ -257,14 +257,6 @@ class _FedLocalVIClient:
         z, output, objective = self.round(b, h if e.drift_correction else None, i)
         _save(state, {"h": h, "presync": z}, {"round": int(b["round"])})
         return {"z": z, "output": output}, {"objective": float(objective)}
-
-
-def _base_solver(engine):
-    """The solver without its drift correction (a Flower client applies the correction itself)."""
-    return vs.local_sgd(engine.step_size, engine.local_steps) if engine.method == "local_sgd" else (
-        vs.lippax(engine.step_size, engine.local_steps, engine.L, engine.inner_steps) if engine.method == "lippax"
-        else vs.slippax(engine.step_size, engine.local_steps, engine.L, engine.inner_steps, engine.sigma,
-                        delta=engine.delta))
 
 
 def _server_family(engine) -> SurrogateFamily:

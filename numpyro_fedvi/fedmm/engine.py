@@ -336,7 +336,6 @@ class FedMM(_Engine):
         if objective is None and family.objective is not None:
             def objective(theta):
                 return full_objective(family, theta, client_data)
-        step_size = self.step_size
         if objective is not None:
             dtype = state.objective.dtype
             loss = jax.lax.cond(state.step % self.log_every == 0, lambda th: objective(th).astype(dtype),
@@ -347,7 +346,7 @@ class FedMM(_Engine):
             accept = jnp.isfinite(loss)
         else:
             accept = True
-        new, info = fedmm_step(state, family, client_data, step_size_fn=step_size, alpha=self.cv_step,
+        new, info = fedmm_step(state, family, client_data, step_size_fn=self.step_size, alpha=self.cv_step,
                                participation=self.participation, compressor=self.compressor,
                                batch_size=self._core_batch_size(inputs), aggregate=self.aggregate,
                                with_objective=False, guard=True, accept=accept)
