@@ -55,3 +55,37 @@ def test_readme_bash_blocks_and_ci_command():
     assert len(ci) == 1, ci
     test_block = bash[1][1].strip()
     assert test_block == ci[0].strip(), (test_block, ci[0])
+
+
+def where_things_live() -> list[tuple[str, str]]:
+    """``(module, name)`` for every backticked identifier in the README's "Where things live" table."""
+    import re
+
+    text = README.read_text(encoding="utf-8").split("## Where things live", 1)[1].split("\n## ", 1)[0]
+    pairs = []
+    for row in text.splitlines():
+        cells = row.split("|")
+        if len(cells) < 3 or not cells[1].strip().startswith("`numpyro_fedvi"):
+            continue
+        module = cells[1].strip().strip("`")
+        for name in re.findall(r"`([A-Za-z_][A-Za-z_0-9]*)`", cells[2]):
+            pairs.append((module, name))
+    return pairs
+
+
+def test_readme_module_map_names_exist():
+    """Every name the module map lists is importable from the module it names (a module, or an attribute)."""
+    import importlib
+
+    pairs = where_things_live()
+    assert len(pairs) > 50, pairs
+    missing = []
+    for module, name in pairs:
+        mod = importlib.import_module(module)
+        if hasattr(mod, name):
+            continue
+        try:
+            importlib.import_module(f"{module}.{name}")
+        except ImportError:
+            missing.append(f"{module}.{name}")
+    assert not missing, missing
