@@ -30,6 +30,7 @@ import optax
 from jax import random
 from numpyro.infer import Trace_ELBO
 
+from . import sharding as _sharding
 from .curvature import diag_hessian
 from .objectives import block_loss_fn, full_loss_fn
 from .particles import SCHEMES, ControlledDraws
@@ -317,6 +318,11 @@ class PDVI:
         (specs/pdvi.md §4); measured on the random-effects benchmark, η of q(β)'s scale went 0.028 → 10 and its
         error after 60 epochs from 10.5% to 0.02%.
     :param data_plate: name of the data plate when it cannot be found (see ``inspect_model``).
+    :param mesh: optional 1-D ``jax.sharding.Mesh`` (:func:`numpyro_fedvi.sharding.make_mesh`): the local table and
+        the data along the data axis, the duals and blocks along the unit axis are sharded over its devices, the
+        selected blocks solved spread over them and λ_0 / h summed by an all-reduce (:mod:`numpyro_fedvi.sharding`;
+        the same results as one device up to float reassociation).  N and the number of units must divide by the
+        number of devices.
     """
 
     def __init__(self, model, guide, loss=None, *, num_partitions: int | None = None, partitions=None,
@@ -325,7 +331,8 @@ class PDVI:
                  local_optimizer: optax.GradientTransformation | str | None = None, local_steps: int | None = None,
                  dual_granularity: str = "partition", selection: str = "random", alternating: bool = True,
                  crn: str = "oracle", block_solver: Callable | None = None, oracle_draws: str | None = "orthogonal",
-                 oracle_particles: int = 4, eta_refresh=True, data_plate: str | None = None, **static_kwargs):
+                 oracle_particles: int = 4, eta_refresh=True, data_plate: str | None = None, mesh=None,
+                 **static_kwargs):
         if dual_granularity not in ("partition", "datum"):
             raise ValueError(f"dual_granularity must be 'partition' or 'datum', got {dual_granularity!r}.")
         if selection not in ("random", "cyclic"):
@@ -370,6 +377,7 @@ class PDVI:
             raise TypeError(f"block_solver must be callable, got {type(block_solver).__name__}.")
         self.block_solver = block_solver
         self.data_plate = data_plate
+        self.mesh = None if mesh is None else _sharding.check_mesh(mesh)
         check_static_kwargs(static_kwargs)
         self.static_kwargs = static_kwargs
         self.structure: ModelStructure | None = None
@@ -448,6 +456,8 @@ class PDVI:
             return lam, rows, jnp.where(ok, value, jnp.nan), idx, mask
 
         def oracle(units, mask, lam0, mu_sel, eta, local, key):
+            if self.mesh is not None:  # the selected units spread over the devices (when their number divides)
+                units, mu_sel = _sharding.constrain_rows((units, mu_sel), self.mesh)
             lam, rows, values, idx, row_mask = jax.vmap(solve_one, in_axes=(0, None, 0, None, None, None))(
                 units, lam0, mu_sel, eta, local, key)
             ok = jnp.all(jnp.where(mask, jnp.isfinite(values), True))  # a failed step writes nothing
@@ -462,8 +472,13 @@ class PDVI:
     def _step(self, state: PDVIState, inputs):
         """The guarded step of the run loop: ``(state, loss, ok)``; O(selected blocks) work."""
         blocks, args, kwargs = inputs
-        return pdvi_step(state, self._oracle(blocks, args, kwargs, state.rng_key),
-                         lambda key, step: self._select(blocks, key, step), guard=True)
+        new, loss, ok = pdvi_step(state, self._oracle(blocks, args, kwargs, state.rng_key),
+                                  lambda key, step: self._select(blocks, key, step), guard=True)
+        return self._constrain(new), loss, ok
+
+    def _constrain(self, state):
+        """With a mesh: the state's layout kept inside the compiled step (the table stays sharded)."""
+        return state if self.mesh is None else _sharding.constrain_pdvi_state(state, self.mesh)
 
     def _unit_objective(self, unit, local, key, inputs):
         """``(λ ↦ f_unit(λ, φ_unit), unit key)``: a unit's block loss at its stored local rows, with the Monte-Carlo
@@ -500,7 +515,11 @@ class PDVI:
         return cache[name]
 
     def _inputs(self, args, kwargs):
-        return self.blocks, args, kwargs
+        if self.mesh is None:
+            return self.blocks, args, kwargs
+        size = self.structure.data_plate.size  # data leaves with N rows sharded along them, blocks along their axis
+        blocks = _sharding.shard_rows(self.blocks, self.mesh, what="the number of blocks")
+        return blocks, *_sharding.shard_rows((args, kwargs), self.mesh, size, what="the size of the data plate")
 
     def refresh_steps(self) -> list[int]:
         """Iteration numbers (``state.step``) after which ``eta="auto"`` is re-estimated (empty without refresh)."""
@@ -547,7 +566,8 @@ class PDVI:
         mu = self._compiled("duals", self._duals)((lam0, state.local, random.fold_in(key, 1)), inputs)
         mu = {k: jnp.where(jnp.all(jnp.isfinite(mu[k])), mu[k], state.mu[k]) for k in state.mu}
         h = {k: eta[k] * jnp.mean(mu[k], 0) for k in state.h}
-        return state._replace(eta=eta, h=h, mu=mu)
+        state = state._replace(eta=eta, h=h, mu=mu)
+        return state if self.mesh is None else _sharding.shard_pdvi_state(state, self.mesh)
 
     def _hooks(self, state, num_steps, inputs):
         step0 = int(state.step)
@@ -568,7 +588,8 @@ class PDVI:
         eta = _check_eta(eta, lam0)
         if not isinstance(self.eta_spec, (str, dict)):  # one number for every site: compared with their curvatures
             self._warn_far_eta(eta, lam0, local, eta_key, self._inputs(args, kwargs))
-        return pdvi_init(lam0, self.num_units, local, eta, rng_key)
+        state = pdvi_init(lam0, self.num_units, local, eta, rng_key)
+        return state if self.mesh is None else _sharding.shard_pdvi_state(state, self.mesh)
 
     def _warn_far_eta(self, eta, lam0, local, key, inputs):
         """Warn when a fixed η is far (``ETA_WARN_RATIO``) above the curvature-based value ``eta_scale / L̂_j`` that
@@ -611,8 +632,9 @@ class PDVI:
 
     def _plain_step(self, state, inputs):
         blocks, args, kwargs = inputs
-        return pdvi_step(state, self._oracle(blocks, args, kwargs, state.rng_key),
-                         lambda key, step: self._select(blocks, key, step))
+        new, loss = pdvi_step(state, self._oracle(blocks, args, kwargs, state.rng_key),
+                              lambda key, step: self._select(blocks, key, step))
+        return self._constrain(new), loss
 
     def stable_update(self, state: PDVIState, *args, **kwargs) -> tuple[PDVIState, jax.Array]:
         """Like ``update`` but a step that produces non-finite values changes nothing except the step counter."""

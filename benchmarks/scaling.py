@@ -1,0 +1,206 @@
+"""PD-VI on a device mesh (issue 14): time per iteration and memory per device vs devices and N.
+
+Per-datum random effects ``x_i ~ N(β + u_i, 0.5)``, ``u_i ~ N(0, 1)``, AutoNormal (one local row per datum), fixed
+blocks of ``BLOCK`` rows, ``m`` blocks per iteration, PD-VI with ``mesh=make_mesh(D)`` (D = 1 is the plain engine,
+no mesh) on D simulated CPU devices (``XLA_FLAGS=--xla_force_host_platform_device_count=D``, read when JAX starts:
+one subprocess per D).  Per configuration: the steady time of one iteration (marginal cost (T(2R) − T(R))/R, T the
+best of 3 ``run`` calls of a compiled chunk, compile excluded), the bytes each device holds (state + data + blocks,
+from the arrays' shards) and, once, the collectives of the compiled step (largest element count one moves).
+
+* ``n_sweep``: m = 4 fixed, N over ``SIZES``, for each D: the cost of an iteration vs N (claim: flat, i.e.
+  proportional to the selected blocks, not N) and the memory per device (claim: ≈ 1/D of one device's).
+* ``weak``: N = N0·D and m = D (the work per device fixed); ideal: a flat time.
+* ``strong``: the largest N of the sweep, m = 4, D = 1, 2, 4; ideal: time ∝ 1/D.
+
+ALL SIMULATED DEVICES SHARE THE SAME CPU CORES (2 here), so no speed-up across devices is possible or claimed: weak
+and strong scaling are reported as measured (they show the overhead of the partitioned step, not multi-device
+speed); the memory per device and the independence of N are what this machine can show.
+
+    python -m benchmarks.scaling [--quick]     (quick: N = 2·10⁴, 8·10⁴, blocks of 500; full: N = 10⁵, 10⁶, 10⁷)
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import json  # noqa: E402
+import resource  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+NAME = "scaling"
+DEVICES = (1, 2, 4)
+# quick: a one-step Newton oracle on the ELBO's own draws (a smaller program to compile); full: the oracle's defaults
+QUICK = {"sizes": [20_000, 80_000], "block": 500, "rounds": 200, "weak_n0": 20_000,
+         "oracle": {"local_steps": 1, "oracle_draws": None}}
+FULL = {"sizes": [100_000, 1_000_000, 10_000_000], "block": 1000, "rounds": 100, "weak_n0": 250_000, "oracle": {}}
+M = 4
+
+
+def _worker(devices: int, configs: list, block_rows: int, rounds: int, hlo_for: list | None, oracle: dict):
+    """In a process with ``devices`` CPU devices: measure every ``(N, m)`` of ``configs``; JSON lines on stdout."""
+    import jax
+    import jax.numpy as jnp
+    import numpyro
+    import numpyro.distributions as dist
+    from jax import random
+    from numpyro.infer.autoguide import AutoNormal
+
+    import numpyro_fedvi as nfv
+    from numpyro_fedvi import sharding
+
+    assert jax.device_count() == devices, (jax.device_count(), devices)
+
+    def model(x, batch_size=None):
+        beta = numpyro.sample("beta", dist.Normal(0.0, 10.0))
+        with numpyro.plate("data", x.shape[0], subsample_size=batch_size) as idx:
+            u = numpyro.sample("u", dist.Normal(0.0, 1.0))
+            numpyro.sample("x", dist.Normal(beta + u, 0.5), obs=x[idx])
+
+    mesh = None if devices == 1 else sharding.make_mesh(devices)
+    for n, m in configs:
+        rng = np.random.default_rng(0)
+        x = np.sort(1.0 + rng.normal(size=n) + 0.5 * rng.normal(size=n)).astype(np.float32)  # sorted: non-iid blocks
+        t0 = time.perf_counter()
+        engine = nfv.PDVI(model, AutoNormal(model), num_partitions=n // block_rows, partitions_per_step=m,
+                          eta={"beta_auto_loc": 1e-3, "beta_auto_scale": 1e-3}, mesh=mesh, **oracle)
+        state = engine.init(random.key(0), x, batch_size=10)
+        xj = jax.device_put(jnp.asarray(x), state.local["u_auto_loc"].sharding)  # data placed like the table
+
+        def timed(r):
+            t = time.perf_counter()
+            jax.block_until_ready(engine.run(random.key(0), r, xj, init_state=state, progress_bar=False,
+                                             chunk_size=2 * rounds, batch_size=10).state)
+            return time.perf_counter() - t
+
+        res = engine.run(random.key(0), rounds, xj, init_state=state, progress_bar=False, chunk_size=2 * rounds,
+                         batch_size=10)  # compile
+        jax.block_until_ready(res.state)
+        setup = time.perf_counter() - t0
+        short, long = min(timed(rounds) for _ in range(3)), min(timed(2 * rounds) for _ in range(3))
+        inputs = engine._inputs((xj,), {"batch_size": 10})
+        held = sharding.bytes_per_device((res.state, inputs[:2]))
+        row = {"devices": devices, "N": n, "m": m, "blocks": n // block_rows, "iter_s": (long - short) / rounds,
+               "setup_s": setup, "bytes_per_device": max(held.values()), "bytes_total": sum(held.values()),
+               "local_spec": str(getattr(res.state.local["u_auto_loc"].sharding, "spec", "single device")),
+               "finite": bool(np.isfinite(np.asarray(res.losses)).all())}
+        if hlo_for and [n, m] in hlo_for and mesh is not None:
+            step = jax.jit(lambda s, b, a: engine._plain_step(s, (b, a, {"batch_size": 10})))
+            row["collectives"] = sharding.collectives(step.lower(res.state, *inputs[:2]).compile().as_text())
+        print(json.dumps(row), flush=True)
+
+
+def _measure(devices: int, configs: list, block_rows: int, rounds: int, oracle: dict, hlo_for=None) -> list[dict]:
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu",
+           "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+    spec = json.dumps({"devices": devices, "configs": configs, "block_rows": block_rows, "rounds": rounds,
+                       "hlo_for": hlo_for, "oracle": oracle})
+    out = subprocess.run([sys.executable, "-m", "benchmarks.scaling", "--worker", spec], env=env, text=True,
+                         capture_output=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if out.returncode:
+        raise RuntimeError(f"worker with {devices} devices failed:\n{out.stderr[-3000:]}")
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    for r in rows:
+        print(f"D = {r['devices']}  N = {r['N']:>9,d}  m = {r['m']}  {r['iter_s'] * 1e3:8.2f} ms / iteration  "
+              f"{r['bytes_per_device'] / 2**20:8.2f} MiB / device  (setup {r['setup_s']:.1f} s)", flush=True)
+    return rows
+
+
+def main(argv=None):
+    from ._common import parse_args, save_figure, write_result
+
+    args = parse_args(__doc__.splitlines()[0], argv)
+    cfg = QUICK if args.quick else FULL
+    sizes, block_rows, rounds, n0 = cfg["sizes"], cfg["block"], cfg["rounds"], cfg["weak_n0"]
+    t_start = time.perf_counter()
+    rows = []
+    for d in DEVICES:
+        configs = [[n, M] for n in sizes]
+        configs += [[n0 * d, d]] if [n0 * d, d] not in configs else []
+        hlo_for = [[sizes[-1], M]] if d == DEVICES[-1] else None  # the collectives, once: largest N, most devices
+        rows += _measure(d, configs, block_rows, rounds, cfg["oracle"], hlo_for=hlo_for)
+    wall = time.perf_counter() - t_start
+    cpu = resource.getrusage(resource.RUSAGE_CHILDREN)
+
+    def find(d, n, m):
+        return next(r for r in rows if (r["devices"], r["N"], r["m"]) == (d, n, m))
+
+    methods = {}
+    for d in DEVICES:
+        sweep = [find(d, n, M) for n in sizes]
+        methods[f"devices_{d}"] = {
+            "N": sizes, "iter_s": [r["iter_s"] for r in sweep], "bytes_per_device": [r["bytes_per_device"] for r in
+                                                                                     sweep],
+            "setup_s": [r["setup_s"] for r in sweep], "local_spec": sweep[-1]["local_spec"],
+            "final": {"iter_s_at_max_n": sweep[-1]["iter_s"], "iter_ratio_max_to_min_n": sweep[-1]["iter_s"]
+                      / sweep[0]["iter_s"], "bytes_per_device_at_max_n": sweep[-1]["bytes_per_device"]}}
+    weak = [find(d, n0 * d, d) for d in DEVICES]
+    strong = [find(d, sizes[-1], M) for d in DEVICES]
+    methods["weak"] = {"devices": list(DEVICES), "N": [r["N"] for r in weak], "m": [r["m"] for r in weak],
+                       "iter_s": [r["iter_s"] for r in weak],
+                       "efficiency": [weak[0]["iter_s"] / r["iter_s"] for r in weak]}
+    methods["strong"] = {"devices": list(DEVICES), "N": sizes[-1], "m": M, "iter_s": [r["iter_s"] for r in strong],
+                         "speedup": [strong[0]["iter_s"] / r["iter_s"] for r in strong]}
+    coll = strong[-1].get("collectives", {})
+    moved = max((c["max_elements"] for c in coll.values()), default=None)
+    one = methods["devices_1"]
+    claims = {
+        # the iteration at 100x (quick: 4x) the data costs at most 2x the smallest one: O(selected blocks), not O(N)
+        **{f"iter_cost_independent_of_n_{d}dev": methods[f"devices_{d}"]["final"]["iter_ratio_max_to_min_n"] <= 2.0
+           for d in DEVICES},
+        # each device holds at most 1/D of one device's bytes (+10% for the replicated globals, keys, masks)
+        **{f"memory_per_device_about_1_over_{d}": methods[f"devices_{d}"]["final"]["bytes_per_device_at_max_n"]
+           <= 1.1 * one["final"]["bytes_per_device_at_max_n"] / d for d in DEVICES[1:]},
+        "step_moves_only_selected_rows": moved is not None and moved <= M * block_rows,
+        "every_run_finite": all(r["finite"] for r in rows),
+        # with the devices simulated on the same cores, no speed-up is expected: recorded, not claimed
+        "strong_speedup_above_1_at_max_devices": methods["strong"]["speedup"][-1] > 1.0,
+    }
+    config = {"model": "random effects x_i ~ N(beta + u_i, 0.5), AutoNormal, PD-VI Newton oracle with a fixed eta",
+              "oracle": cfg["oracle"] or "defaults", "devices": list(DEVICES), "sizes": sizes, "block_rows": block_rows,
+              "selected_blocks": M, "rounds": rounds, "weak_n0": n0, "wall_s": wall,
+              "cpu_s_workers": cpu.ru_utime + cpu.ru_stime,
+              "simulated_devices": "XLA_FLAGS=--xla_force_host_platform_device_count=D on ONE CPU host: all D devices "
+                                   f"share the same {os.cpu_count()} cores, so times cannot show multi-device "
+                                   "speed-up; OMP_NUM_THREADS=OPENBLAS_NUM_THREADS=1; the machine is shared with "
+                                   "other jobs, timings are noisy",
+              "largest_collective_elements_at_max_n_max_devices": moved, "collectives": coll}
+    path = write_result(NAME, args.quick, config, methods, claims, args.out)
+    _plot(methods, sizes, save_figure, args.out)
+    print(f"claims: {claims}\nwall {wall:.1f} s (CPU {config['cpu_s_workers']:.1f} s); wrote {path}")
+
+
+def _plot(methods, sizes, save_figure, out):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    for d in DEVICES:
+        m = methods[f"devices_{d}"]
+        axes[0].semilogx(sizes, np.asarray(m["iter_s"]) * 1e3, "o-", label=f"{d} device(s)")
+        axes[1].loglog(sizes, np.asarray(m["bytes_per_device"]) / 2**20, "o-", label=f"{d} device(s)")
+    axes[0].set(xlabel=f"N (m = {M} blocks per iteration)", ylabel="ms per iteration", ylim=(0, None))
+    axes[1].set(xlabel="N", ylabel="MiB held per device")
+    axes[2].plot(DEVICES, np.asarray(methods["strong"]["iter_s"]) * 1e3, "o-", label=f"strong (N = {sizes[-1]:,})")
+    axes[2].plot(DEVICES, np.asarray(methods["weak"]["iter_s"]) * 1e3, "s-", label="weak (N, m ∝ D)")
+    axes[2].set(xlabel="simulated CPU devices (same cores)", ylabel="ms per iteration", xticks=DEVICES, ylim=(0, None))
+    for ax in axes:
+        ax.legend(fontsize=8)
+    fig.suptitle("PD-VI sharded over a device mesh (simulated CPU devices sharing the same cores)", fontsize=10)
+    save_figure(fig, NAME, out)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "--worker":
+        spec = json.loads(sys.argv[2])
+        _worker(spec["devices"], spec["configs"], spec["block_rows"], spec["rounds"], spec["hlo_for"], spec["oracle"])
+    else:
+        main()

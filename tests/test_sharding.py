@@ -1,0 +1,151 @@
+"""Scale-out on a device mesh (numpyro_fedvi.sharding, issue 14), on 4 simulated CPU devices.
+
+XLA reads ``--xla_force_host_platform_device_count`` when JAX starts, so the runs happen in ONE subprocess (this file
+run as a script) that prints its measurements as JSON; the tests check them.  Checked: PD-VI with ``mesh=`` equals
+the single-device run for the same key (``run``) to float tolerance; the local table, the duals
+and the data stay sharded over the 4 devices (``.sharding``, bytes per device = 1/4); the compiled step's
+collectives move at most the selected blocks' rows, never the table; FedMM with the client axis sharded equals the
+unsharded run; sizes that do not divide by the devices are refused.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+N, B, M, STEPS = 1600, 16, 4, 8  # 16 blocks of 100 rows, 4 selected per iteration (a quarter of the table)
+
+
+@pytest.fixture(scope="module")
+def measured():
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "OMP_NUM_THREADS": "1",
+           "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-4000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_pdvi_mesh_equals_single_device(measured):
+    r = measured["pdvi"]
+    assert r["num_devices"] == 4
+    for name in ("lam0", "h", "mu", "local", "losses"):
+        np.testing.assert_allclose(r["mesh"][name], r["single"][name], rtol=2e-4, atol=2e-5, err_msg=name)
+    assert r["single"]["step"] == r["mesh"]["step"] == STEPS
+    assert np.max(np.abs(np.asarray(r["single"]["mu"]))) > 0  # the duals moved: the comparison is not of zeros
+
+
+def test_pdvi_table_stays_sharded(measured):
+    r = measured["pdvi"]
+    for what in ("local", "mu", "data"):
+        assert r["specs"][what] == ["units"], (what, r["specs"][what])
+        assert r["devices"][what] == 4, what
+    per_device = r["local_bytes_per_device"]
+    assert len(per_device) == 4 and set(per_device) == {r["local_bytes_total"] // 4}
+
+
+def test_pdvi_step_moves_selected_rows_only(measured):
+    coll = measured["pdvi"]["collectives"]
+    moved = max(c["max_elements"] for c in coll.values())
+    assert sum(c["count"] for c in coll.values()) > 0  # the step is partitioned (else this test checks nothing)
+    assert moved <= M * (N // B) < N, coll
+
+
+def test_fedmm_client_axis_sharded_equals_unsharded(measured):
+    r = measured["fedmm"]
+    np.testing.assert_allclose(r["mesh"]["theta"], r["single"]["theta"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(r["mesh"]["losses"], r["single"]["losses"], rtol=1e-5)
+    np.testing.assert_allclose(r["mesh"]["V_clients"], r["single"]["V_clients"], rtol=1e-5, atol=1e-6)
+    assert r["specs"]["V_clients"] == ["units"] and r["specs"]["data"] == ["units"]
+
+
+def test_sizes_that_do_not_divide_are_refused(measured):
+    assert "must divide by the 4 devices" in measured["errors"]["pdvi_odd_n"]
+    assert "mesh must be a jax.sharding.Mesh" in measured["errors"]["bad_mesh"]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+def _worker():  # runs in the subprocess with 4 CPU devices
+    import jax
+    import jax.numpy as jnp
+    import numpyro
+    import numpyro.distributions as dist
+    from jax import random
+    from numpyro.infer.autoguide import AutoNormal
+
+    import numpyro_fedvi as nfv
+    from numpyro_fedvi import sharding
+    from numpyro_fedvi.federated import ClientData, FixedSize
+    from numpyro_fedvi.fedmm import FedMM, gmm_map_em
+
+    def model(x, batch_size=None):
+        beta = numpyro.sample("beta", dist.Normal(0.0, 10.0))
+        with numpyro.plate("data", x.shape[0], subsample_size=batch_size) as idx:
+            u = numpyro.sample("u", dist.Normal(0.0, 1.0))
+            numpyro.sample("x", dist.Normal(beta + u, 0.5), obs=x[idx])
+
+    def flat(tree):
+        return np.concatenate([np.ravel(np.asarray(v, np.float64)) for v in jax.tree.leaves(tree)]).tolist()
+
+    def spec(x):
+        return [a for a in x.sharding.spec] if hasattr(x.sharding, "spec") else None
+
+    rng = np.random.default_rng(0)
+    x = np.sort(1.0 + rng.normal(size=N) + 0.5 * rng.normal(size=N)).astype(np.float32)
+    mesh = sharding.make_mesh(4)
+    eta = {"beta_auto_loc": 2e-3, "beta_auto_scale": 2e-3}
+    out = {"pdvi": {"num_devices": jax.device_count()}, "errors": {}}
+    for name, m in (("single", None), ("mesh", mesh)):
+        engine = nfv.PDVI(model, AutoNormal(model), num_partitions=B, partitions_per_step=M, eta=eta, mesh=m,
+                           local_steps=1, oracle_draws=None)
+        res = engine.run(random.key(0), STEPS, x, batch_size=10, progress_bar=False)
+        st = res.state
+        out["pdvi"][name] = {"lam0": flat(st.lam0), "h": flat(st.h), "mu": flat(st.mu), "local": flat(st.local),
+                             "losses": np.asarray(res.losses).tolist(), "step": int(st.step)}
+        if m is not None:
+            blocks, args, kwargs = engine._inputs((jnp.asarray(x),), {"batch_size": 10})
+            leaf = st.local["u_auto_loc"]
+            arrays = {"local": leaf, "mu": st.mu["beta_auto_loc"], "data": args[0]}
+            out["pdvi"]["specs"] = {k: spec(v) for k, v in arrays.items()}
+            out["pdvi"]["devices"] = {k: len(v.sharding.device_set) for k, v in arrays.items()}
+            out["pdvi"]["local_bytes_total"] = int(sum(v.nbytes for v in jax.tree.leaves(st.local)))
+            out["pdvi"]["local_bytes_per_device"] = list(sharding.bytes_per_device(st.local).values())
+            step = jax.jit(lambda s, b, a: engine._plain_step(s, (b, a, {"batch_size": 10})))
+            hlo = step.lower(st, blocks, args).compile().as_text()
+            out["pdvi"]["collectives"] = sharding.collectives(hlo)
+    try:
+        nfv.PDVI(model, AutoNormal(model), num_partitions=B, eta=eta, mesh=mesh).init(random.key(0), x[:-2],
+                                                                                       batch_size=10)
+    except ValueError as err:
+        out["errors"]["pdvi_odd_n"] = str(err)
+    try:
+        nfv.PDVI(model, AutoNormal(model), num_partitions=B, mesh=jax.devices())
+    except TypeError as err:
+        out["errors"]["bad_mesh"] = str(err)
+
+    # FedMM: 8 clients of a 3-component GMM, 4 active per round, client axis over the 4 devices
+    means = np.array([[-4.0, 0.0], [4.0, 0.0], [0.0, 4.0]])
+    clients = [(means[np.where(rng.random(40) < 0.9, i % 3, rng.integers(0, 3, 40))]
+                + rng.standard_normal((40, 2))).astype(np.float32) for i in range(8)]
+    cd = ClientData.from_list(clients)
+    s0 = {"s1": jnp.asarray(rng.normal(size=(3, 2)) * 0.3, jnp.float32), "s2": jnp.full((3,), 1 / 3, jnp.float32)}
+    out["fedmm"] = {}
+    for name in ("single", "mesh"):
+        engine = FedMM(gmm_map_em(3, 2, 0.1), step_size=0.5, cv_step=0.2, participation=FixedSize(4), log_every=1)
+        state = engine.init(random.key(3), cd, s0)
+        data = cd
+        if name == "mesh":
+            state, data = sharding.shard_fedmm_state(state, mesh), sharding.shard_client_data(cd, mesh)
+        res = engine.run(random.key(3), 6, data, init_state=state, progress_bar=False)
+        out["fedmm"][name] = {"theta": flat(res.state.theta), "losses": np.asarray(res.losses).tolist(),
+                              "V_clients": flat(res.state.V_clients)}
+        if name == "mesh":
+            out["fedmm"]["specs"] = {"V_clients": spec(jax.tree.leaves(res.state.V_clients)[0]),
+                                     "data": spec(jax.tree.leaves(data.data)[0])}
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    _worker()
