@@ -100,15 +100,19 @@ def _sym(A: jax.Array) -> jax.Array:
     return 0.5 * (A + jnp.swapaxes(A, -1, -2))
 
 
-@jax.jit
-def _eig_clip(A: jax.Array, min_eig):
+# The jitted kernels are wrapped by a call, not a decorator, so that mutmut (which skips decorated functions)
+# mutates them too (CONTRIBUTING.md, "Mutation testing").
+def _eig_clip_impl(A: jax.Array, min_eig):
     w, V = jnp.linalg.eigh(_sym(A))
     return jnp.maximum(w, jnp.asarray(min_eig, w.dtype)), V
 
 
-@jax.jit
-def _rebuild(w: jax.Array, V: jax.Array) -> jax.Array:
+def _rebuild_impl(w: jax.Array, V: jax.Array) -> jax.Array:
     return _sym((V * w[..., None, :]) @ jnp.swapaxes(V, -1, -2))
+
+
+_eig_clip = jax.jit(_eig_clip_impl)
+_rebuild = jax.jit(_rebuild_impl)
 
 
 def project_psd(A, min_eig=0.0) -> jax.Array:
@@ -187,8 +191,7 @@ def project_simplex(v, axis: int = -1, total=1.0) -> jax.Array:
     return jnp.moveaxis(x, -1, axis)
 
 
-@jax.jit
-def _simplex_last(x, total):
+def _simplex_last_impl(x, total):
     n = x.shape[-1]
     u = -jnp.sort(-x, axis=-1)
     css = jnp.cumsum(u, axis=-1) - total
@@ -197,6 +200,9 @@ def _simplex_last(x, total):
     rho = jnp.maximum(rho, 1)
     theta = jnp.take_along_axis(css, rho - 1, axis=-1) / rho.astype(x.dtype)
     return jnp.maximum(x - theta, 0.0)
+
+
+_simplex_last = jax.jit(_simplex_last_impl)
 
 
 def project_capped_simplex(v, total=1.0, upper=1.0, axis: int = -1, num_iters: int = 60) -> jax.Array:
@@ -232,8 +238,7 @@ def project_capped_simplex(v, total=1.0, upper=1.0, axis: int = -1, num_iters: i
     return jnp.moveaxis(x, -1, axis)
 
 
-@partial(jax.jit, static_argnums=3)
-def _capped_last(x, ub, tot, num_iters):
+def _capped_last_impl(x, ub, tot, num_iters):
     def gap(tau):  # Σ clip(v − τ, 0, u) − total, non-increasing in τ
         return jnp.sum(jnp.clip(x - tau, 0.0, ub), axis=-1, keepdims=True) - tot
 
@@ -258,6 +263,9 @@ def _capped_last(x, ub, tot, num_iters):
     better = (nfree > 0) & (jnp.abs(gap(tau_ref)) <= jnp.abs(gap(tau)))
     tau = jnp.where(better, tau_ref, tau)
     return jnp.clip(x - tau, 0.0, ub)
+
+
+_capped_last = partial(jax.jit, static_argnums=3)(_capped_last_impl)
 
 
 def project_box(x, lower, upper) -> jax.Array:
