@@ -124,7 +124,8 @@ def within_patches(graph: SpatialGraph, patches) -> SpatialGraph:
 def spatial_model(x, graph: SpatialGraph, hyper: GMMHyper, subsample_size: int | None = None):
     """App. C.1's model (63): ``c ~ N(xi, Sigma1)``, ``z_i ~ Cat(1/K)`` times the Potts prior, ``x_i ~ N(c_{z_i},
     Sigma0)``.  The Potts prior enters as its mean-field expectation over the rows of the data plate
-    (:func:`~numpyro_fedvi.coupling.mean_field_potts`, reading the guide's ``phi``); use with
+    (:func:`~numpyro_fedvi.coupling.mean_field_potts`, reading the guide's ``phi``; without the guide's params, on a
+    draw of ``z``, the unnormalised Potts log-prior ``Σ r_ij 1{z_i = z_j}`` of the draw); use with
     :func:`make_spatial_guide` and ``TraceEnum_ELBO`` (guide-side enumeration of ``z``).  Pin the plate's rows on model
     AND guide (``handlers.substitute(fn, data={"data": idx})``) when running under NumPyro's SVI (see
     :func:`~numpyro_fedvi.models.gmm.gmm_model`'s GOTCHA); PD-VI pins them itself."""
@@ -135,8 +136,11 @@ def spatial_model(x, graph: SpatialGraph, hyper: GMMHyper, subsample_size: int |
         xb = numpyro.subsample(x, event_dim=1)
         z = numpyro.sample("z", dist.Categorical(probs=jnp.full((hyper.K,), 1.0 / hyper.K)))
         numpyro.sample("obs", dist.Normal(c[z], hyper.sigma0).to_event(1), obs=xb)
+        # q(z)'s probabilities (the guide's local param, shared by name): under an ELBO the factor is the Potts prior's
+        # mean-field expectation; run without the guide's params (Predictive, to_datatree) on a draw of z, its energy
         phi = numpyro.param("phi", None, constraint=constraints.simplex, event_dim=1)
-        mean_field_potts("potts", phi, idx, graph.neighbors, graph.weights)
+        probs = jax.nn.one_hot(z, hyper.K) if phi is None else phi
+        mean_field_potts("potts", probs, idx, graph.neighbors, graph.weights)
 
 
 def make_spatial_guide(init_means, init_scale=0.1, init_phi=None):
