@@ -267,8 +267,8 @@ def main(argv=None):
         cfg = dict(n=50_000, iters=300, record_every=20, seeds=5, eta_s_grid=[0.3, 1.0, 3.0], pd_grid=[1.0, 3.0],
                    rho_grid=[0.1, 0.3, 0.7], lr_grid={"sgd": [1e-4, 1e-3], "rmsprop": [3e-3, 1e-2, 3e-2],
                                                       "adam": [3e-3, 1e-2, 3e-2]})
-    cfg.update(K=7, d=20, tiles=(5, 5), knn=6, noise=2.0, beta=1.0, data_seed=0, sweeps=10, newton_steps=8, local_steps=5,
-               init_scale=0.1, oracle_iters=300)
+    cfg.update(K=7, d=20, tiles=(5, 5), knn=6, noise=2.0, beta=1.0, data_seed=0, sweeps=10, newton_steps=8,
+               local_steps=5, init_scale=0.1, oracle_iters=300)
     cfg["num_patches"] = cfg["tiles"][0] * cfg["tiles"][1]
     cfg["block"] = cfg["n"] // cfg["num_patches"]
     t_start = time.perf_counter()

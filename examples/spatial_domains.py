@@ -78,7 +78,8 @@ def main(n=5_000, K=7, d=20, num_steps=300, generic=False, seed=0):
     f = float(spatial.neg_elbo(jnp.asarray(data.x), graph, result.params["m"], result.params["s"] ** 2,
                                jnp.asarray(phi), hyper))
     ari = {name: adjusted_rand_score(data.labels, lab) for name, lab in
-           (("k-means", np.asarray(km_labels)), ("P²D-VI", labels), ("block-CAVI optimum", np.asarray(phi_opt).argmax(1)))}
+           (("k-means", np.asarray(km_labels)), ("P²D-VI", labels),
+            ("block-CAVI optimum", np.asarray(phi_opt).argmax(1)))}
     print(f"\nP²D-VI ({'generic L-BFGS' if generic else 'exact'} oracle), {num_steps} iterations on 25 patches of "
           f"{block} spots: {elapsed:.1f} s with compilation")
     print("ARI vs the true domains: " + ", ".join(f"{k} {v:.3f}" for k, v in ari.items()))

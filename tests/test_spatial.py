@@ -1,8 +1,6 @@
 """Spatial domains (PD-VI paper, App. C.1): the mean-field Potts factor of the model contract, the patch objective,
 the synthetic surrogate, and a tiny P²D-VI run against the block-CAVI oracle."""
 
-import itertools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -70,7 +68,7 @@ def test_block_objective_holds_the_within_patch_potts_energy(tiny):
     data, hyper, centers, phi = tiny
     guide = spatial.make_spatial_guide(centers, init_scale=0.3, init_phi=phi)
     # the oracle's default draws (antithetic, moment-matched) make every Gaussian-quadratic term of the loss exact
-    engine = nfv.PDVI(spatial.spatial_model, guide, TraceEnum_ELBO(), partitions=data.patches, eta=1.0,
+    engine = nfv.PDVI(spatial.spatial_model, guide, TraceEnum_ELBO(), partitions=data.patches, eta={"m": 1.0, "s": 1.0},
                       subsample_size=N // 4)
     state = engine.init(jax.random.key(0), data.x, data.graph, hyper)
     no_edges = spatial.SpatialGraph(data.graph.neighbors, np.zeros_like(data.graph.weights))
