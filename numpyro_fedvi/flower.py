@@ -1,7 +1,7 @@
 """Flower integration (issue 12; optional extra ``numpyro_fedvi[flower]``, ``flwr>=1.41,<1.43``).
 
-FedMM and FedSVI rounds across processes and machines on Flower's Message API, with the SAME functional core as the
-in-process engines (no duplicated math):
+FedMM / FedSVI and FedLocalVI / RobustFedVI rounds across processes and machines on Flower's Message API, with the
+SAME functional core as the in-process engines (no duplicated math):
 
 * :class:`FedMMStrategy` — a Flower ``Strategy``.  ``configure_train`` samples the round's clients with the engine's
   JAX-keyed participation law (Flower's own sampler is not reproducible) and sends each what the core broadcasts:
@@ -15,6 +15,9 @@ in-process engines (no duplicated math):
   model object the user runs under SVI (FedSVI) or the same family (FedMM).  The control variate V_{t,i} lives in
   ``Context.state``; its increment ``(α/p) q_i`` is committed when the server reports the reply accepted (the next
   message to that client), so V_t = Σ_i μ_i V_{t,i} holds even when replies are dropped.
+* :class:`FedLocalVIStrategy` — FedLocalVI (every solver, drift correction included) and RobustFedVI: the clients
+  run the round's K local steps with the engine's solver, the server averages; a two-sync solver (LESGD, local
+  dual averaging) takes two Flower rounds per engine round (``vi_solvers.Solver.halves``).
 * :func:`make_server_app` and :func:`simulate` (Flower's simulation engine on loopback, telemetry off).
 * :func:`to_record` / :func:`from_record` — the pytree ↔ ``ArrayRecord`` codec (typed PRNG keys as key data; a
   malformed record is rejected by name).
@@ -53,6 +56,7 @@ from .federated import ClientData
 from .fedlocalvi import FedLocalVI
 from .fedmm.engine import FedMM, strong_types
 from .fedmm.fedsvi import FedSVI
+from .robust import RobustFedVI, dro_objective, dro_weights
 from .inputs import prepare_inputs
 from .objectives import block_loss_fn
 from .runner import RunResult
@@ -148,6 +152,7 @@ def from_record(record, template, *, check_finite: bool = False):
 # ----------------------------------------------------------------------------------------------------------
 
 _STATE = "numpyro_fedvi.state"    # a client's persistent arrays (Context.state)
+_CARRY = "numpyro_fedvi.carry"    # a two-sync round's phase-0 carry (Context.state)
 _META = "numpyro_fedvi.meta"      # its persistent scalars
 
 
@@ -207,9 +212,12 @@ class _FedMMClient:
 
 
 class _FedLocalVIClient:
-    """FedLocalVI client: the engine's solver runs the round's K local steps for this client alone (a one-client
-    ``VIState`` holding ``clients=[m]``: the same keys and steps as in process); with drift correction its control
-    variate h_m takes Scaffnew's step from the server's average of the previous round."""
+    """FedLocalVI / RobustFedVI client: the engine's solver runs the round's K local steps for this client alone (a
+    one-client ``VIState`` holding ``clients=[m]``: the same keys and steps as in process); with drift correction
+    its control variate h_m takes Scaffnew's step from the server's average of the previous round.  A solver that
+    synchronises twice (LESGD, local dual averaging) runs its round in two phases, ``Solver.halves``: phase 0 ends
+    with the x of the last step (averaged by the server), phase 1 resumes from the carry kept in
+    ``Context.state`` with the server's x̄."""
 
     def __init__(self, engine, data, num_total: int, num_clients: int, stat_template):
         if not engine._plate_mode:
@@ -228,35 +236,86 @@ class _FedLocalVIClient:
         self.weight = jnp.asarray([num_clients * plate.size / num_total], jnp.result_type(float))
         z0 = strong_types(engine._initial_point(local.structure.init_global))
         self.z_template = z0
-        self.broadcast_template = {"z": z0, "output": z0, "step": jnp.zeros((), jnp.int32),
-                                   "round": jnp.zeros((), jnp.int32), "key": random.key(0)}
         self.base = engine.base_solver()
+        self.broadcast_template = _local_broadcast_template(z0, self.base)
         self.round = jax.jit(self._round)
+        if self.base.halves is not None:
+            self.first_half, self.second_half = jax.jit(self._first_half), jax.jit(self._second_half)
+            self.carry_template = {"z": z0, "out_sum": z0}
 
-    def _round(self, b, h, m):
-        """The round's K local steps of client m from the broadcast ``b``, and its objective at ``b["z"]``."""
+    def _setup(self, b, h, m):
+        """The one-client solver state of the broadcast ``b``, the client loss and its (corrected) operator."""
         e = self.engine
-        st = vs.VIState(z=jax.tree.map(lambda a: a[None], b["z"]), output=b["output"], anchor=None,
+        st = vs.VIState(z=jax.tree.map(lambda a: a[None], b["z"]), output=b["output"], anchor=b.get("anchor"),
                         step=b["step"], round=b["round"], key=b["key"], clients=jnp.reshape(m, (1,)))
         loss = e._client_loss(self.inputs)
         op = e._operator(loss, e._mc_key(st), self.rows, self.weight, row=lambda _: 0)
         if h is not None:
             op = vs.corrected_operator(op, jax.tree.map(lambda a: a[None], h), row=lambda _: 0)
+        return st, loss, op
+
+    def _objective(self, st, loss):
+        """The client's objective F_m at the round's synchronised (primal) iterate."""
+        e = self.engine
+        return loss(e._eval_key(st), e._theta(e._iterate(st, "last")), self.rows.data[0], self.rows.mask[0])
+
+    def _round(self, b, h, m):
+        """The round's K local steps of client m from the broadcast ``b``, and its objective at ``b["z"]``."""
+        st, loss, op = self._setup(b, h, m)
         new, _ = self.base.round(st, op)
-        objective = loss(e._eval_key(st), e._theta(b["z"]), self.rows.data[0], self.rows.mask[0])
-        return jax.tree.map(lambda a: a[0], new.z), new.output, objective
+        return jax.tree.map(lambda a: a[0], new.z), new.output, self._objective(st, loss)
+
+    def _first_half(self, b, h, m):
+        """Phase 0 of a two-sync round: ``(carry, x)``, x this client's first call of the last step."""
+        st, _, op = self._setup(b, h, m)
+        (z, out_sum), x = self.base.halves[0](st, op)
+        return {"z": jax.tree.map(lambda a: a[0], z), "out_sum": out_sum}, jax.tree.map(lambda a: a[0], x)
+
+    def _second_half(self, b, h, m, carry):
+        """Phase 1: the second call of the last step from the server's x̄; pre-sync z, output and objective."""
+        st, loss, op = self._setup(b, h, m)
+        carry = (jax.tree.map(lambda a: a[None], carry["z"]), carry["out_sum"])
+        new = self.base.halves[1](st, op, carry, jax.tree.map(lambda a: a[None], b["x"]))
+        return jax.tree.map(lambda a: a[0], new.z), new.output, self._objective(st, loss)
 
     def train(self, i, b, cfg, state):
         e = self.engine
+        phase = int(cfg.get("phase", 0))
         keep = {"h": self.z_template, "presync": self.z_template}
-        saved = from_record(state[_STATE], keep) if _STATE in state else {"h": _zeros(self.z_template)}
-        h = saved["h"]
-        if "presync" in saved and int(b["round"]) == int(state[_META]["round"]) + 1:
+        saved = from_record(state[_STATE], keep) if _STATE in state else None
+        h, presync = (saved["h"], saved["presync"]) if saved else (_zeros(self.z_template), None)
+        presync_round = int(state[_META]["round"]) if saved else -1   # -1: no presync value to use
+        if phase == 0 and presync_round >= 0 and int(b["round"]) == presync_round + 1:
             # Scaffnew's step with the server's average of the round this client's presync value came from
-            h = vs.control_update(h, saved["presync"], b["z"], e.local_steps, e.step_size, e.control_step)
-        z, output, objective = self.round(b, h if e.drift_correction else None, i)
-        _save(state, {"h": h, "presync": z}, {"round": int(b["round"])})
+            h = vs.control_update(h, presync, b["z"], e.local_steps, e.step_size, e.control_step)
+            presync_round = -1   # taken: a repeated phase 0 (a skipped round) does not take it twice
+        h_used = h if e.drift_correction else None
+        if phase == 0 and self.base.halves is not None:
+            carry, x = self.first_half(b, h_used, i)
+            state[_CARRY] = to_record(carry)
+            _save(state, {"h": h, "presync": _zeros(self.z_template) if presync is None else presync},
+                  {"round": presync_round, "carry-round": int(b["round"])})
+            return {"x": x}, {}
+        if phase == 1:
+            if _CARRY not in state or int(state[_META]["carry-round"]) != int(b["round"]):
+                raise ValueError(f"phase 1 of round {int(b['round'])} without this client's phase 0.")
+            z, output, objective = self.second_half(b, h_used, i, from_record(state[_CARRY], self.carry_template))
+        else:
+            z, output, objective = self.round(b, h_used, i)
+        _save(state, {"h": h, "presync": z}, {"round": int(b["round"]), "carry-round": -1})
         return {"z": z, "output": output}, {"objective": float(objective)}
+
+
+def _local_broadcast_template(z0, solver):
+    """What a FedLocalVI client receives: the synchronised iterate, output mean, counters, key (and the anchor w0
+    of dual averaging); phase 1 of a two-sync round adds the server's x̄."""
+    b = {"z": z0, "output": z0, "step": jnp.zeros((), jnp.int32), "round": jnp.zeros((), jnp.int32),
+         "key": random.key(0)}
+    if solver.name == "local_dual_averaging":
+        b["anchor"] = z0
+    if solver.halves is not None:
+        b["x"] = z0
+    return b
 
 
 def _server_family(engine) -> SurrogateFamily:
@@ -282,15 +341,11 @@ def _client_type(engine):
                              "not run.")
         return _FedMMClient
     if isinstance(engine, FedLocalVI):
-        if type(engine) is not FedLocalVI or engine.method not in _SINGLE_SYNC:
-            raise ValueError(f"over Flower, FedLocalVI runs the methods that synchronise once per round "
-                             f"{_SINGLE_SYNC}; method={engine.method!r} (or RobustFedVI) averages twice within the "
-                             "last local step and has no Flower strategy yet.")
         return _FedLocalVIClient
-    raise TypeError(f"engine must be a numpyro_fedvi FedMM, FedSVI or FedLocalVI, got {type(engine).__name__}.")
+    raise TypeError(f"engine must be a numpyro_fedvi FedMM, FedSVI, FedLocalVI or RobustFedVI, got "
+                    f"{type(engine).__name__}.")
 
 
-_SINGLE_SYNC = ("local_sgd", "lippax", "slippax")
 _CLIENTS: dict = {}  # per process: (app token, partition id, N, M) -> client protocol (its compiled steps)
 
 
@@ -338,7 +393,8 @@ def make_client_app(engine, data_fn: Callable, *, stat_template=None):
         b = from_record(msg.content["broadcast"], c.broadcast_template)
         reply, metrics = c.train(i, b, cfg, context.state)
         return Message(RecordDict({"message": to_record(reply),
-                                   "meta": ConfigRecord({"partition-id": i, "round": int(cfg["round"])}),
+                                   "meta": ConfigRecord({"partition-id": i, "round": int(cfg["round"]),
+                                                         "phase": int(cfg.get("phase", 0))}),
                                    "metrics": MetricRecord(metrics)}), reply_to=msg)
 
     return app
@@ -373,6 +429,7 @@ class _EngineStrategy(_strategy_base()):
         self.losses: list[float] = []
         self._loss = float("nan")
         self._round = None
+        self.phases, self.phase = 1, 0   # Flower rounds per engine round (2: LESGD, dual averaging); the next one
 
     # -- hooks ----------------------------------------------------------------------------------------------------
     def _active(self):           # (round t, idx, valid) of the next round
@@ -392,6 +449,10 @@ class _EngineStrategy(_strategy_base()):
 
     def _log_round(self, t) -> bool:
         return True
+
+    def _round_loss(self, objectives: dict) -> float:   # the round's loss from the clients' objectives
+        mu = np.asarray([self.weights[i] for i in objectives])
+        return float(np.dot(mu, list(objectives.values())) / mu.sum())
 
     # -- Flower Strategy ------------------------------------------------------------------------------------------
     def summary(self) -> None:
@@ -441,11 +502,11 @@ class _EngineStrategy(_strategy_base()):
         payload = to_record(self._broadcast())
         messages = []
         for i in idx[valid].tolist():
-            cfg = ConfigRecord({"round": t, "num-total": int(self.counts.sum()), "num-clients": self.num_clients,
-                                "log": self._log_round(t), **self._config(i)})
+            cfg = ConfigRecord({"round": t, "phase": self.phase, "num-total": int(self.counts.sum()),
+                                "num-clients": self.num_clients, "log": self._log_round(t), **self._config(i)})
             messages.append(Message(RecordDict({"broadcast": payload, "config": cfg}), message_type=MessageType.TRAIN,
                                     dst_node_id=self.nodes[i]))
-        log.info("round %d: %d clients", t, len(messages))
+        log.info("round %d%s: %d clients", t, f" phase {self.phase}" if self.phases > 1 else "", len(messages))
         return messages
 
     def aggregate_train(self, server_round, replies):
@@ -464,8 +525,9 @@ class _EngineStrategy(_strategy_base()):
                     raise ValueError(f"client error: {reply.error.reason}")
                 meta = reply.content["meta"]
                 i = int(meta["partition-id"])
-                if int(meta["round"]) != t:
-                    raise ValueError(f"reply to round {int(meta['round'])} arrived in round {t}")
+                if int(meta["round"]) != t or int(meta.get("phase", 0)) != self.phase:
+                    raise ValueError(f"reply to round {int(meta['round'])} phase {int(meta.get('phase', 0))} arrived "
+                                     f"in round {t} phase {self.phase}")
                 if i not in position or received[position[i]]:
                     raise ValueError("not asked this round, or a second reply")
                 got[position[i]] = from_record(reply.content["message"], template, check_finite=True)
@@ -483,10 +545,11 @@ class _EngineStrategy(_strategy_base()):
         if not self._aggregate(stacked, received):
             self.dropped.append((t, None, "non-finite server step: round skipped"))
             log.warning("round %d: the aggregated step is not finite; the round is skipped", t)
+            self.phase = 0
         if objectives:
-            mu = np.asarray([self.weights[i] for i in objectives])
-            self._loss = float(np.dot(mu, list(objectives.values())) / mu.sum())
-        self.losses.append(self._loss)
+            self._loss = self._round_loss(objectives)
+        if self.phase == 0:   # the engine round is complete (or skipped)
+            self.losses.append(self._loss)
         return to_record(self._broadcast()), MetricRecord({"answered": int(received.sum()), "asked": len(position),
                                                            "loss": self._loss})
 
@@ -608,17 +671,22 @@ def _finite(tree):
 
 
 class FedLocalVIStrategy(_EngineStrategy):
-    """A Flower ``Strategy`` running FedLocalVI rounds (methods that synchronise once per round: ``local_sgd``,
-    ``lippax``, ``slippax``; with or without drift correction).
+    """A Flower ``Strategy`` running FedLocalVI or RobustFedVI rounds (every method, with or without drift
+    correction).
 
     Every client receives the synchronised iterate z̄, the running output mean, the step and round counters and the
-    run's key, runs the round's K local steps with the engine's solver (its own keys: the same steps as in
-    process) and replies with its pre-synchronisation iterate and output; the server averages them (the solver's
-    synchronisation).  Drift correction: each client keeps h_m in ``Context.state`` and takes Scaffnew's step when
-    the next round's z̄ arrives.  A dropped reply is left out of that round's average.  The losses are the
-    answering clients' objective at the round's starting iterate (one round behind ``FedLocalVI.run``'s).
+    run's key (and dual averaging's anchor w0), runs the round's K local steps with the engine's solver (its own
+    keys: the same steps as in process) and replies with its pre-synchronisation iterate and output; the server
+    averages them (the solver's synchronisation).  LESGD and local dual averaging synchronise twice in the last
+    local step (x, then z): their engine round takes two Flower rounds (``phases = 2``): the clients reply with x,
+    the server averages it and sends x̄ back, the clients finish the step and reply as above.  Drift correction:
+    each client keeps h_m in ``Context.state`` and takes Scaffnew's step when the next round's z̄ arrives.  A
+    dropped reply is left out of that average.  The losses are the answering clients' objective at the round's
+    starting iterate (one round behind ``FedLocalVI.run``'s); RobustFedVI's is the robust objective ψ(θ) when every
+    group answered (NaN otherwise: ψ needs every group's loss).
 
-    :param engine: a ``FedLocalVI`` built with ``clients=`` / ``num_clients=`` (blocks of the data plate).
+    :param engine: a ``FedLocalVI`` / ``RobustFedVI`` built with ``clients=`` / ``num_clients=`` (blocks of the
+        data plate).
     :param rng_key: the run's key (as ``engine.run``).
     :param args: model arguments used only to trace the model (shapes; e.g. one row).
     :param num_clients: M.
@@ -635,6 +703,10 @@ class FedLocalVIStrategy(_EngineStrategy):
         self.structure = engine.inspect(setup_key, args, kwargs)
         z0 = strong_types(engine._initial_point(self.structure.init_global))
         self.state = engine.solver.init(z0, self.num_clients, rng_key)
+        base = engine.base_solver()
+        self.phases = 1 if base.halves is None else 2
+        self._template = _local_broadcast_template(z0, base)
+        self._x_mean = z0
         self._mean = jax.jit(_client_average)
 
     def _active(self):
@@ -642,23 +714,38 @@ class FedLocalVIStrategy(_EngineStrategy):
 
     def _broadcast(self):
         s = self.state
-        return {"z": jax.tree.map(lambda a: a[0], s.z), "output": s.output, "step": s.step, "round": s.round,
-                "key": s.key}
+        b = {"z": jax.tree.map(lambda a: a[0], s.z), "output": s.output, "step": s.step, "round": s.round,
+             "key": s.key, "anchor": s.anchor, "x": self._x_mean}
+        return {k: b[k] for k in self._template}
 
     def _reply_template(self):
         z = jax.tree.map(lambda a: a[0], self.state.z)
-        return {"z": z, "output": self.state.output}
+        return {"x": z} if self.phases == 2 and self.phase == 0 else {"z": z, "output": self.state.output}
 
     def _aggregate(self, replies, received):
         if not received.any():
             return False
-        z, output, ok = self._mean(replies, jnp.asarray(received))
+        if self.phases == 2 and self.phase == 0:   # the first synchronisation of a two-sync round: x̄
+            (x,), ok = self._mean(replies, jnp.asarray(received))
+            if bool(ok):
+                self._x_mean, self.phase = x, 1
+            return bool(ok)
+        (z, output), ok = self._mean(replies, jnp.asarray(received))
         if not bool(ok):
             return False
         K = self.engine.local_steps
         self.state = self.state._replace(z=jax.tree.map(lambda a, b: jnp.broadcast_to(a, b.shape), z, self.state.z),
                                          output=output, step=self.state.step + K, round=self.state.round + 1)
+        self.phase = 0
         return True
+
+    def _round_loss(self, objectives):
+        if not isinstance(self.engine, RobustFedVI):
+            return super()._round_loss(objectives)
+        if len(objectives) < self.num_clients:
+            return float("nan")
+        losses = jnp.asarray([objectives[g] for g in range(self.num_clients)]) / float(self.counts.sum())
+        return float(dro_objective(losses, dro_weights(losses, self.engine.tau), self.engine.tau))
 
     def get_params(self, state=None):
         """Constrained guide params of the synchronised iterate (``engine.output="last"``) or the output mean."""
@@ -667,16 +754,16 @@ class FedLocalVIStrategy(_EngineStrategy):
 
 
 def _client_average(replies, received):
-    """The solver's synchronisation over the clients that answered: ``(z̄, output mean, ok)`` (the plain client
-    mean when every client answered, as in process)."""
+    """The solver's synchronisation over the clients that answered: ``((x̄,) or (z̄, output mean), ok)`` (the plain
+    client mean when every client answered, as in process)."""
     w = received.astype(jnp.result_type(float))
 
     def mean(a):
         return jnp.where(jnp.all(received), jnp.mean(a, axis=0),
                          jnp.tensordot(w.astype(a.dtype), a, axes=1) / jnp.sum(w).astype(a.dtype))
 
-    z, output = jax.tree.map(mean, replies["z"]), jax.tree.map(mean, replies["output"])
-    return z, output, _finite((z, output))
+    means = tuple(jax.tree.map(mean, replies[k]) for k in sorted(replies, key=("x", "z", "output").index))
+    return means, _finite(means)
 
 
 def make_server_app(strategy, num_rounds: int):
@@ -687,7 +774,7 @@ def make_server_app(strategy, num_rounds: int):
 
     @app.main()
     def main(grid, context):
-        strategy.start(grid, num_rounds=num_rounds)
+        strategy.start(grid, num_rounds=num_rounds * strategy.phases)   # a Flower round per synchronisation
 
     return app
 

@@ -112,14 +112,16 @@ class RobustFedVI(FedLocalVI):
     def _theta(self, z):
         return z["theta"]
 
-    def _operator(self, loss, mc_key, cd: ClientData) -> vs.Operator:
-        """``V_g(θ, w) = (G w_g ∇L_g(θ), c·P[τ(w − 1/G) − G L_g(θ) e_g])`` with ``L_g = F_g/N`` on group g's rows."""
-        G, N, tau = cd.num_clients, float(self.num_total), self.tau
+    def _operator(self, loss, mc_key, cd: ClientData, weight=None, row=lambda g: g) -> vs.Operator:
+        """``V_g(θ, w) = (G w_g ∇L_g(θ), c·P[τ(w − 1/G) − G L_g(θ) e_g])`` with ``L_g = F_g/N`` on group g's rows
+        (row ``row(g)`` of ``cd``: a Flower client holds only its own, row 0; ``weight`` is unused: the groups
+        are weighted by w)."""
+        G, N, tau = self.num_clients, float(self.num_total), self.tau
         scale_w = self.weight_step_size / self.step_size
         value_and_grad = jax.value_and_grad(lambda key, th, rows, mask: loss(key, th, rows, mask) / N, argnums=1)
 
         def operator(z, key, g):
-            rows, mask, key = self._rows(key, g, mc_key, cd)
+            rows, mask, key = self._rows(key, row(g), mc_key, cd)
             value, grad = value_and_grad(key, z["theta"], rows, mask)
             w = z["w"]
             v_theta = jax.tree.map(lambda gi: (G * w[g]).astype(gi.dtype) * gi, grad)

@@ -115,13 +115,18 @@ class RoundInfo(NamedTuple):
 
 
 class Solver(NamedTuple):
-    """``init(z0, num_clients, key) -> VIState``; ``round(state, operator) -> (VIState, RoundInfo)``."""
+    """``init(z0, num_clients, key) -> VIState``; ``round(state, operator) -> (VIState, RoundInfo)``.
+
+    ``halves``: for the solvers that synchronise twice in a round (LESGD, local dual averaging), the round split at
+    its first synchronisation, ``(first_half, second_half)`` (see :func:`_two_sync_solver`); ``None`` for the
+    solvers whose round ends with their only synchronisation."""
 
     init: Callable[..., VIState]
     round: Callable[..., tuple[VIState, RoundInfo]]
     name: str
     num_local_steps: int
     calls_per_step: int
+    halves: Any = None
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -284,6 +289,47 @@ def local_sgd(eta, num_local_steps: int) -> Solver:
     return Solver(_primal_init, round_, "local_sgd", K, 1)
 
 
+def _two_sync_solver(name, K, init, half_step, mean_iterate) -> Solver:
+    """A solver whose local step makes two oracle calls and whose LAST step of a round synchronises twice: the
+    first half's result x is averaged BEFORE the second call, then z is averaged (LESGD, local dual averaging).
+
+    ``half_step(state, operator, z, x, k, idx, rkey)`` is the step of every client (stacked): with ``x=None`` the
+    first call, returning x; else the second call from ``(z, x)``, returning ``(z, out)`` (``out``: the step's
+    output, averaged over clients into the running output mean).  The round is split at the x-average
+    (``Solver.halves``) so that clients that run apart (Flower) make the same steps as in process:
+    ``first_half(state, operator) -> (carry, x)``, the K − 1 plain steps and the first call of the last one;
+    ``second_half(state, operator, carry, x̄) -> state`` with every client's PRE-sync z and the output updated."""
+
+    def first_half(state, operator):
+        idx, rkey = _round_context(state)
+
+        def body(carry, k):
+            z, out_sum = carry
+            x = half_step(state, operator, z, None, k, idx, rkey)
+            z, out = half_step(state, operator, z, x, k, idx, rkey)
+            return (z, _tmap(jnp.add, out_sum, _client_mean(out))), None
+
+        (z, out_sum), _ = lax.scan(body, (state.z, _tmap(jnp.zeros_like, state.output)), jnp.arange(K - 1))
+        return (z, out_sum), half_step(state, operator, z, None, K - 1, idx, rkey)
+
+    def second_half(state, operator, carry, x_mean):
+        idx, rkey = _round_context(state)
+        z, out_sum = carry
+        z, out = half_step(state, operator, z, x_mean, K - 1, idx, rkey)
+        new, _ = _finish_round(state, z, _tmap(jnp.add, out_sum, _client_mean(out)), K, None, (None, None), 2)
+        return new
+
+    def round_(state, operator):
+        carry, x = first_half(state, operator)
+        new = second_half(state, operator, carry, _broadcast_mean(x))
+        z, (drift, presync) = _sync(new.z, True, (jnp.zeros((), jnp.float32), new.z))
+        info = RoundInfo(output=new.output, mean_iterate=mean_iterate(state, z), drift=drift,
+                         oracle_calls=jnp.asarray(2 * K, jnp.int32), presync=presync)
+        return new._replace(z=z), info
+
+    return Solver(init, round_, name, K, 2, (first_half, second_half))
+
+
 def lesgd(eta, num_local_steps: int) -> Solver:
     """Local extragradient (LESGD), eq. (4): ``x = z − ηṼ(z)``, ``z ← z − ηṼ(x)``.
 
@@ -292,23 +338,13 @@ def lesgd(eta, num_local_steps: int) -> Solver:
     K = _positive_int(num_local_steps, "num_local_steps")
     _check_positive(eta, "eta")
 
-    def round_(state, operator):
-        idx, rkey = _round_context(state)
+    def half_step(state, operator, z, x, k, idx, rkey):
+        keys = _call_keys(rkey, idx, K, 2, k, 0 if x is None else 1)
+        if x is None:
+            return jax.vmap(lambda zm, km, m: _axpy(-eta, operator(zm, km, m), zm))(z, keys, idx)
+        return jax.vmap(lambda zm, xm, km, m: _axpy(-eta, operator(xm, km, m), zm))(z, x, keys, idx), x
 
-        def body(carry, k, sync):
-            z, out_sum, drift = carry
-            k0 = _call_keys(rkey, idx, K, 2, k, 0)
-            k1 = _call_keys(rkey, idx, K, 2, k, 1)
-            x = jax.vmap(lambda zm, km, m: _axpy(-eta, operator(zm, km, m), zm))(z, k0, idx)
-            x = _where(sync, _broadcast_mean(x), x)
-            z = jax.vmap(lambda zm, xm, km, m: _axpy(-eta, operator(xm, km, m), zm))(z, x, k1, idx)
-            z, drift = _sync(z, sync, drift)
-            return z, _tmap(jnp.add, out_sum, _client_mean(x)), drift
-
-        z, out_sum, drift = _round_scan(state, K, body)
-        return _finish_round(state, z, out_sum, K, _client_mean(z), drift, 2)
-
-    return Solver(_primal_init, round_, "lesgd", K, 2)
+    return _two_sync_solver("lesgd", K, _primal_init, half_step, lambda state, z: _client_mean(z))
 
 
 def _lippax_solver(eta, K, L, H, delta_fn, name) -> Solver:
@@ -395,30 +431,22 @@ def local_dual_averaging(eta, num_local_steps: int, prox: ProxMap | None = None)
     def init(z0, num_clients, key):
         return _init_state(z0, num_clients, key, dual=True)
 
-    def round_(state, operator):
-        idx, rkey = _round_context(state)
-        w0 = state.anchor
+    def primal(state, y, t):
+        return mirror_map(prox, state.anchor, y, t.astype(jnp.float32) * eta)
 
-        def primal(y, t):
-            return mirror_map(prox, w0, y, t.astype(jnp.float32) * eta)
+    def half_step(state, operator, z, x, k, idx, rkey):
+        t = state.step + k + 1
+        keys = _call_keys(rkey, idx, K, 2, k, 0 if x is None else 1)
+        if x is None:
+            return jax.vmap(lambda zm, km, m: _axpy(-eta, operator(primal(state, zm, t - 1), km, m), zm))(
+                z, keys, idx)
+        v = jax.vmap(lambda xm: primal(state, xm, t))(x)
+        return jax.vmap(lambda zm, vm, km, m: _axpy(-eta, operator(vm, km, m), zm))(z, v, keys, idx), v
 
-        def body(carry, k, sync):
-            z, out_sum, drift = carry
-            t = state.step + k + 1
-            k0 = _call_keys(rkey, idx, K, 2, k, 0)
-            k1 = _call_keys(rkey, idx, K, 2, k, 1)
-            x = jax.vmap(lambda zm, km, m: _axpy(-eta, operator(primal(zm, t - 1), km, m), zm))(z, k0, idx)
-            x = _where(sync, _broadcast_mean(x), x)
-            v = jax.vmap(lambda xm: primal(xm, t))(x)
-            z = jax.vmap(lambda zm, vm, km, m: _axpy(-eta, operator(vm, km, m), zm))(z, v, k1, idx)
-            z, drift = _sync(z, sync, drift)
-            return z, _tmap(jnp.add, out_sum, _client_mean(v)), drift
+    def mean_iterate(state, z):
+        return primal(state, _client_mean(z), state.step + K)
 
-        z, out_sum, drift = _round_scan(state, K, body)
-        mean_primal = primal(_client_mean(z), state.step + K)
-        return _finish_round(state, z, out_sum, K, mean_primal, drift, 2)
-
-    return Solver(init, round_, "local_dual_averaging", K, 2)
+    return _two_sync_solver("local_dual_averaging", K, init, half_step, mean_iterate)
 
 
 def corrected_operator(operator: Operator, h, row=lambda m: m) -> Operator:
