@@ -8,8 +8,10 @@ A thin, optional layer: the engines' cores are unchanged; the arrays with a unit
   them (a masked local gather and one all-reduce of the selected rows: O(|S_t|·|b|), never the table), solves the
   selected blocks spread over the devices (the selected axis is constrained to the mesh axis when it divides), writes
   the rows back into the owners' shards and sums the consensus update (λ_0, h) with an all-reduce.
-- FedMM / FedSVI: the clients' data (:class:`~numpyro_fedvi.federated.ClientData`) and the per-client control
-  variates along the client axis; the server statistic replicated; the weighted client sum an all-reduce.
+- FedMM / FedSVI / FedLocalVI: the clients' data (a :class:`~numpyro_fedvi.federated.ClientData`) and the
+  per-client state (control variates, local iterates) along the client axis, the server state replicated; the
+  weighted client sum is an all-reduce.  Place them with :func:`shard_client_data` and :func:`shard_fedmm_state` /
+  :func:`shard_vi_state` and pass them to ``run(..., init_state=...)``: the jitted round follows their layout.
 
 Every sharded axis must divide by the number of devices (``ValueError`` otherwise).  Multi-host: call
 ``jax.distributed.initialize()`` in every process first; ``make_mesh()`` then spans ``jax.devices()`` of all hosts.
@@ -25,7 +27,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 __all__ = ["AXIS", "bytes_per_device", "collectives", "constrain_rows", "make_mesh", "replicate", "shard_client_data",
-           "shard_fedmm_state", "shard_pdvi_state", "shard_rows"]
+           "shard_fedmm_state", "shard_pdvi_state", "shard_rows", "shard_vi_state"]
 
 AXIS = "units"
 
@@ -117,6 +119,14 @@ def shard_fedmm_state(state, mesh):
     """A ``FedMMState``: the clients' control variates ``V_clients`` along the client axis, the rest replicated."""
     rest = replicate(state._replace(V_clients=None), mesh)
     return rest._replace(V_clients=shard_rows(state.V_clients, mesh, what="the number of clients"))
+
+
+def shard_vi_state(state, mesh):
+    """A ``vi_solvers.VIState`` (FedLocalVI): the per-client iterates ``z`` and control variates along the client
+    axis, the rest replicated."""
+    rest = replicate(state._replace(z=None, control=None), mesh)
+    what = "the number of clients"
+    return rest._replace(z=shard_rows(state.z, mesh, what=what), control=shard_rows(state.control, mesh, what=what))
 
 
 def bytes_per_device(tree) -> dict[int, int]:

@@ -4,8 +4,8 @@ XLA reads ``--xla_force_host_platform_device_count`` when JAX starts, so the run
 run as a script) that prints its measurements as JSON; the tests check them.  Checked: PD-VI with ``mesh=`` equals
 the single-device run for the same key (``run``) to float tolerance; the local table, the duals
 and the data stay sharded over the 4 devices (``.sharding``, bytes per device = 1/4); the compiled step's
-collectives move at most the selected blocks' rows, never the table; FedMM with the client axis sharded equals the
-unsharded run; sizes that do not divide by the devices are refused.
+collectives move at most the selected blocks' rows, never the table; FedMM, FedSVI and FedLocalVI with the client
+axis sharded (data and per-client state) equal the unsharded runs; sizes that do not divide by the devices are refused.
 """
 
 import json
@@ -23,9 +23,14 @@ N, B, M, STEPS = 1600, 16, 4, 8  # 16 blocks of 100 rows, 4 selected per iterati
 def measured():
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "OMP_NUM_THREADS": "1",
            "JAX_PLATFORMS": "cpu"}
-    out = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-4000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    procs = [subprocess.Popen([sys.executable, __file__, part], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for part in ("pdvi", "federated")]  # two processes: one per core
+    measured = {}
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0, stderr[-4000:]
+        measured.update(json.loads(stdout.strip().splitlines()[-1]))
+    return measured
 
 
 def test_pdvi_mesh_equals_single_device(measured):
@@ -61,13 +66,21 @@ def test_fedmm_client_axis_sharded_equals_unsharded(measured):
     assert r["specs"]["V_clients"] == ["units"] and r["specs"]["data"] == ["units"]
 
 
+@pytest.mark.parametrize("engine", ["fedsvi", "fedlocalvi"])
+def test_fedsvi_fedlocalvi_client_axis_sharded_equal_unsharded(measured, engine):
+    r = measured[engine]
+    np.testing.assert_allclose(r["mesh"]["params"], r["single"]["params"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(r["mesh"]["losses"], r["single"]["losses"], rtol=1e-5)
+    assert r["spec"] == ["units"]
+
+
 def test_sizes_that_do_not_divide_are_refused(measured):
     assert "must divide by the 4 devices" in measured["errors"]["pdvi_odd_n"]
     assert "mesh must be a jax.sharding.Mesh" in measured["errors"]["bad_mesh"]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-def _worker():  # runs in the subprocess with 4 CPU devices
+def _worker(part):  # runs in a subprocess with 4 CPU devices: part "pdvi" or "federated"
     import jax
     import jax.numpy as jnp
     import numpyro
@@ -78,7 +91,8 @@ def _worker():  # runs in the subprocess with 4 CPU devices
     import numpyro_fedvi as nfv
     from numpyro_fedvi import sharding
     from numpyro_fedvi.federated import ClientData, FixedSize
-    from numpyro_fedvi.fedmm import FedMM, gmm_map_em
+    from numpyro_fedvi.fedlocalvi import FedLocalVI
+    from numpyro_fedvi.fedmm import FedMM, FedSVI, gmm_map_em
 
     def model(x, batch_size=None):
         beta = numpyro.sample("beta", dist.Normal(0.0, 10.0))
@@ -97,7 +111,7 @@ def _worker():  # runs in the subprocess with 4 CPU devices
     mesh = sharding.make_mesh(4)
     eta = {"beta_auto_loc": 2e-3, "beta_auto_scale": 2e-3}
     out = {"pdvi": {"num_devices": jax.device_count()}, "errors": {}}
-    for name, m in (("single", None), ("mesh", mesh)):
+    for name, m in (("single", None), ("mesh", mesh)) if part == "pdvi" else ():
         engine = nfv.PDVI(model, AutoNormal(model), num_partitions=B, partitions_per_step=M, eta=eta, mesh=m,
                            local_steps=1, oracle_draws=None)
         res = engine.run(random.key(0), STEPS, x, batch_size=10, progress_bar=False)
@@ -115,15 +129,19 @@ def _worker():  # runs in the subprocess with 4 CPU devices
             step = jax.jit(lambda s, b, a: engine._plain_step(s, (b, a, {"batch_size": 10})))
             hlo = step.lower(st, blocks, args).compile().as_text()
             out["pdvi"]["collectives"] = sharding.collectives(hlo)
-    try:
-        nfv.PDVI(model, AutoNormal(model), num_partitions=B, eta=eta, mesh=mesh).init(random.key(0), x[:-2],
-                                                                                       batch_size=10)
-    except ValueError as err:
-        out["errors"]["pdvi_odd_n"] = str(err)
-    try:
-        nfv.PDVI(model, AutoNormal(model), num_partitions=B, mesh=jax.devices())
-    except TypeError as err:
-        out["errors"]["bad_mesh"] = str(err)
+    if part == "pdvi":
+        try:
+            nfv.PDVI(model, AutoNormal(model), num_partitions=B, eta=eta, mesh=mesh).init(random.key(0), x[:-2],
+                                                                                           batch_size=10)
+        except ValueError as err:
+            out["errors"]["pdvi_odd_n"] = str(err)
+        try:
+            nfv.PDVI(model, AutoNormal(model), num_partitions=B, mesh=jax.devices())
+        except TypeError as err:
+            out["errors"]["bad_mesh"] = str(err)
+        print(json.dumps(out))
+        return
+    out = {}
 
     # FedMM: 8 clients of a 3-component GMM, 4 active per round, client axis over the 4 devices
     means = np.array([[-4.0, 0.0], [4.0, 0.0], [0.0, 4.0]])
@@ -144,8 +162,36 @@ def _worker():  # runs in the subprocess with 4 CPU devices
         if name == "mesh":
             out["fedmm"]["specs"] = {"V_clients": spec(jax.tree.leaves(res.state.V_clients)[0]),
                                      "data": spec(jax.tree.leaves(data.data)[0])}
+
+    # FedSVI and FedLocalVI on a ClientData (their lower layer): 8 clients, 20 rows each
+    def normal_model(rows):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 10.0))
+        with numpyro.plate("data", rows.shape[0]):
+            numpyro.sample("x", dist.Normal(mu, 2.0), obs=rows)
+
+    cd = ClientData.from_list([rng.normal(i, 2.0, size=20).astype(np.float32) for i in range(8)])
+    for name in ("fedsvi", "fedlocalvi"):
+        out[name] = {}
+        for m in (None, mesh):
+            data = cd if m is None else sharding.shard_client_data(cd, m)
+            if name == "fedsvi":
+                engine = FedSVI(normal_model, AutoNormal(normal_model), rho=0.01, cv_step=0.2,
+                                participation=FixedSize(4))
+                args, state = (data,), engine.init(random.key(0), data)
+                per_client = lambda st: st.V_clients  # noqa: E731
+            else:
+                engine = FedLocalVI(normal_model, AutoNormal(normal_model), data, local_steps=3, step_size=0.01)
+                args, state = (), engine.init(random.key(0))
+                per_client = lambda st: st.z  # noqa: E731
+            if m is not None:
+                state = (sharding.shard_fedmm_state if name == "fedsvi" else sharding.shard_vi_state)(state, m)
+            res = engine.run(random.key(0), 6, *args, init_state=state, progress_bar=False)
+            out[name]["single" if m is None else "mesh"] = {"params": flat(res.params),
+                                                             "losses": np.asarray(res.losses).tolist()}
+            if m is not None:
+                out[name]["spec"] = spec(jax.tree.leaves(per_client(res.state))[0])
     print(json.dumps(out))
 
 
 if __name__ == "__main__":
-    _worker()
+    _worker(sys.argv[1])
