@@ -1,7 +1,7 @@
 """Flower integration (issue 12; optional extra ``numpyro_fedvi[flower]``, ``flwr>=1.41,<1.43``).
 
-FedMM / FedSVI and FedLocalVI / RobustFedVI rounds across processes and machines on Flower's Message API, with the
-SAME functional core as the in-process engines (no duplicated math):
+FedMM / FedSVI, FedLocalVI / RobustFedVI and PD-VI rounds across processes and machines on Flower's Message API,
+with the SAME functional core as the in-process engines (no duplicated math):
 
 * :class:`FedMMStrategy` — a Flower ``Strategy``.  ``configure_train`` samples the round's clients with the engine's
   JAX-keyed participation law (Flower's own sampler is not reproducible) and sends each what the core broadcasts:
@@ -18,6 +18,8 @@ SAME functional core as the in-process engines (no duplicated math):
 * :class:`FedLocalVIStrategy` — FedLocalVI (every solver, drift correction included) and RobustFedVI: the clients
   run the round's K local steps with the engine's solver, the server averages; a two-sync solver (LESGD, local
   dual averaging) takes two Flower rounds per engine round (``vi_solvers.Solver.halves``).
+* :class:`PDVIStrategy` — PD-VI / P²D-VI in federated form: a client is one block with its local rows and dual
+  in ``Context.state``; the server runs :func:`~numpyro_fedvi.pdvi.consensus_update` on their λ_i.
 * :func:`make_server_app` and :func:`simulate` (Flower's simulation engine on loopback, telemetry off).
 * :func:`to_record` / :func:`from_record` — the pytree ↔ ``ArrayRecord`` codec (typed PRNG keys as key data; a
   malformed record is rejected by name).
@@ -56,13 +58,15 @@ from .federated import ClientData
 from .fedlocalvi import FedLocalVI
 from .fedmm.engine import FedMM, strong_types
 from .fedmm.fedsvi import FedSVI
+from .pdvi import PDVI, _accum, _check_eta, consensus_update, dual_step, pdvi_init
 from .robust import RobustFedVI, dro_objective, dro_weights
+from .structure import inspect_model
 from .inputs import prepare_inputs
 from .objectives import block_loss_fn
 from .runner import RunResult
 
-__all__ = ["LOCAL_SIMULATION", "FedLocalVIStrategy", "FedMMStrategy", "from_record", "make_client_app",
-           "make_server_app", "simulate", "to_record"]
+__all__ = ["LOCAL_SIMULATION", "FedLocalVIStrategy", "FedMMStrategy", "PDVIStrategy", "from_record",
+           "make_client_app", "make_server_app", "simulate", "to_record"]
 
 log = logging.getLogger("numpyro_fedvi.flower")
 
@@ -306,6 +310,75 @@ class _FedLocalVIClient:
         return {"z": z, "output": output}, {"objective": float(objective)}
 
 
+class _PDVIClient:
+    """PD-VI client (federated form: the client is one fixed block, a unit of Algorithm 1): its local rows φ_i and
+    its dual μ_i live in ``Context.state``; a round solves its augmented-Lagrangian subproblem against the server's
+    λ_0 with the engine's own oracle (same keys as in process) and replies λ_i; the step ``(φ_i, μ_i + (λ_i −
+    λ_0)/η)`` is committed when the server reports the reply accepted, as a unit whose reply was dropped is one
+    the round did not select."""
+
+    def __init__(self, engine, data, num_total: int, num_clients: int, stat_template):
+        args, kwargs = _model_inputs(data)
+        local = copy.copy(engine)   # this client's view: its rows as block 0, the federation's N for the weights
+        local.structure, local.blocks, local.mesh = None, None, None
+        local.num_partitions, local.partitions, local.partitions_per_step = 1, None, 1
+        local._client_block, local._num_total = 0, num_total
+        local._setup(random.key(0), args, kwargs, None)
+        self.engine, self.inputs = local, (local.blocks, args, kwargs)
+        self.num_rows = int(local.structure.data_plate.size)
+        lam0 = jax.tree.map(_accum, local.structure.init_global)
+        self.rows0 = local.structure.init_local
+        self.lam_template = lam0
+        self.broadcast_template = {"lam0": lam0, "eta": _eta_template(engine, local.structure.init_global),
+                                   "rng_key": random.key(0), "step": jnp.zeros((), jnp.int32)}
+        self.keep_template = {"mu": lam0, "rows": self.rows0, "pending_mu": lam0, "pending_rows": self.rows0}
+        self.solve = jax.jit(self._solve)
+        self.curvature = jax.jit(lambda lam0, rows, key, unit: local._curvatures(
+            (lam0, rows, key, jnp.reshape(unit, (1,))), self.inputs))
+
+    def _solve(self, b, mu, rows, unit):
+        """Unit ``unit``'s oracle call of iteration ``b["step"]`` (keys as :func:`~numpyro_fedvi.pdvi.pdvi_step`)."""
+        e = self.engine
+        _, oracle_key = random.split(random.fold_in(b["rng_key"], b["step"]))
+        oracle = e._oracle(self.inputs[0], self.inputs[1], self.inputs[2], b["rng_key"])
+        mu_sel = jax.tree.map(lambda m: m[None], mu)
+        lam, rows, values = oracle(jnp.reshape(unit, (1,)), jnp.ones((1,), bool), b["lam0"], mu_sel, b["eta"], rows,
+                                   oracle_key)
+        lam = jax.tree.map(lambda a: a[0], lam)
+        delta = jax.tree.map(lambda l, l0: _accum(l) - l0, lam, b["lam0"])
+        new_mu = jax.tree.map(lambda m, d, eta: m + dual_step(d, eta), mu, delta, b["eta"])
+        return lam, rows, new_mu, values[0]
+
+    def _saved(self, state, accepted_round: int):
+        """``(μ_i, φ_i)`` with the pending step committed when its reply was accepted."""
+        if _STATE not in state:
+            return jax.tree.map(jnp.zeros_like, self.lam_template), self.rows0
+        saved = from_record(state[_STATE], self.keep_template)
+        if int(state[_META]["pending-round"]) == accepted_round:
+            return saved["pending_mu"], saved["pending_rows"]
+        return saved["mu"], saved["rows"]
+
+    def train(self, i, b, cfg, state):
+        mu, rows = self._saved(state, int(cfg["accepted-round"]))
+        lam, new_rows, new_mu, value = self.solve(b, mu, rows, i)
+        _save(state, {"mu": mu, "rows": rows, "pending_mu": new_mu, "pending_rows": new_rows},
+              {"pending-round": int(cfg["round"])})
+        return {"lam": lam}, {"objective": float(value)}
+
+    def query(self, i, b, cfg, state):
+        """η="auto" before round 1: this unit's max |diagonal Hessian| per global site at λ_0 (``_curvatures``)."""
+        mu, rows = self._saved(state, -2)
+        return self.curvature(b["lam0"], rows, b["rng_key"], i)
+
+
+def _eta_template(engine, init_global):
+    """The shapes of η over the wire: the checked fixed η, or one scalar per site for ``eta="auto"``."""
+    spec = engine.eta_spec
+    if spec == "auto":
+        return {k: jnp.zeros((), jnp.result_type(float)) for k in init_global}
+    return _check_eta(spec, init_global)
+
+
 def _local_broadcast_template(z0, solver):
     """What a FedLocalVI client receives: the synchronised iterate, output mean, counters, key (and the anchor w0
     of dual averaging); phase 1 of a two-sync round adds the server's x̄."""
@@ -342,7 +415,14 @@ def _client_type(engine):
         return _FedMMClient
     if isinstance(engine, FedLocalVI):
         return _FedLocalVIClient
-    raise TypeError(f"engine must be a numpyro_fedvi FedMM, FedSVI, FedLocalVI or RobustFedVI, got "
+    if isinstance(engine, PDVI):
+        if engine.dual_granularity != "partition":
+            raise ValueError("over Flower a PD-VI client is one block with one dual (dual_granularity='partition').")
+        if engine.eta_spec == "auto" and engine.eta_refresh is not False:
+            raise ValueError("over Flower, eta='auto' is estimated once before round 1 (a refresh would need every "
+                             "client's dual at once): pass eta_refresh=False, or a fixed eta.")
+        return _PDVIClient
+    raise TypeError(f"engine must be a numpyro_fedvi FedMM, FedSVI, FedLocalVI, RobustFedVI or PDVI, got "
                     f"{type(engine).__name__}.")
 
 
@@ -383,8 +463,15 @@ def make_client_app(engine, data_fn: Callable, *, stat_template=None):
 
     @app.query()
     def query(msg, context):
-        i, c = setup(context)
-        return Message(RecordDict({"meta": ConfigRecord({"partition-id": i, "num-rows": c.num_rows})}), reply_to=msg)
+        cfg = msg.content["config"]
+        if "num-total" not in cfg:   # the set-up handshake
+            i, c = setup(context)
+            return Message(RecordDict({"meta": ConfigRecord({"partition-id": i, "num-rows": c.num_rows})}),
+                           reply_to=msg)
+        i, c = setup(context, int(cfg["num-total"]), int(cfg["num-clients"]))
+        reply = c.query(i, from_record(msg.content["broadcast"], c.broadcast_template), cfg, context.state)
+        return Message(RecordDict({"message": to_record(reply), "meta": ConfigRecord({"partition-id": i})}),
+                       reply_to=msg)
 
     @app.train()
     def train(msg, context):
@@ -764,6 +851,110 @@ def _client_average(replies, received):
 
     means = tuple(jax.tree.map(mean, replies[k]) for k in sorted(replies, key=("x", "z", "output").index))
     return means, _finite(means)
+
+
+class PDVIStrategy(_EngineStrategy):
+    """A Flower ``Strategy`` running PD-VI / P²D-VI in federated form: every client is one fixed block (a unit of
+    Algorithm 1, ``n`` = the number of clients) holding its data, its local rows φ_i and its dual μ_i; the server
+    holds λ_0, h and η.
+
+    ``configure_train`` picks S_t with the engine's JAX-keyed selection (``partitions_per_step`` units, random or
+    cyclic, the same keys as ``PDVI.run``) and sends λ_0, η, the run key and the iteration; each selected client
+    solves its subproblem with the engine's oracle and replies λ_i; ``aggregate_train`` runs
+    :func:`~numpyro_fedvi.pdvi.consensus_update` (``h ← h + Σ δ_i/n``, ``λ_0 ← mean λ_i + h``), the in-process
+    step's own code.  A dropped reply counts as a unit the round did not select (its client does not commit its
+    step).  ``eta="auto"`` is estimated before round 1 from up to 8 evenly spaced clients (their curvature at the
+    initial λ_0 and rows, as ``PDVI.init``); no refresh (``eta_refresh=False``: a refresh needs every client's
+    dual at once).  Losses: ``(n/|S_t|) Σ f_i`` of the answering units, as ``PDVI.run``'s.
+
+    :param engine: a ``PDVI`` (model, guide, ELBO and settings; ``partitions`` / ``num_partitions`` are ignored:
+        the blocks are the clients).
+    :param rng_key: the run's key (as ``engine.run``).
+    :param args: model arguments used only to trace the model (shapes; e.g. one row).
+    :param num_clients: n, the number of blocks.
+    :param init_params: constrained global init values (as ``engine.run``).
+    """
+
+    def __init__(self, engine, rng_key, *args, num_clients: int, init_params: dict | None = None,
+                 timeout: float = 600.0, **kwargs):
+        if not isinstance(engine, PDVI):
+            raise TypeError(f"PDVIStrategy runs a PDVI engine, got {type(engine).__name__}.")
+        super().__init__(engine, num_clients, timeout)
+        if not 1 <= engine.partitions_per_step <= self.num_clients:
+            raise ValueError(f"partitions_per_step must be in [1, {self.num_clients}], got "
+                             f"{engine.partitions_per_step}.")
+        rng_key, setup_key, self._eta_key = random.split(rng_key, 3)   # as PDVI.init
+        args, kwargs = prepare_inputs(args, kwargs)
+        self.structure = inspect_model(engine.model, engine.guide, setup_key, args,
+                                       {**kwargs, **engine.static_kwargs}, data_plate=engine.data_plate,
+                                       init_params=init_params)
+        lam0 = self.structure.init_global
+        eta = _eta_template(engine, lam0)
+        self.state = pdvi_init(lam0, 1, None, eta, rng_key)._replace(mu=None)
+        self.accepted = np.full(self.num_clients, -1, np.int64)
+        self._select = jax.jit(lambda key, step: engine._select_units(self.num_clients, key, step))
+        self._consensus = jax.jit(partial(consensus_update, num_units=self.num_clients))
+
+    def handshake(self, grid, timeout: float | None = None) -> None:
+        """The set-up handshake, then (``eta="auto"``) η from the curvature of up to 8 evenly spaced clients."""
+        super().handshake(grid, timeout)
+        if self.engine.eta_spec == "auto":
+            self.state = self.state._replace(eta=self._auto_eta(grid, self.timeout if timeout is None else timeout))
+
+    def _auto_eta(self, grid, timeout):
+        from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+
+        n, e = self.num_clients, self.engine
+        units = np.unique(np.linspace(0, n - 1, min(8, n)).astype(int)).tolist()
+        payload = to_record({**self._broadcast(), "rng_key": self._eta_key})
+        cfg = ConfigRecord({"num-total": int(self.counts.sum()), "num-clients": n})
+        messages = [Message(RecordDict({"broadcast": payload, "config": cfg}), message_type=MessageType.QUERY,
+                            dst_node_id=self.nodes[i]) for i in units]
+        template = {k: jnp.zeros((), jnp.result_type(float)) for k in self.state.lam0}
+        curv = {}
+        for reply in grid.send_and_receive(messages, timeout=timeout):
+            if not reply.has_error():
+                curv[int(reply.content["meta"]["partition-id"])] = from_record(reply.content["message"], template,
+                                                                               check_finite=True)
+        if sorted(curv) != units:
+            raise RuntimeError(f"eta='auto' needs the curvature of clients {units}; got {sorted(curv)}.")
+        across = jnp.max if e.eta_curvature == "max" else jnp.median
+        return _check_eta({k: e.eta_scale / jnp.maximum(across(jnp.stack([curv[i][k] for i in units])), 1e-8)
+                           for k in template}, self.structure.init_global)
+
+    def _active(self):
+        t = int(self.state.step)
+        select_key, _ = random.split(random.fold_in(self.state.rng_key, t))
+        idx = np.asarray(self._select(select_key, self.state.step))
+        return t, idx, np.ones(len(idx), bool)
+
+    def _broadcast(self):
+        s = self.state
+        return {"lam0": s.lam0, "eta": s.eta, "rng_key": s.rng_key, "step": s.step}
+
+    def _config(self, i):
+        return {"accepted-round": int(self.accepted[i])}
+
+    def _reply_template(self):
+        return {"lam": self.state.lam0}
+
+    def _aggregate(self, replies, received):
+        t, idx, _ = self._round
+        ok = bool(received.any())
+        lam0, h, _ = self._consensus(self.state.lam0, self.state.h, replies["lam"], jnp.asarray(received),
+                                     jnp.asarray(ok))
+        self.state = self.state._replace(lam0=lam0, h=h, step=self.state.step + 1)
+        self.accepted[idx[received]] = t
+        return ok
+
+    def _round_loss(self, objectives):
+        return self.num_clients / len(objectives) * float(np.sum(list(objectives.values())))
+
+    def get_params(self, state=None):
+        """Constrained GLOBAL params of λ_0 (the local rows live on the clients)."""
+        lam0 = (self.state if state is None else state).lam0
+        return self.structure.constrain_global({k: v.astype(self.structure.init_global[k].dtype)
+                                                for k, v in lam0.items()})
 
 
 def make_server_app(strategy, num_rounds: int):

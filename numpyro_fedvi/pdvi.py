@@ -39,7 +39,8 @@ from .newton import newton_solve
 from .runner import EarlyStopping, RunResult, run_loop, tree_all_finite
 from .structure import ModelStructure, Partitions, inspect_model, make_partitions
 
-__all__ = ["Block", "NEWTON_MAX_HVPS", "PDVI", "PDVIState", "pdvi_init", "pdvi_step", "prox_solve"]
+__all__ = ["Block", "NEWTON_MAX_HVPS", "PDVI", "PDVIState", "consensus_update", "dual_step", "pdvi_init", "pdvi_step",
+           "prox_solve"]
 
 # local_optimizer=None picks Newton when a Newton step needs at most this many Hessian-vector products (one per global
 # coordinate plus one per local coordinate of a datum); measured: 4 on random effects (epoch 6x cheaper than L-BFGS),
@@ -114,21 +115,34 @@ def pdvi_step(state: PDVIState, oracle: Callable, select: Callable, guard: bool 
     mu_sel = jax.tree.map(lambda m: m[units], state.mu)
     lam_sel, local, unit_losses = oracle(units, mask, state.lam0, mu_sel, state.eta, state.local, oracle_key)
     ok = jnp.all(jnp.where(mask, jnp.isfinite(unit_losses), True)) & tree_all_finite(lam_sel) if guard else True
+    lam0, h, delta = consensus_update(state.lam0, state.h, lam_sel, mask, ok, num_units)
+    target = jnp.where(mask & ok, units, num_units)  # padded (or rejected) selections are dropped by the scatter
+    mu = jax.tree.map(lambda m, d, e: m.at[target].add(dual_step(d, e), mode="drop"), state.mu, delta, state.eta)
+    loss = num_units / jnp.maximum(jnp.sum(mask), 1) * jnp.sum(jnp.where(mask, unit_losses, 0.0))
+    new = PDVIState(lam0, h, mu, local, state.eta, state.step + 1, state.rng_key)
+    return (new, loss, ok) if guard else (new, loss)
+
+
+def dual_step(delta, eta):
+    """A unit's dual step ``μ_i ← μ_i + (λ_i − λ_0)/η`` (Algorithm 1), from ``delta = λ_i − λ_0``."""
+    return delta / eta
+
+
+def consensus_update(lam0, h, lam_sel, mask, ok, num_units: int):
+    """Algorithm 1's consensus from the selected units' solutions ``lam_sel`` (leading axis over S_t; ``mask``
+    False on padding or a unit that did not answer): ``δ_i = λ_i − λ_0`` (0 where not committed),
+    ``h ← h + Σ_i δ_i / n``, ``λ_0 ← mean_{i∈S_t} λ_i + h``; ``ok`` False keeps λ_0 and h.  Returns
+    ``(λ_0, h, δ)``; the in-process step and a federated server (Flower) share it."""
     commit = mask & ok
 
     def bcast(x):  # mask over the unit axis of a (S, ...) leaf
         return commit.reshape((-1,) + (1,) * (x.ndim - 1))
 
-    delta = jax.tree.map(lambda l, l0: jnp.where(bcast(l), _accum(l) - l0, 0.0), lam_sel, state.lam0)
-    target = jnp.where(commit, units, num_units)  # padded (or rejected) selections are dropped by the scatter
-    mu = jax.tree.map(lambda m, d, e: m.at[target].add(d / e, mode="drop"), state.mu, delta, state.eta)
-    h = jax.tree.map(lambda hh, d: hh + jnp.sum(d, 0) / num_units, state.h, delta)
+    delta = jax.tree.map(lambda l, l0: jnp.where(bcast(l), _accum(l) - l0, 0.0), lam_sel, lam0)
+    h = jax.tree.map(lambda hh, d: hh + jnp.sum(d, 0) / num_units, h, delta)
     count = jnp.maximum(jnp.sum(mask), 1)
-    lam0 = jax.tree.map(lambda l, hh: jnp.sum(jnp.where(bcast(l), _accum(l), 0.0), 0) / count + hh, lam_sel, h)
-    lam0 = jax.tree.map(lambda new, old: jnp.where(ok, new, old), lam0, state.lam0)
-    loss = num_units / count * jnp.sum(jnp.where(mask, unit_losses, 0.0))
-    new = PDVIState(lam0, h, mu, local, state.eta, state.step + 1, state.rng_key)
-    return (new, loss, ok) if guard else (new, loss)
+    new = jax.tree.map(lambda l, hh: jnp.sum(jnp.where(bcast(l), _accum(l), 0.0), 0) / count + hh, lam_sel, h)
+    return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, lam0), h, delta
 
 
 def prox_solve(f: Callable, lam0, mu, eta, phi, optimizer, num_steps: int, alternating: bool = True):
@@ -414,19 +428,29 @@ class PDVI:
         steps = self.local_steps if self.local_steps is not None else (2 if solver == "newton" else 10)
         return solver, int(steps)
 
+    # a federated client's view (numpyro_fedvi.flower): it holds one unit's rows as its block 0 of a plate of
+    # N_i rows, while keys and the global weight N_i/N are the federation's
+    _client_block: int | None = None
+    _num_total: int | None = None
+
     def _unit_data(self, unit, blocks):
         """(data indices, mask, global weight) of one dual owner."""
-        n = self.structure.data_plate.size
+        n = self.structure.data_plate.size if self._num_total is None else self._num_total
         if self.dual_granularity == "datum":
             return unit[None], jnp.ones((1,), bool), 1.0 / n
-        return blocks.indices[unit], blocks.mask[unit], blocks.sizes[unit] / n
+        b = unit if self._client_block is None else self._client_block
+        return blocks.indices[b], blocks.mask[b], blocks.sizes[b] / n
+
+    def _select_units(self, num_blocks: int, key, step):
+        """S_t: ``partitions_per_step`` of ``num_blocks`` blocks, uniformly without replacement or cyclically."""
+        m = self.partitions_per_step
+        if self.selection == "random":
+            return random.choice(key, num_blocks, (m,), replace=False)
+        return (step * m + jnp.arange(m)) % num_blocks
 
     def _select(self, blocks, key, step):
-        num_blocks, m = blocks.num_blocks, self.partitions_per_step
-        if self.selection == "random":
-            chosen = random.choice(key, num_blocks, (m,), replace=False)
-        else:
-            chosen = (step * m + jnp.arange(m)) % num_blocks
+        m = self.partitions_per_step
+        chosen = self._select_units(blocks.num_blocks, key, step)
         if self.dual_granularity == "datum":
             return blocks.indices[chosen].reshape(-1), blocks.mask[chosen].reshape(-1)
         return chosen, jnp.ones((m,), bool)

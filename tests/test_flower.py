@@ -21,6 +21,7 @@ from numpyro_fedvi import flower  # noqa: E402
 from numpyro_fedvi.federated import Bernoulli, ClientData, FixedSize, StochasticQuantizer  # noqa: E402
 from numpyro_fedvi.fedmm import FedMM, gmm_map_em  # noqa: E402
 from numpyro_fedvi.models.logistic import logistic  # noqa: E402
+from shared_models import random_effects, random_effects_guide  # noqa: E402
 
 K, D, NUM_CLIENTS = 3, 2, 4
 
@@ -300,6 +301,101 @@ def test_two_sync_round_survives_a_dropped_reply_in_either_phase():
     assert int(strategy.state.round) == 3 and len(strategy.losses) == 3
     assert [(t, i) for t, i, _ in strategy.dropped] == [(0, 1), (1, 2)]
     assert all(np.all(np.isfinite(a)) for a in jax.tree.leaves((strategy.state.z, strategy.state.output)))
+
+
+@pytest.mark.parametrize("eta", ["auto", 0.05])
+def test_pdvi_rounds_equal_the_in_process_engine(eta):
+    """Federated PD-VI: 3 clients = 3 fixed blocks of a random-effects model with one local latent per datum; four
+    iterations (2 blocks each) through the strategy and client apps equal four in-process ``PDVI`` iterations: η
+    (estimated from the clients' curvature for eta="auto"), λ_0, h, and every client's dual μ_i and local rows φ_i
+    (committed once accepted).  Remark 3.1's invariant h = D_η mean(μ) holds across the federation."""
+    x, site, make = _pdvi_problem(eta)
+    expected = make()
+    state = expected.init(random.key(2), x)
+    for _ in range(4):
+        state, _ = expected.update(state, x)
+    strategy, grid = _pdvi_federation(make(), x, site, rounds=4)
+    assert strategy.dropped == [] and int(strategy.state.step) == 4 and len(strategy.losses) == 4
+    tol = {"rtol": 2e-5, "atol": 2e-6}
+    for k in state.lam0:
+        np.testing.assert_allclose(strategy.state.eta[k], state.eta[k], **tol)
+        np.testing.assert_allclose(strategy.state.lam0[k], state.lam0[k], **tol)
+        np.testing.assert_allclose(strategy.state.h[k], state.h[k], **tol)
+    mus, rows = _pdvi_client_states(strategy, grid)
+    for i in range(3):
+        for k in state.lam0:
+            np.testing.assert_allclose(mus[i][k], state.mu[k][i], **tol)
+        # the rows: Newton's solve for one unit vs vmapped over two differs in float rounding (≤ 2e-5 seen)
+        np.testing.assert_allclose(rows[i]["a"], state.local["a"][site == i], rtol=2e-5, atol=6e-5)
+    assert set(strategy.get_params()) == {"m"}
+
+
+def _pdvi_problem(eta):
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.normal(1.0, 1.2, size=30), jnp.float32)
+    site = np.repeat(np.arange(3), 10)
+
+    def make():
+        return nfv.PDVI(random_effects, random_effects_guide, Trace_ELBO(), partitions=site, partitions_per_step=2,
+                        eta=eta, eta_refresh=False)
+
+    return x, site, make
+
+
+def _pdvi_federation(engine, x, site, rounds, faults=None):
+    strategy = flower.PDVIStrategy(engine, random.key(2), x[:1], num_clients=3)
+    grid = _Grid(flower.make_client_app(engine, lambda ctx: (x[site == ctx.node_config["partition-id"]],)), 3,
+                 faults)
+    strategy.handshake(grid)
+    for r in range(1, rounds + 1):
+        strategy.aggregate_train(r, grid.send_and_receive(strategy.configure_train(r, None, None, grid)))
+    return strategy, grid
+
+
+def _pdvi_client_states(strategy, grid):
+    """Every client's (μ_i, φ_i) as the server sees it: committed, or pending when its last reply was accepted."""
+    lam0 = strategy.state.lam0
+    template = {"mu": lam0, "rows": {"a": jnp.zeros(10)}, "pending_mu": lam0, "pending_rows": {"a": jnp.zeros(10)}}
+    mus, rows = [], []
+    for i, ctx in enumerate(grid.contexts.values()):
+        if "numpyro_fedvi.state" not in ctx.state:   # never selected
+            mu, row = jax.tree.map(jnp.zeros_like, lam0), {"a": np.zeros(10)}
+        else:
+            saved = flower.from_record(ctx.state["numpyro_fedvi.state"], template)
+            done = int(ctx.state["numpyro_fedvi.meta"]["pending-round"]) == strategy.accepted[i]
+            mu, row = (saved["pending_mu"], saved["pending_rows"]) if done else (saved["mu"], saved["rows"])
+        mus.append(mu)
+        rows.append(row)
+    return mus, rows
+
+
+def test_pdvi_dropped_reply_is_a_unit_not_selected():
+    """A client whose reply is dropped does not commit its dual step: Remark 3.1's invariant h = D_η mean_i μ_i
+    still holds across the federation, and the round's consensus uses the units that answered."""
+    x, site, make = _pdvi_problem(0.05)
+
+    def fault(node, msg, reply):
+        cfg = msg.content["config"]
+        if "round" in cfg and int(cfg["round"]) in (0, 2) and node == 101:
+            return _Reply(None, Error(code=0, reason="client raised"), node)
+        return reply
+
+    strategy, grid = _pdvi_federation(make(), x, site, rounds=5, faults=fault)
+    assert {t for t, i, _ in strategy.dropped if i == 1} <= {0, 2} and strategy.dropped
+    mus, _ = _pdvi_client_states(strategy, grid)
+    for k in strategy.state.lam0:
+        np.testing.assert_allclose(strategy.state.h[k], strategy.state.eta[k] * np.mean([m[k] for m in mus], 0),
+                                   rtol=1e-4, atol=1e-6)
+
+
+def test_pdvi_strategy_refuses_what_it_cannot_run():
+    x = jnp.zeros(6)
+    with pytest.raises(ValueError, match="eta_refresh=False"):
+        flower.PDVIStrategy(nfv.PDVI(random_effects, random_effects_guide, num_partitions=3), random.key(0), x[:1],
+                            num_clients=3)
+    with pytest.raises(ValueError, match="dual_granularity"):
+        flower.make_client_app(nfv.PDVI(random_effects, random_effects_guide, num_partitions=3, eta=0.1,
+                                        dual_granularity="datum"), lambda ctx: None)
 
 
 # --- end to end on Flower's simulation engine (Ray, loopback) --------------------------------------------------------
