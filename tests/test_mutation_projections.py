@@ -122,6 +122,21 @@ def test_project_capped_simplex_vector_caps_and_few_iterations():
     np.testing.assert_allclose(np.sum(P.project_capped_simplex(v, 1.0, caps_ok)), 1.0, atol=1e-5)
 
 
+def test_project_capped_simplex_bracket_and_refinement_are_per_row():
+    # rows of very different scales with per-row caps: each row's own bracket [min v − total − max u, max v] and
+    # its exact refinement on the free set give the projection after only 3 bisection steps (a bracket or a
+    # free-set count shared across rows would not)
+    v = np.array([[0.9, 0.8, 0.1, -0.3], [5e3, 1e3, 0.0, -3e3]])
+    caps = np.array([[0.5] * 4, [1e3] * 4])
+    want = np.stack([_capped_np(r, 1.0, c) for r, c in zip(v, caps)])
+    np.testing.assert_allclose(P.project_capped_simplex(v, 1.0, caps, num_iters=3), want, atol=1e-5)
+    rows = np.array([[0.9, 0.8, 0.1, -0.3], [5.0, 1.0, 0.0, -3.0]])
+    np.testing.assert_allclose(P.project_capped_simplex(rows, 1.0, 0.5, num_iters=3),
+                               np.stack([_capped_np(r, 1.0, 0.5) for r in rows]), atol=1e-6)
+    # all entries equal: τ = v − total/n sits below min v, the bracket must reach it
+    np.testing.assert_allclose(P.project_capped_simplex(np.zeros(4), 1.0, 1.0, num_iters=1), np.full(4, 0.25))
+
+
 # ----------------------------------------------------------------------------------------------------------
 # box, ℓ1 prox, ball
 # ----------------------------------------------------------------------------------------------------------
@@ -146,17 +161,31 @@ def test_box_soft_threshold_and_ball_closed_forms():
 
 def test_projections_keep_the_input_dtype():
     x = np.array([[0.1, 5.0], [-2.0, 3.0]], np.float16)
-    for out in (P.project_scale_tril(x, 0.5), P.project_scale_diag(x[0], 0.5), P.project_simplex(x),
-                P.project_capped_simplex(x, 1.0, 0.6), P.project_box(x, 0.0, 1.0), P.soft_threshold(x, 0.1),
-                P.project_ball(x, 1.0)):
+    h, one, zero = np.float64(0.5), np.float64(1.0), np.zeros(2)  # numpy float64 parameters: not weakly typed
+    for out in (P.project_scale_tril(x, h), P.project_scale_diag(x[0], h), P.project_simplex(x, total=one),
+                P.project_capped_simplex(x, one, np.full(2, 0.6)), P.project_box(x, zero, zero + 1),
+                P.soft_threshold(x, np.float64(0.1)), P.project_ball(x, one)):
         assert out.dtype == np.float16
-    with jax.enable_x64(True):  # float32 stays float32 when python floats would default to float64
+    with jax.enable_x64(True):  # float32 input stays float32 when the parameters are float64
         a = np.stack([A3, A3.T]).astype(np.float32)
-        sym = (P.project_psd(a, 0.5), P.project_scale_full(a, 0.5), *P.project_scale_full_with_inverse(a, 0.5))
+        sym = (P.project_psd(a, h), P.project_scale_full(a, h), *P.project_scale_full_with_inverse(a, h))
         for out in sym:
             np.testing.assert_array_equal(out, np.swapaxes(out, -1, -2))  # batched: exactly symmetric
-        for out in (*sym, P.project_scale_tril(a, 0.5), P.project_simplex(a, total=2.0)):
+        for out in (*sym, P.project_scale_tril(a, h), P.project_simplex(a, total=np.float64(2.0))):
             assert out.dtype == np.float32
+
+
+def test_capped_simplex_defaults_and_traced_arguments():
+    v = np.array([5.0, 0.0, 0.0])
+    np.testing.assert_allclose(P.project_capped_simplex(v, total=2.0), [1.0, 0.5, 0.5], atol=1e-6)  # upper = 1
+    np.testing.assert_allclose(jax.jit(lambda t: P.project_capped_simplex(v, t, 1.0))(2.0), [1.0, 0.5, 0.5],
+                               atol=1e-6)  # traced total, concrete caps: the emptiness check is skipped
+    np.testing.assert_allclose(jax.jit(lambda u: P.project_capped_simplex(v, 2.0, u))(1.0), [1.0, 0.5, 0.5],
+                               atol=1e-6)
+    with pytest.raises(ValueError, match="^the capped simplex is empty"):  # one infeasible row is enough
+        P.project_capped_simplex(np.zeros((2, 3)), 1.0, np.array([[0.1] * 3, [1.0] * 3]))
+    with pytest.raises(ValueError, match=re.escape("A must be a square matrix")):  # batched, not square
+        P.project_psd(np.ones((2, 3, 4)))
 
 
 def test_checks_are_skipped_for_traced_values():
@@ -179,7 +208,7 @@ BAD = [
     (lambda: P.project_scale_full_with_inverse(np.eye(2), -1.0), ValueError,
      "min_eig must be > 0, got -1.0." + HINT_EIG),
     (lambda: P.project_scale_full_with_inverse(np.ones((2, 3)), 1.0), ValueError, "A must be a square"),
-    (lambda: P.project_psd(np.eye(2), -0.5), ValueError, "min_eig must be >= 0, got -0.5."),
+    (lambda: P.project_psd(np.eye(2), -0.5), ValueError, "min_eig must be >= 0, got -0.5.", True),
     (lambda: P.project_psd(np.ones((2, 3))), ValueError, "A must be a square"),
     (lambda: P.project_psd(np.eye(2) * 1j), TypeError, "A must be a real array"),
     (lambda: P.project_scale_full(np.eye(2) * 1j, 1.0), TypeError, "A must be a real array"),
@@ -195,7 +224,7 @@ BAD = [
     (lambda: P.project_scale_tril(np.eye(3), 0.0), ValueError, "min_diag must be > 0, got 0.0." + HINT_DIAG),
     (lambda: P.project_scale_diag(np.ones(3), 0.0), ValueError, "min_diag must be > 0, got 0.0." + HINT_DIAG),
     (lambda: P.project_scale_diag(np.ones(3) * 1j, 1.0), TypeError, "s must be a real"),
-    (lambda: P.project_simplex(np.ones(3), total=0.0), ValueError, "total must be > 0"),
+    (lambda: P.project_simplex(np.ones(3), total=0.0), ValueError, "total must be > 0, got 0.0.", True),
     (lambda: P.project_simplex(np.ones(3), axis=1), ValueError, "axis=1 is out of range for v"),
     (lambda: P.project_simplex(np.ones(3), axis=-2), ValueError, "axis=-2 is out of range"),
     (lambda: P.project_simplex(np.float32(1.0)), ValueError, "v must have at least one axis"),
@@ -203,24 +232,27 @@ BAD = [
     (lambda: P.project_capped_simplex(np.ones(3), 0.0, 0.5), ValueError, "total must be > 0"),
     (lambda: P.project_capped_simplex(np.ones(3), 1.0, np.inf), ValueError, "upper must be finite"),
     (lambda: P.project_capped_simplex(np.ones(3), 1.0, 0.0), ValueError, "upper must be > 0"),
-    (lambda: P.project_capped_simplex(np.ones(3), 1.0, np.ones(2)), ValueError, "does not broadcast"),
-    (lambda: P.project_capped_simplex(np.ones(3), axis=1), ValueError, "out of range"),
+    (lambda: P.project_capped_simplex(np.ones(3), 1.0, np.ones(2)), ValueError,
+     "upper of shape (2,) does not broadcast to v of shape (3,).", True),
+    (lambda: P.project_capped_simplex(np.ones(3), axis=1), ValueError, "axis=1 is out of range for v of shape (3,).",
+     True),
     (lambda: P.project_capped_simplex(np.ones(3), num_iters=0), ValueError, "num_iters must be a positive int"),
     (lambda: P.project_capped_simplex(np.ones(3), num_iters=2.0), ValueError, "num_iters must be a positive int"),
     (lambda: P.project_box(np.ones(3), 1.0, 0.0), ValueError, "the box is empty: lower > upper somewhere"),
     (lambda: P.project_box(np.ones(3), np.nan, 0.0), ValueError, "lower must be real numbers"),
     (lambda: P.project_box(np.ones(3), 0.0, np.nan), ValueError, "upper must be real numbers"),
     (lambda: P.project_box(np.ones(3), "a", 1.0), ValueError, "lower must be real numbers"),
-    (lambda: P.soft_threshold(np.ones(3), -1.0), ValueError, "t must be >= 0"),
-    (lambda: P.project_ball(np.ones(3), -1.0), ValueError, "radius must be >= 0"),
+    (lambda: P.soft_threshold(np.ones(3), -1.0), ValueError, "t must be >= 0, got -1.0.", True),
+    (lambda: P.project_ball(np.ones(3), -1.0), ValueError, "radius must be >= 0, got -1.0.", True),
     (lambda: P.project_ball(np.ones(3), 1.0, axis=1), ValueError, "axis=1 is out of range for x"),
     (lambda: P.project_ball(np.ones((2, 3)), 1.0, axis=(0, 2)), ValueError, "axis=2 is out of range"),
 ]
 
 
-@pytest.mark.parametrize("call, exc, match", BAD)
-def test_bad_arguments_raise_clear_errors(call, exc, match):
-    with pytest.raises(exc, match=re.escape(match)):
+@pytest.mark.parametrize("call, exc, match, whole",
+                         [b if len(b) == 4 else (*b, b[2].endswith((HINT_EIG, HINT_DIAG))) for b in BAD])
+def test_bad_arguments_raise_clear_errors(call, exc, match, whole):
+    with pytest.raises(exc, match="^" + re.escape(match) + ("$" if whole else "")):
         call()
 
 
