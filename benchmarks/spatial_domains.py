@@ -239,8 +239,8 @@ def _final(records, key):
 
 
 def _tune(runs: dict):
-    """The grid entry with the lowest final objective."""
-    return min(runs, key=lambda k: _final(runs[k], "objective"))
+    """The grid entry with the lowest final objective (a diverged, non-finite run never wins)."""
+    return min(runs, key=lambda k: np.nan_to_num(_final(runs[k], "objective"), nan=np.inf))
 
 
 def _summary(per_seed):
@@ -294,7 +294,11 @@ def main(argv=None):
 
     def sweep_grid(name, grid):
         """Tune on seed 0 over ``grid`` (label -> runner), then run the chosen setting on the other seeds."""
-        runs = {label: run(0) for label, run in grid.items()}
+        runs = {}
+        for label, run in grid.items():
+            runs[label] = run(0)
+            print(f"  {name} {label}: objective {_final(runs[label], 'objective'):.3f} "
+                  f"({time.perf_counter() - t_start:.0f} s)", flush=True)
         tuned[name] = _tune(runs)
         grids[name] = {k: _final(v, "objective") for k, v in runs.items()}
         per_seed[name] = [runs[tuned[name]]] + [grid[tuned[name]](s) for s in range(1, cfg["seeds"])]
