@@ -184,8 +184,12 @@ def neg_elbo(x, graph: SpatialGraph, m, s2, phi, hyper: GMMHyper):
 def local_sweep(x, idx, graph: SpatialGraph, m, s2, phi, sigma0, damping: float = 0.5):
     """One damped parallel mean-field update of ``q(z)`` on the rows ``idx``:
     ``φ_i ← (1−ω) φ_i + ω softmax_k(E_q log N(x_i|c_k, Σ0) − log K + Σ_ℓ r_iℓ φ_ℓk)`` (the CAVI update of φ_i)."""
-    K = m.shape[0]
-    logits = gmm.expected_loglik(x, m, s2, sigma0) - jnp.log(K) + potts_field(phi, idx, graph)
+    return _sweep(gmm.expected_loglik(x, m, s2, sigma0) - jnp.log(m.shape[0]), idx, graph, phi, damping)
+
+
+def _sweep(prior_logits, idx, graph, phi, damping=0.5):
+    """:func:`local_sweep` given the φ-independent logits ``E_q log N(x_i|c_k, Σ0) − log K``."""
+    logits = prior_logits + potts_field(phi, idx, graph)
     return (1.0 - damping) * phi + damping * jax.nn.softmax(logits, axis=-1)
 
 
@@ -195,8 +199,8 @@ def profile(x, graph: SpatialGraph, m, s2, hyper: GMMHyper, sweeps: int = 30):
     then ``sweeps`` damped mean-field sweeps — the same deterministic function of the globals for every method
     (specs/pdvi.md §6: evaluate at λ_0; stored φ of unvisited patches are stale)."""
     idx = jnp.arange(x.shape[0])
-    phi0 = gmm.local_update(x, m, s2, hyper.sigma0)
-    phi = lax.fori_loop(0, sweeps, lambda _, p: local_sweep(x, idx, graph, m, s2, p, hyper.sigma0), phi0)
+    logits = gmm.expected_loglik(x, m, s2, hyper.sigma0) - jnp.log(m.shape[0])
+    phi = lax.fori_loop(0, sweeps, lambda _, p: _sweep(logits, idx, graph, p), jax.nn.softmax(logits, axis=-1))
     return neg_elbo(x, graph, m, s2, phi, hyper), phi
 
 
