@@ -54,6 +54,17 @@ def check_mesh(mesh) -> Mesh:
     return mesh
 
 
+def _put(x, sharding: NamedSharding):
+    """``jax.device_put``, also onto devices of other processes (multi-host): every process holds the same value
+    (same key, same data) and contributes the slices its devices own (``jax.make_array_from_callback``)."""
+    if sharding.is_fully_addressable or (isinstance(x, jax.Array) and not x.is_fully_addressable):
+        return jax.device_put(x, sharding)
+    if jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):
+        return jax.random.wrap_key_data(_put(jax.random.key_data(x), sharding), impl=jax.random.key_impl(x))
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
 def _rows(mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(mesh.axis_names[0]))
 
@@ -66,7 +77,7 @@ def _check_divides(size: int, mesh, what: str) -> None:
 
 def replicate(tree, mesh):
     """Every array leaf of ``tree`` replicated on every device of ``mesh``."""
-    return jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, PartitionSpec())), tree)
+    return jax.tree.map(lambda x: _put(x, NamedSharding(mesh, PartitionSpec())), tree)
 
 
 def shard_rows(tree, mesh, size: int | None = None, what: str = "the leading axis"):
@@ -74,9 +85,9 @@ def shard_rows(tree, mesh, size: int | None = None, what: str = "the leading axi
     the others replicated."""
     def put(x):
         if not hasattr(x, "shape") or np.ndim(x) == 0 or (size is not None and x.shape[0] != size):
-            return jax.device_put(x, NamedSharding(mesh, PartitionSpec())) if hasattr(x, "shape") else x
+            return _put(x, NamedSharding(mesh, PartitionSpec())) if hasattr(x, "shape") else x
         _check_divides(x.shape[0], mesh, what)
-        return jax.device_put(x, _rows(mesh))
+        return _put(x, _rows(mesh))
     return jax.tree.map(put, tree)
 
 
@@ -93,12 +104,11 @@ def constrain_rows(tree, mesh):
 def shard_pdvi_state(state, mesh):
     """A ``PDVIState`` placed on ``mesh``: ``local`` along the data axis, ``mu`` along the unit axis, the rest
     replicated."""
-    rep = NamedSharding(mesh, PartitionSpec())
     return state._replace(
         lam0=replicate(state.lam0, mesh), h=replicate(state.h, mesh), eta=replicate(state.eta, mesh),
         mu=shard_rows(state.mu, mesh, what="the number of dual owners (blocks, or data with dual_granularity='datum')"),
         local=shard_rows(state.local, mesh, what="the size of the data plate (rows of the local table)"),
-        step=jax.device_put(state.step, rep), rng_key=jax.device_put(state.rng_key, rep))
+        step=replicate(state.step, mesh), rng_key=replicate(state.rng_key, mesh))
 
 
 def constrain_pdvi_state(state, mesh):

@@ -1,7 +1,7 @@
 """Scale-out on a device mesh (numpyro_fedvi.sharding, issue 14), on 4 simulated CPU devices.
 
-XLA reads ``--xla_force_host_platform_device_count`` when JAX starts, so the runs happen in ONE subprocess (this file
-run as a script) that prints its measurements as JSON; the tests check them.  Checked: PD-VI with ``mesh=`` equals
+XLA reads ``--xla_force_host_platform_device_count`` when JAX starts, so the runs happen in two subprocesses (this file
+run as a script: PD-VI, federated engines) that print their measurements as JSON; the tests check them.  Checked: PD-VI with ``mesh=`` equals
 the single-device run for the same key (``run``) to float tolerance; the local table, the duals
 and the data stay sharded over the 4 devices (``.sharding``, bytes per device = 1/4); the compiled step's
 collectives move at most the selected blocks' rows, never the table; FedMM, FedSVI and FedLocalVI with the client
@@ -25,6 +25,10 @@ def measured():
            "JAX_PLATFORMS": "cpu"}
     procs = [subprocess.Popen([sys.executable, __file__, part], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for part in ("pdvi", "federated")]  # two processes: one per core
+    return _collect(procs)
+
+
+def _collect(procs):
     measured = {}
     for proc in procs:
         stdout, stderr = proc.communicate(timeout=300)
