@@ -213,6 +213,7 @@ def runs(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow   # one fresh interpreter per engine and run
 @pytest.mark.parametrize("name", list(ENGINES))
 def test_resume_in_fresh_process_is_bitwise_uninterrupted(runs, name):
     r = runs[name]
@@ -241,6 +242,7 @@ def test_resume_in_fresh_process_is_bitwise_uninterrupted(runs, name):
     np.testing.assert_array_equal(r["with_cb"].losses, full.losses)
 
 
+@pytest.mark.slow
 def test_fresh_process_load_returns_the_saved_object(runs):
     obj = misc_object()
     assert_identical(runs["misc_roundtrip"], obj)

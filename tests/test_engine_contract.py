@@ -295,7 +295,12 @@ CHECKS = [check_run_result_is_finite_and_deterministic, check_second_run_does_no
           check_nan_input_refused_before_compilation, check_zero_steps_refused]
 
 
-@pytest.mark.parametrize("engine_name", list(CASES))
+def _engine_params():
+    """Every engine; RobustFedVI (FedLocalVI's machinery with dual averaging, its own contract) with the slow tests."""
+    return [pytest.param(name, marks=[pytest.mark.slow] if name == "robustfedvi" else []) for name in CASES]
+
+
+@pytest.mark.parametrize("engine_name", _engine_params())
 def test_engine_contract(engine_name):
     """Every contract item for one engine, in one test (so that any xdist mode builds each engine once); the items
     run in order and every failing item is reported, not just the first."""

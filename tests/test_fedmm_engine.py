@@ -36,8 +36,9 @@ def test_run_equals_core_steps(gmm):
     kw = dict(alpha=0.01, participation=FixedSize(2), compressor=StochasticQuantizer(bits=8), batch_size=16)
     state = fedmm_init(fam, s0, cd, random.key(3))
     losses = []
+    step = jax.jit(lambda st: fedmm_step(st, fam, cd, step_size_fn=0.5, **kw))
     for _ in range(6):
-        state, info = fedmm_step(state, fam, cd, step_size_fn=0.5, **kw)
+        state, info = step(state)
         losses.append(float(info["objective"]))
     for log_every in (1, 4):  # the full objective on rounds 0, 4 (log_every=4), the last value in between
         engine = FedMM(fam, step_size=0.5, cv_step=0.01, participation=FixedSize(2),

@@ -228,9 +228,14 @@ def _sorted_sites():
     return X, y, np.repeat(np.arange(3), 15)
 
 
-@pytest.mark.parametrize("method, drift", [("local_sgd", "scaffnew"), ("lippax", None), ("slippax", "scaffnew"),
-                                           ("lesgd", None), ("lesgd", "scaffnew"), ("local_dual_averaging", None),
-                                           ("robust", None)])
+_SLOW = pytest.mark.slow   # the default suite keeps one single-sync and one two-sync (dual averaging) method
+
+
+@pytest.mark.parametrize("method, drift", [("local_sgd", "scaffnew"), pytest.param("lippax", None, marks=_SLOW),
+                                           pytest.param("slippax", "scaffnew", marks=_SLOW),
+                                           pytest.param("lesgd", None, marks=_SLOW),
+                                           pytest.param("lesgd", "scaffnew", marks=_SLOW),
+                                           pytest.param("local_dual_averaging", None, marks=_SLOW), ("robust", None)])
 def test_fedlocalvi_rounds_equal_the_in_process_engine(method, drift):
     """Four FedLocalVI rounds (K = 3 local steps on heterogeneous sites) through the strategy and client apps
     equal four in-process rounds: the synchronised iterate, the output mean, the step counters and, with drift
@@ -277,6 +282,7 @@ def test_fedlocalvi_rounds_equal_the_in_process_engine(method, drift):
                 np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_two_sync_round_survives_a_dropped_reply_in_either_phase():
     """LESGD over Flower: a reply dropped in phase 0 (its x left out of x̄) and another in phase 1 (its z left out of
     z̄) are logged with their round; every engine round still completes with the answering clients' averages."""
@@ -303,7 +309,7 @@ def test_two_sync_round_survives_a_dropped_reply_in_either_phase():
     assert all(np.all(np.isfinite(a)) for a in jax.tree.leaves((strategy.state.z, strategy.state.output)))
 
 
-@pytest.mark.parametrize("eta", ["auto", 0.05])
+@pytest.mark.parametrize("eta", [pytest.param("auto", marks=pytest.mark.slow), 0.05])
 def test_pdvi_rounds_equal_the_in_process_engine(eta):
     """Federated PD-VI: 3 clients = 3 fixed blocks of a random-effects model with one local latent per datum; four
     iterations (2 blocks each) through the strategy and client apps equal four in-process ``PDVI`` iterations: η
@@ -431,6 +437,7 @@ def _faulty_app(engine, data_fn):
     return wrapper
 
 
+@pytest.mark.slow   # Ray start-up and one process per node: in .ci/run, not the default local run
 def test_simulation_equals_in_process_run_and_survives_failures():
     """FedSVI on the user's logistic model, 3 Flower nodes (Ray, loopback, telemetry off), FixedSize(2): 3 rounds
     equal the in-process FedSVI run with the same key; then a run where one client raises and another replies NaN

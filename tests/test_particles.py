@@ -380,7 +380,8 @@ def _pdvi_params(elbo_name):
     return {k: np.asarray(v, np.float64) for k, v in res.params.items()}
 
 
-@pytest.mark.parametrize("elbo_name", ["mf", pytest.param("trace", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("elbo_name", [pytest.param("mf", marks=pytest.mark.slow),
+                                       pytest.param("trace", marks=pytest.mark.slow)])
 def test_pdvi_reaches_mean_field_optimum(elbo_name):
     p, opt = _pdvi_params(elbo_name), re_optimum(_x)
     assert abs(p["m"] - opt["m"]) < opt["s"]  # within one posterior sd

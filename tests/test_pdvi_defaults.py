@@ -26,7 +26,8 @@ def optimum(x):
     return p["m"], p["s"], p["a"], p["b"][0]
 
 
-@pytest.mark.parametrize("elbo", [Trace_ELBO(), TraceMeanField_ELBO()], ids=["trace", "meanfield"])
+@pytest.mark.parametrize("elbo", [Trace_ELBO(), pytest.param(TraceMeanField_ELBO(), marks=pytest.mark.slow)],
+                         ids=["trace", "meanfield"])
 def test_defaults_reach_mean_field_optimum_in_60_epochs(elbo):
     x = data()
     m, s, a, b = optimum(x)

@@ -58,6 +58,7 @@ def test_block_losses_of_plain_and_subsampled_plates_agree_and_sum_to_full(model
     np.testing.assert_allclose(float(total), float(full), rtol=1e-5)
 
 
+@pytest.mark.slow   # a reproduction: PD-VI and SVI run to convergence
 def test_eight_schools_plain_plate_reaches_svi_elbo_numpy_inputs():
     """The textbook model (plain plate, NumPy inputs) through PD-VI and SVI: the same ELBO (evaluated with many
     draws; the centred posterior is funnel-shaped, so params are compared through the objective)."""
@@ -91,7 +92,7 @@ def logistic(X, y=None):
         numpyro.sample("y_copy", dist.Normal(logits, 10.0), obs=None if y is None else 10 * y + b * 0)
 
 
-@pytest.mark.parametrize("guide_cls", [AutoNormal, AutoMultivariateNormal])
+@pytest.mark.parametrize("guide_cls", [AutoNormal, pytest.param(AutoMultivariateNormal, marks=pytest.mark.slow)])
 def test_global_only_guides_reach_svi_optimum(guide_cls):
     """Guides without local params (the whole guide is global): PD-VI's blocks are partitions of the data plate,
     and with several observed sites and deterministic sites it reaches the optimum NumPyro's SVI reaches."""
@@ -142,6 +143,7 @@ def test_local_params_with_event_dims():
     np.testing.assert_allclose(np.asarray(res.params["a"]), 0.8 * (x - m), atol=0.05)
 
 
+@pytest.mark.slow   # a reproduction: every default run to convergence, twice (eta_curvature)
 def test_noncentred_eight_schools_defaults_and_eta_curvature():
     """Every PD-VI default on non-centred eight schools (one school per block): q(mu) near the posterior (NUTS mean
     4.4, sd 3.3) and q(log tau) not stuck wide.  The Monte-Carlo curvature of the widest blocks drove the theory's

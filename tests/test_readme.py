@@ -38,7 +38,13 @@ def test_readme_has_python_blocks():
     assert PYTHON_BLOCKS, "no ```python block found in README.md"
 
 
-@pytest.mark.parametrize("line, code", PYTHON_BLOCKS, ids=[f"line{line}" for line, _ in PYTHON_BLOCKS])
+def _block_params():
+    """One param per block; a block that starts Flower's simulation engine (Ray) runs with the slow tests."""
+    return [pytest.param(line, code, id=f"line{line}", marks=[pytest.mark.slow] if "flower.simulate(" in code else [])
+            for line, code in PYTHON_BLOCKS]
+
+
+@pytest.mark.parametrize("line, code", _block_params())
 def test_readme_python_block_runs(line, code, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)               # whatever a snippet writes lands in a tmp dir
     monkeypatch.setenv("MPLBACKEND", "Agg")   # no display for a snippet that plots
