@@ -152,6 +152,7 @@ def main(argv=None):
                        "efficiency": [weak[0]["iter_s"] / r["iter_s"] for r in weak]}
     methods["strong"] = {"devices": list(DEVICES), "N": sizes[-1], "m": M, "iter_s": [r["iter_s"] for r in strong],
                          "speedup": [strong[0]["iter_s"] / r["iter_s"] for r in strong]}
+    methods["strong"]["bytes_per_device"] = [r["bytes_per_device"] for r in strong]
     coll = strong[-1].get("collectives", {})
     moved = max((c["max_elements"] for c in coll.values()), default=None)
     claims = {
@@ -177,7 +178,6 @@ def main(argv=None):
                                    "other jobs, timings are noisy",
               "largest_collective_elements_at_max_n_max_devices": moved, "collectives": coll}
     path = write_result(NAME, args.quick, config, methods, claims, args.out)
-    methods["strong"]["bytes_per_device"] = [r["bytes_per_device"] for r in strong]
     _plot(methods, sizes, cfg["sweep"], save_figure, args.out)
     print(f"claims: {claims}\nwall {wall:.1f} s (CPU {config['cpu_s_workers']:.1f} s); wrote {path}")
 

@@ -83,6 +83,24 @@ def test_sizes_that_do_not_divide_are_refused(measured):
     assert "mesh must be a jax.sharding.Mesh" in measured["errors"]["bad_mesh"]
 
 
+def test_large_block_counts_select_without_permuting_every_block():
+    """B > CHOICE_MAX_BLOCKS: S_t by Floyd's algorithm (O(m²); random.choice permuted all B blocks: 4.8 ms per
+    iteration at B = 10⁴), still uniform over the m-subsets: 3 of 7 -> each of the 35 subsets with frequency 1/35."""
+    import jax
+    from jax import random
+
+    from numpyro_fedvi.pdvi import sample_without_replacement
+
+    draws = np.asarray(jax.jit(jax.vmap(lambda k: sample_without_replacement(k, 7, 3)))(
+        random.split(random.key(0), 70_000)))
+    assert all(len(set(row)) == 3 for row in draws) and draws.min() >= 0 and draws.max() < 7
+    subsets, counts = np.unique(np.sort(draws, 1), axis=0, return_counts=True)
+    assert len(subsets) == 35
+    np.testing.assert_allclose(counts / len(draws), 1 / 35, atol=0.003)  # 5 sd of a frequency over 70,000 draws
+    big = np.asarray(sample_without_replacement(random.key(1), 10**6, 8))
+    assert len(set(big.tolist())) == 8 and 0 <= big.min() and big.max() < 10**6
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 def _worker(part):  # runs in a subprocess with 4 CPU devices: part "pdvi" or "federated"
     import jax
