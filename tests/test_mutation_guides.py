@@ -162,7 +162,11 @@ def test_location_scale_transform():
     ld = tr.log_abs_det_jacobian(x, y)
     assert ld.shape == (2,)
     np.testing.assert_allclose(ld, np.linalg.slogdet(S3)[1], rtol=1e-6)
-    assert G.LocationScaleTransform(loc, D3, "diag").scale_type == "diag"
+    for scale, st, mat in [(T3, "tril", T3), (D3, "diag", np.diag(D3))]:
+        t = G.LocationScaleTransform(loc, scale, st)
+        assert t.scale_type == st
+        np.testing.assert_allclose(t.inv(loc + x @ mat.T), x, atol=1e-5)
+        assert t.log_abs_det_jacobian(x[0], t(x[0])).shape == ()  # one point: a scalar
     params, aux = tr.tree_flatten()
     assert aux == (("loc", "scale"), {"scale_type": "full"}) and params[0] is loc and params[1] is S3
     assert tr.eq(G.LocationScaleTransform(loc, S3, "full"))
@@ -260,6 +264,9 @@ def test_guide_diag_tril_and_other_bases():
     assert guide.scale_name == "q_scale"
     np.testing.assert_allclose(params["q_scale"], np.full(3, 0.25))
     assert isinstance(guide.base, G.UniformBall) and guide.get_posterior(params).scale_type == "diag"
+    tr = guide.get_transform(params)
+    assert tr.scale_type == "diag"
+    np.testing.assert_allclose(tr(np.ones(3)), np.asarray(params["q_loc"]) + 0.25, rtol=1e-6)
     guide, params = _setup(scale="tril", base="student_t", df=6.0)
     assert guide.base.df == 6.0 and guide.base.d == 3
     raw = {"auto_loc": jnp.zeros(3), "auto_scale": jnp.array(S3)}

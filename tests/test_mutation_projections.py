@@ -175,6 +175,13 @@ def test_projections_keep_the_input_dtype():
             assert out.dtype == np.float32
 
 
+def test_integer_inputs_are_projected_as_floats():
+    np.testing.assert_array_equal(P.project_scale_diag(np.array([0, 3]), 0.5), [0.5, 3.0])
+    out = P.project_box(np.array([-1, 5]), 0.5, 2.5)
+    assert jnp.issubdtype(out.dtype, jnp.floating)
+    np.testing.assert_array_equal(out, [0.5, 2.5])
+
+
 def test_capped_simplex_defaults_and_traced_arguments():
     v = np.array([5.0, 0.0, 0.0])
     np.testing.assert_allclose(P.project_capped_simplex(v, total=2.0), [1.0, 0.5, 0.5], atol=1e-6)  # upper = 1
