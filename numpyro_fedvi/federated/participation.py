@@ -19,6 +19,19 @@ from jax import lax, random
 __all__ = ["Bernoulli", "FixedSize", "Full", "Participation"]
 
 
+def sample_without_replacement(key, n: int, m: int):
+    """A uniform m-subset of ``range(n)`` by Floyd's algorithm: for j = n−m … n−1 draw t uniform on {0..j} and take
+    t, or j when t is already taken — O(m²) work whatever n (a top-k of n uniforms, or ``random.choice`` without
+    replacement, permutes all n).  FedMM's ``FixedSize(m)`` clients and PD-VI's S_t among many blocks."""
+
+    def body(i, chosen):
+        j = n - m + i
+        t = random.randint(random.fold_in(key, i), (), 0, j + 1)
+        return chosen.at[i].set(jnp.where(jnp.any(chosen == t), j, t))
+
+    return lax.fori_loop(0, m, body, jnp.full((m,), -1, jnp.int32))
+
+
 def _check_num_clients(num_clients) -> int:
     if isinstance(num_clients, bool) or not isinstance(num_clients, (int, np.integer)):
         raise TypeError(f"num_clients must be a (static) int, got {type(num_clients).__name__}.")
@@ -116,16 +129,7 @@ class FixedSize(Participation):
         return jnp.zeros((num_clients,), bool).at[self._chosen(key, num_clients)].set(True)
 
     def _chosen(self, key, num_clients):
-        """A uniform m-subset by Floyd's algorithm: for j = n−m … n−1 draw t uniform on {0..j} and take t, or j
-        when t is already taken — O(m²) work whatever n (a top-k of n uniforms costs O(n))."""
-        n, m = num_clients, self.m
-
-        def body(i, chosen):
-            j = n - m + i
-            t = random.randint(random.fold_in(key, i), (), 0, j + 1)
-            return chosen.at[i].set(jnp.where(jnp.any(chosen == t), j, t))
-
-        return lax.fori_loop(0, m, body, jnp.full((m,), -1, jnp.int32))
+        return sample_without_replacement(key, num_clients, self.m)
 
     def capacity(self, num_clients: int) -> int:
         self.validate(num_clients)
