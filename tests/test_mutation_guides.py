@@ -146,6 +146,9 @@ def test_scale_algebra_closed_forms():
                                    atol=1e-5)
         assert float(G.log_abs_det_scale(scale, st)) == pytest.approx(np.linalg.slogdet(mat)[1], rel=1e-6)
         np.testing.assert_allclose(G._marginal_sd(scale, st), np.sqrt(np.diag(mat @ mat.T)), rtol=1e-6)
+    for scale, st, mats in [(np.stack([D3, 2 * D3]), "diag", [np.diag(D3), np.diag(2 * D3)]),
+                            (np.stack([T3, T3 / 3]), "tril", [T3, T3 / 3]), (np.stack([S3, S3.T]), "full", [S3, S3.T])]:
+        np.testing.assert_allclose(G.log_abs_det_scale(scale, st), [np.linalg.slogdet(m)[1] for m in mats], rtol=1e-5)
     with pytest.raises(ValueError, match=re.escape("scale_type must be one of ('full', 'tril', 'diag'), got 'x'.")):
         G.structured_scale(raw, "x")
     with pytest.raises(ValueError, match="scale_type must be one of"):
@@ -262,6 +265,8 @@ def test_guide_parameters_and_posterior():
 def test_guide_diag_tril_and_other_bases():
     guide, params = _setup(scale="diag", init_scale=0.25, base="uniform", prefix="q")
     assert guide.scale_name == "q_scale"
+    tr = handlers.trace(handlers.seed(guide, 0)).get_trace()
+    assert tr["q_scale"]["kwargs"]["constraint"] is dist.constraints.real_vector
     np.testing.assert_allclose(params["q_scale"], np.full(3, 0.25))
     assert isinstance(guide.base, G.UniformBall) and guide.get_posterior(params).scale_type == "diag"
     tr = guide.get_transform(params)
@@ -276,6 +281,17 @@ def test_guide_diag_tril_and_other_bases():
     np.testing.assert_allclose(qs["x"], np.sqrt(np.sum(T3**2, -1))[1:] * zq, rtol=1e-5)
     tr = handlers.trace(handlers.seed(guide, 0)).get_trace()
     assert tr["auto_scale"]["kwargs"]["constraint"] is dist.constraints.real_matrix
+
+
+def model_n(n, m=1):
+    numpyro.sample("x", dist.Normal(0.0, 1.0).expand([n]).to_event(1))
+    numpyro.sample("y", dist.Normal(0.0, 1.0).expand([m]).to_event(1))
+
+
+def test_guide_setup_passes_the_model_arguments():
+    guide = G.AutoLocationScale(model_n)
+    handlers.seed(guide, 0)(3, m=2)  # positional and keyword arguments reach the model
+    assert guide.latent_dim == 5 and guide.base.d == 5
 
 
 def test_guide_errors():
