@@ -447,32 +447,45 @@ def block_cavi_solver(num_sweeps: int = 10, newton_steps: int = 8) -> Callable:
         xb = x[block.indices]
         keep = block.mask.astype(xb.dtype)[:, None]
         w = jnp.asarray(block.weight, xb.dtype)
-        var0, var1 = hyper.sigma0**2, hyper.sigma1**2
-        m0, l0 = lam0["m"].astype(xb.dtype), lam0["s"].astype(xb.dtype)
-        mu_m, mu_l = mu["m"].astype(xb.dtype), mu["s"].astype(xb.dtype)
-        eta_m, eta_l = eta["m"].astype(xb.dtype), eta["s"].astype(xb.dtype)
 
         def sweep(carry, _):
             m, l, _ = carry
             phi = local_update(xb, m, jnp.exp(2.0 * l), hyper.sigma0) * keep
-            nk = jnp.sum(phi, axis=0)[:, None]
-            a = nk / var0 + w / var1
-            m = (phi.T @ xb / var0 + w * hyper.xi / var1 - mu_m + m0 / eta_m) / (a + 1.0 / eta_m)
-
-            def newton(l, _):
-                e = a * jnp.exp(2.0 * l)
-                return l - (e - w + mu_l + (l - l0) / eta_l) / (2.0 * e + 1.0 / eta_l), None
-
-            l, _ = lax.scan(newton, l, None, length=newton_steps)
+            m, l = prox_global_update(phi, xb, w, hyper, lam0, mu, eta, l, newton_steps)
             return (m, l, phi), None
 
+        m0, l0 = lam0["m"].astype(xb.dtype), lam0["s"].astype(xb.dtype)
         phi0 = jnp.zeros((xb.shape[0], m0.shape[0]), xb.dtype)
         (m, l, phi), _ = lax.scan(sweep, (m0, l0, phi0), None, length=num_sweeps)
-        phi = jnp.clip(phi, _PHI_FLOOR)  # exact zeros are -inf in stick-breaking coordinates
-        phi = phi / phi.sum(axis=1, keepdims=True)
-        return {"m": m, "s": l}, {"phi": simplex.inv(phi).astype(rows["phi"].dtype)}
+        return block_solution(m, l, phi, rows, simplex)
 
     return solve
+
+
+def prox_global_update(kept, xb, w, hyper: GMMHyper, lam0, mu, eta, l, newton_steps: int):
+    """The global copy's step of :func:`block_cavi_solver` given the block's responsibilities ``kept`` (zero on
+    padding): ``m`` in closed form, ``l = log s`` by ``newton_steps`` Newton steps from ``l``.  Returns ``(m, l)``."""
+    var0, var1 = hyper.sigma0**2, hyper.sigma1**2
+    m0, l0 = lam0["m"].astype(xb.dtype), lam0["s"].astype(xb.dtype)
+    mu_m, mu_l = mu["m"].astype(xb.dtype), mu["s"].astype(xb.dtype)
+    eta_m, eta_l = eta["m"].astype(xb.dtype), eta["s"].astype(xb.dtype)
+    a = jnp.sum(kept, axis=0)[:, None] / var0 + w / var1
+    m = (kept.T @ xb / var0 + w * hyper.xi / var1 - mu_m + m0 / eta_m) / (a + 1.0 / eta_m)
+
+    def newton(l, _):
+        e = a * jnp.exp(2.0 * l)
+        return l - (e - w + mu_l + (l - l0) / eta_l) / (2.0 * e + 1.0 / eta_l), None
+
+    l, _ = lax.scan(newton, l, None, length=newton_steps)
+    return m, l
+
+
+def block_solution(m, l, phi, rows, simplex):
+    """``(λ, rows)`` of a block solver: φ floored (exact zeros are −inf in stick-breaking coordinates) and
+    renormalised, in the engine's unconstrained coordinates."""
+    phi = jnp.clip(phi, _PHI_FLOOR)
+    phi = phi / phi.sum(axis=1, keepdims=True)
+    return {"m": m, "s": l}, {"phi": simplex.inv(phi).astype(rows["phi"].dtype)}
 
 
 def diminishing_step_size(kappa: float = 0.9, tau: float = 1.0) -> Callable:

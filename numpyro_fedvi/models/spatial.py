@@ -41,8 +41,6 @@ __all__ = ["SpatialData", "SpatialGraph", "make_spatial_surrogate", "within_patc
            "make_spatial_guide", "potts_field", "potts_energy", "neg_elbo", "local_sweep", "profile", "cavi",
            "block_cavi_solver", "global_grad_norm"]
 
-_PHI_FLOOR = 1e-6
-
 
 class SpatialGraph(NamedTuple):
     """kNN graph: ``neighbors`` (N, k) int32 neighbour indices (padding: the row itself), ``weights`` (N, k) edge
@@ -239,30 +237,17 @@ def block_cavi_solver(num_sweeps: int = 10, newton_steps: int = 8, damping: floa
         xb = x[idx]
         keep = block.mask.astype(xb.dtype)[:, None]
         w = jnp.asarray(block.weight, xb.dtype)
-        var0, var1 = hyper.sigma0 ** 2, hyper.sigma1 ** 2
-        m0, l0 = lam0["m"].astype(xb.dtype), lam0["s"].astype(xb.dtype)
-        mu_m, mu_l = mu["m"].astype(xb.dtype), mu["s"].astype(xb.dtype)
-        eta_m, eta_l = eta["m"].astype(xb.dtype), eta["s"].astype(xb.dtype)
 
         def sweep(carry, _):
             m, l, phi = carry
             phi = local_sweep(xb, idx, graph, m, jnp.exp(2.0 * l), phi, hyper.sigma0, damping)
-            kept = phi * keep
-            a = jnp.sum(kept, axis=0)[:, None] / var0 + w / var1
-            m = (kept.T @ xb / var0 + w * hyper.xi / var1 - mu_m + m0 / eta_m) / (a + 1.0 / eta_m)
-
-            def newton(l, _):
-                e = a * jnp.exp(2.0 * l)
-                return l - (e - w + mu_l + (l - l0) / eta_l) / (2.0 * e + 1.0 / eta_l), None
-
-            l, _ = lax.scan(newton, l, None, length=newton_steps)
+            m, l = gmm.prox_global_update(phi * keep, xb, w, hyper, lam0, mu, eta, l, newton_steps)
             return (m, l, phi), None
 
+        m0, l0 = lam0["m"].astype(xb.dtype), lam0["s"].astype(xb.dtype)
         phi0 = simplex(rows["phi"].astype(xb.dtype))
         (m, l, phi), _ = lax.scan(sweep, (m0, l0, phi0), None, length=num_sweeps)
-        phi = jnp.clip(phi, _PHI_FLOOR)
-        phi = phi / phi.sum(axis=1, keepdims=True)
-        return {"m": m, "s": l}, {"phi": simplex.inv(phi).astype(rows["phi"].dtype)}
+        return gmm.block_solution(m, l, phi, rows, simplex)
 
     return solve
 
