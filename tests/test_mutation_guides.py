@@ -170,6 +170,7 @@ def test_location_scale_transform():
         assert t.scale_type == st
         np.testing.assert_allclose(t.inv(loc + x @ mat.T), x, atol=1e-5)
         assert t.log_abs_det_jacobian(x[0], t(x[0])).shape == ()  # one point: a scalar
+    assert G.LocationScaleTransform(loc, S3).scale_type == "full"  # the default
     params, aux = tr.tree_flatten()
     assert aux == (("loc", "scale"), {"scale_type": "full"}) and params[0] is loc and params[1] is S3
     assert tr.eq(G.LocationScaleTransform(loc, S3, "full"))
@@ -269,6 +270,9 @@ def test_guide_diag_tril_and_other_bases():
     assert tr["q_scale"]["kwargs"]["constraint"] is dist.constraints.real_vector
     np.testing.assert_allclose(params["q_scale"], np.full(3, 0.25))
     assert isinstance(guide.base, G.UniformBall) and guide.get_posterior(params).scale_type == "diag"
+    qs = guide.quantiles(params, 0.75, rng_key=random.key(2), num_samples=256)  # diag: coordinate i has scale |s_i|
+    zq = float(guide.base.marginal_icdf(0.75, rng_key=random.key(2), num_samples=256))
+    np.testing.assert_allclose(qs["x"], np.asarray(params["q_loc"])[1:] + 0.25 * zq, rtol=1e-5)
     tr = guide.get_transform(params)
     assert tr.scale_type == "diag"
     np.testing.assert_allclose(tr(np.ones(3)), np.asarray(params["q_loc"]) + 0.25, rtol=1e-6)
@@ -304,8 +308,12 @@ def test_guide_errors():
                     ({"init_scale": "1"}, "init_scale must be a positive finite float")]:
         with pytest.raises(ValueError, match=re.escape(msg)):
             G.AutoLocationScale(model, **kw)
+    guide, params = _setup()  # defaults: full scale 0.1·I, Gaussian base, prefix "auto"
+    np.testing.assert_allclose(params["auto_scale"], 0.1 * np.eye(3), rtol=1e-6)
     guide = G.AutoLocationScale(model, init_scale=1)
     assert guide.base is None and guide.base_name == "gaussian" and guide.df is None
     for call in (guide.get_base_dist, lambda: guide.get_posterior({}), lambda: guide.quantiles({}, 0.5)):
-        with pytest.raises(RuntimeError, match=re.escape("AutoLocationScale is not set up yet: call it once")):
+        with pytest.raises(RuntimeError, match="^" + re.escape(
+                "AutoLocationScale is not set up yet: call it once with the model's arguments (e.g. svi.init(...) or "
+                "guide(*args) inside handlers.seed) before using this method.") + "$"):
             call()
