@@ -88,6 +88,8 @@ def test_marginal_draws_and_icdf():
     assert got.shape == (2, 2) and got[0, 1] == 0.0  # symmetrised: the median is exactly 0
     np.testing.assert_allclose(got, stats.laplace(scale=1 / math.sqrt(2)).ppf(np.asarray(q)), atol=0.05)
     np.testing.assert_array_equal(lap1.marginal_icdf(0.9, num_samples=64), lap1.marginal_icdf(0.9, num_samples=64))
+    np.testing.assert_array_equal(lap1.marginal_icdf(0.9, num_samples=64),  # the documented default key
+                                  lap1.marginal_icdf(0.9, rng_key=random.key(0), num_samples=64))
     other = lap1.marginal_icdf(0.9, rng_key=random.key(11), num_samples=64)
     assert float(other) != float(lap1.marginal_icdf(0.9, num_samples=64))
     assert float(other) == float(lap1.marginal_icdf(0.9, rng_key=random.key(11), num_samples=64))
@@ -109,10 +111,11 @@ def test_base_and_make_base_arguments():
         with pytest.raises(ValueError, match=re.escape(msg)):
             G.StandardStudentT(2, bad)
     assert G.StandardStudentT(2, "4.5").df == 4.5
-    for b in (G.StandardGaussian(2, validate_args=True), G.StandardStudentT(2, 5.0, validate_args=True)):
-        assert b._validate_args is True and b.event_shape == (2,) and b.batch_shape == ()
-    q = G.EllipticLocationScale(G.StandardGaussian(2), np.zeros(2), np.eye(2), validate_args=True)
-    assert q._validate_args is True
+    for v in (True, False):
+        for b in (G.StandardGaussian(2, validate_args=v), G.StandardStudentT(2, 5.0, validate_args=v)):
+            assert b._validate_args is v and b.event_shape == (2,) and b.batch_shape == ()
+        q = G.EllipticLocationScale(G.StandardGaussian(2), np.zeros(2), np.eye(2), validate_args=v)
+        assert q._validate_args is v
     for name, cls in [("gaussian", G.StandardGaussian), ("laplace", G.EllipticLaplace), ("uniform", G.UniformBall)]:
         b = G.make_base(name, 2)
         assert type(b) is cls and b.d == 2
@@ -138,6 +141,8 @@ def test_scale_algebra_closed_forms():
     y = np.arange(12.0).reshape(2, 2, 3) - 5
     raw = S3
     np.testing.assert_allclose(G.structured_scale(raw, "full"), 0.5 * (raw + raw.T))
+    np.testing.assert_allclose(G.structured_scale(np.stack([raw, 2 * raw]), "full"),  # batched
+                               np.stack([0.5 * (raw + raw.T), raw + raw.T]), rtol=1e-6)
     np.testing.assert_allclose(G.structured_scale(raw, "tril"), T3, rtol=1e-6)
     np.testing.assert_array_equal(G.structured_scale(D3, "diag"), D3)
     for scale, st, mat in [(S3, "full", S3), (T3, "tril", T3), (D3, "diag", np.diag(D3))]:
