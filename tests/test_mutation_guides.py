@@ -125,7 +125,7 @@ def test_base_and_make_base_arguments():
         G.make_base("cauchy", 2)
     with pytest.raises(ValueError, match=re.escape("base must be one of")):
         G.make_base(None, 2)
-    with pytest.raises(ValueError, match=re.escape("base='student_t' needs df (degrees of freedom, > 4).")):
+    with pytest.raises(ValueError, match="^" + re.escape("base='student_t' needs df (degrees of freedom, > 4).") + "$"):
         G.make_base("student_t", 2)
     with pytest.raises(ValueError, match=re.escape("df is only used with base='student_t'")):
         G.make_base("gaussian", 2, 5.0)
@@ -141,6 +141,8 @@ def test_scale_algebra_closed_forms():
     y = np.arange(12.0).reshape(2, 2, 3) - 5
     raw = S3
     np.testing.assert_allclose(G.structured_scale(raw, "full"), 0.5 * (raw + raw.T))
+    np.testing.assert_allclose(G._marginal_sd(np.stack([S3, 2 * S3]), "full"),  # batched
+                               np.sqrt(np.sum(np.stack([S3, 2 * S3]) ** 2, -1)), rtol=1e-6)
     np.testing.assert_allclose(G.structured_scale(np.stack([raw, 2 * raw]), "full"),  # batched
                                np.stack([0.5 * (raw + raw.T), raw + raw.T]), rtol=1e-6)
     np.testing.assert_allclose(G.structured_scale(raw, "tril"), T3, rtol=1e-6)
