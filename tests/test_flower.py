@@ -212,7 +212,7 @@ def test_strategy_rejects_what_it_cannot_run():
     with pytest.raises(ValueError, match="cv_step"):
         flower.FedMMStrategy(FedMM(gmm_map_em(K, D, 0.1), participation=FixedSize(2), cv_step=0.9), random.key(0),
                              num_clients=NUM_CLIENTS, init_stat=s0)
-    with pytest.raises(TypeError, match="FedMM, FedSVI, FedLocalVI or RobustFedVI"):
+    with pytest.raises(TypeError, match="FedMM, FedSVI, FedLocalVI, RobustFedVI or PDVI"):
         flower.make_client_app(object(), lambda ctx: None)
     strategy = flower.FedMMStrategy(_gmm_engine(FixedSize(2)), random.key(0), num_clients=NUM_CLIENTS, init_stat=s0)
     with pytest.raises(RuntimeError, match="handshake"):
