@@ -333,8 +333,8 @@ class _PDVIClient:
                                    "rng_key": random.key(0), "step": jnp.zeros((), jnp.int32)}
         self.keep_template = {"mu": lam0, "rows": self.rows0, "pending_mu": lam0, "pending_rows": self.rows0}
         self.solve = jax.jit(self._solve)
-        self.curvature = jax.jit(lambda lam0, rows, key, unit: local._curvatures(
-            (lam0, rows, key, jnp.reshape(unit, (1,))), self.inputs))
+        self.curvature = jax.jit(lambda lam0, rows, key, unit: jax.tree.map(lambda c: c[0], local._curvatures(
+            (lam0, rows, key, jnp.reshape(unit, (1,))), self.inputs)))
 
     def _solve(self, b, mu, rows, unit):
         """Unit ``unit``'s oracle call of iteration ``b["step"]`` (keys as :func:`~numpyro_fedvi.pdvi.pdvi_step`)."""
@@ -905,7 +905,7 @@ class PDVIStrategy(_EngineStrategy):
         from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 
         n, e = self.num_clients, self.engine
-        units = np.unique(np.linspace(0, n - 1, min(8, n)).astype(int)).tolist()
+        units = e.curvature_units(n)
         payload = to_record({**self._broadcast(), "rng_key": self._eta_key})
         cfg = ConfigRecord({"num-total": int(self.counts.sum()), "num-clients": n})
         messages = [Message(RecordDict({"broadcast": payload, "config": cfg}), message_type=MessageType.QUERY,
@@ -918,9 +918,8 @@ class PDVIStrategy(_EngineStrategy):
                                                                                check_finite=True)
         if sorted(curv) != units:
             raise RuntimeError(f"eta='auto' needs the curvature of clients {units}; got {sorted(curv)}.")
-        across = jnp.max if e.eta_curvature == "max" else jnp.median
-        return _check_eta({k: e.eta_scale / jnp.maximum(across(jnp.stack([curv[i][k] for i in units])), 1e-8)
-                           for k in template}, self.structure.init_global)
+        stacked = {k: jnp.stack([curv[i][k] for i in units]) for k in template}
+        return _check_eta(e.eta_from_curvatures(stacked), self.structure.init_global)
 
     def _active(self):
         t = int(self.state.step)

@@ -520,22 +520,32 @@ class PDVI:
         return (lambda lam: self._block_loss(unit_key, lam, rows, idx, mask, weight, args, kwargs)), unit_key
 
     def _curvatures(self, point, inputs):
-        """Per unit, the max |diagonal Hessian| of each global site at ``point = (λ_0, local, key, units)``; across
-        the units, their max (``eta_curvature="max"``) or median (``"median"``)."""
+        """Per unit (stacked over ``units``), the max |diagonal Hessian| of each global site at
+        ``point = (λ_0, local, key, units)``."""
         lam0, local, key, units = point
 
         def one(unit):
             f, unit_key = self._unit_objective(unit, local, key, inputs)
             return {k: jnp.max(jnp.abs(v)) for k, v in diag_hessian(f, lam0, key=unit_key).items()}
 
+        return jax.lax.map(one, units)
+
+    @staticmethod
+    def curvature_units(num_units: int) -> list[int]:
+        """The units whose curvature ``eta="auto"`` uses: up to 8, evenly spaced."""
+        return np.unique(np.linspace(0, num_units - 1, min(8, num_units)).astype(int)).tolist()
+
+    def eta_from_curvatures(self, curvatures: dict) -> dict:
+        """``η_j = c / L̂_j`` with ``L̂_j`` the max (``eta_curvature="max"``) or median (``"median"``) over the units
+        of their curvatures (``{site: (units,)}``, from :meth:`_curvatures`; a federated server gathers them)."""
         across = jnp.max if self.eta_curvature == "max" else jnp.median
-        return {k: across(v) for k, v in jax.lax.map(one, units).items()}
+        return {k: self.eta_scale / jnp.maximum(across(c), 1e-8) for k, c in curvatures.items()}
 
     def _auto_eta(self, lam0, local, rng_key, inputs):
         """``η_j = c / L̂_j``, ``L̂_j`` from up to 8 evenly spaced units (one compile; see ``eta_curvature``)."""
-        units = jnp.asarray(np.unique(np.linspace(0, self.num_units - 1, min(8, self.num_units)).astype(int)))
-        curv = self._compiled("curvatures", self._curvatures)((lam0, local, rng_key, units), inputs)
-        return {k: self.eta_scale / jnp.maximum(c, 1e-8) for k, c in curv.items()}
+        units = jnp.asarray(self.curvature_units(self.num_units))
+        return self.eta_from_curvatures(self._compiled("curvatures", self._curvatures)((lam0, local, rng_key, units),
+                                                                                      inputs))
 
     def _compiled(self, name, fn):
         """``fn(state, inputs)`` jitted once per engine (and input shapes): see :class:`~numpyro_fedvi.inputs.InputJit`."""
