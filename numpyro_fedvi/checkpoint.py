@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .host_table import HostTable
 from .runner import RunResult
 
 __all__ = ["Checkpoint", "CheckpointError", "FORMAT", "VERSION", "load", "save"]
@@ -90,6 +91,8 @@ def _encode(obj, arrays: dict, where: str):
             node["leaf"] = name = str(len(arrays))
             arrays[name] = data
         return node
+    if isinstance(obj, HostTable):  # PD-VI's local table in host memory: its rows (restored as a new table)
+        return {"host_table": _encode(dict(obj.arrays), arrays, where + ".arrays")}
     if isinstance(obj, float) and not np.isfinite(obj):
         return {"float": repr(obj)}  # nan / inf / -inf: JSON has no literal for them
     if isinstance(obj, _PY_SCALARS):
@@ -109,8 +112,8 @@ def _encode(obj, arrays: dict, where: str):
             items.append([_encode(k, arrays, where), _encode(v, arrays, f"{where}[{k!r}]")])
         return {"dict": items}
     raise TypeError(f"cannot checkpoint {where}: an object of type {type(obj).__module__}.{type(obj).__qualname__} "
-                    "(supported: JAX / NumPy arrays incl. typed PRNG keys, NamedTuple, tuple, list, dict, RunResult "
-                    "and None / bool / int / float / str).")
+                    "(supported: JAX / NumPy arrays incl. typed PRNG keys, NamedTuple, tuple, list, dict, RunResult, "
+                    "HostTable and None / bool / int / float / str).")
 
 
 def _import_namedtuple(spec: str, fields: list[str]):
@@ -151,6 +154,8 @@ def _decode(node, arrays: dict):
         if kind == "key":
             return jax.random.wrap_key_data(data, impl=node["impl"])
         return _weak(data) if node.get("weak") else data
+    if "host_table" in node:
+        return HostTable.create(_decode(node["host_table"], arrays))
     if "float" in node:
         return float(node["float"])
     if "py" in node:

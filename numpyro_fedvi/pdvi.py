@@ -18,6 +18,7 @@ coordinate) is P²D-VI (Oracle II).  The invariant ``h = D_η^{-1} mean(μ)`` ho
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from collections.abc import Callable
@@ -30,6 +31,7 @@ import optax
 from jax import random
 from numpyro.infer import Trace_ELBO
 
+from . import host_table as _host
 from . import sharding as _sharding
 from .curvature import diag_hessian
 from .federated.participation import sample_without_replacement
@@ -341,6 +343,16 @@ class PDVI:
         selected blocks solved spread over them and λ_0 / h summed by an all-reduce (:mod:`numpyro_fedvi.sharding`;
         the same results as one device up to float reassociation).  N and the number of units must divide by the
         number of devices.
+    :param local_table: where the local-parameter table (one row per datum) lives: ``"device"`` (default) or
+        ``"host"``: a NumPy table in host memory (:class:`~numpyro_fedvi.host_table.HostTable`, for tables that do
+        not fit in device memory); each iteration moves only the selected blocks' rows to the device and their new
+        values back (two ``io_callback`` transfers inside the same compiled step and run loop: O(|S_t|·|b|) rows,
+        never the table), with the same block selection and keys as ``"device"`` (same results up to float
+        reassociation).  The data stay where the model arguments are.  ``state.local`` is then a ``HostTable``
+        written IN PLACE (states that share it see the same rows; ``state.local.copy()`` keeps a snapshot);
+        ``get_params`` returns the local params on the CPU device, ``evaluate`` streams the blocks' rows.  Needs
+        a subsampled data plate and ``dual_granularity="partition"`` (per-datum duals would be as large as the
+        table), and excludes ``mesh=`` (``ValueError`` otherwise).
     """
 
     def __init__(self, model, guide, loss=None, *, num_partitions: int | None = None, partitions=None,
@@ -350,7 +362,7 @@ class PDVI:
                  dual_granularity: str = "partition", selection: str = "random", alternating: bool = True,
                  crn: str = "oracle", block_solver: Callable | None = None, oracle_draws: str | None = "orthogonal",
                  oracle_particles: int = 4, eta_refresh=True, data_plate: str | None = None, mesh=None,
-                 **static_kwargs):
+                 local_table: str = "device", **static_kwargs):
         if dual_granularity not in ("partition", "datum"):
             raise ValueError(f"dual_granularity must be 'partition' or 'datum', got {dual_granularity!r}.")
         if selection not in ("random", "cyclic"):
@@ -396,6 +408,16 @@ class PDVI:
         self.block_solver = block_solver
         self.data_plate = data_plate
         self.mesh = None if mesh is None else _sharding.check_mesh(mesh)
+        if local_table not in ("device", "host"):
+            raise ValueError(f"local_table must be 'device' or 'host' (a NumPy table in host memory), got "
+                             f"{local_table!r}.")
+        if local_table == "host" and mesh is not None:
+            raise ValueError("local_table='host' and mesh= are exclusive: a mesh shards the table over the devices' "
+                             "memory, 'host' keeps it in host memory; choose one.")
+        if local_table == "host" and dual_granularity == "datum":
+            raise ValueError("local_table='host' needs dual_granularity='partition': with 'datum' the duals (one per "
+                             "datum, on the device) are as large as the table.")
+        self.local_table = local_table
         check_static_kwargs(static_kwargs)
         self.static_kwargs = static_kwargs
         self.structure: ModelStructure | None = None
@@ -407,8 +429,19 @@ class PDVI:
         return self.structure.data_plate.size if self.dual_granularity == "datum" else self.blocks.num_blocks
 
     def _setup(self, rng_key, args, kwargs, init_params):
-        structure = inspect_model(self.model, self.guide, rng_key, args, {**kwargs, **self.static_kwargs},
-                                  data_plate=self.data_plate, init_params=init_params)
+        if self.local_table == "host":  # the initial table is built on the CPU device (host memory), never on an
+            with jax.default_device(jax.devices("cpu")[0]):  # accelerator
+                structure = inspect_model(self.model, self.guide, rng_key, args, {**kwargs, **self.static_kwargs},
+                                          data_plate=self.data_plate, init_params=init_params)
+            if not structure.data_plate.subsampled:
+                raise ValueError(f"local_table='host' needs a subsampled data plate (numpyro.plate("
+                                 f"{structure.data_plate.name!r}, N, subsample_size=...)): the unsubsampled path "
+                                 "evaluates every block on all N rows of the table.")
+            structure = dataclasses.replace(structure, init_local={k: np.asarray(v) for k, v in
+                                                                   structure.init_local.items()})
+        else:
+            structure = inspect_model(self.model, self.guide, rng_key, args, {**kwargs, **self.static_kwargs},
+                                      data_plate=self.data_plate, init_params=init_params)
         size = structure.data_plate.size
         if self.blocks is None or self.structure is None or self.structure.data_plate.size != size:
             blocks = make_partitions(size, self.num_partitions, self.partitions)
@@ -445,6 +478,13 @@ class PDVI:
         b = unit if self._client_block is None else self._client_block
         return blocks.indices[b], blocks.mask[b], blocks.sizes[b] / n
 
+    @staticmethod
+    def _rows_of(local, idx):
+        """The rows ``idx`` of the local table (on the device, or moved from a host table)."""
+        if isinstance(local, _host.HostTable):
+            return _host.gather(local, idx)
+        return {k: v[idx] for k, v in local.items()}
+
     def _select_units(self, num_blocks: int, key, step):
         """S_t: ``partitions_per_step`` of ``num_blocks`` blocks, uniformly without replacement or cyclically."""
         m = self.partitions_per_step
@@ -464,9 +504,10 @@ class PDVI:
     def _oracle(self, blocks, args, kwargs, base_key):
         size = self.structure.data_plate.size
 
-        def solve_one(unit, lam0, mu, eta, local, key):
+        def solve_one(unit, rows, lam0, mu, eta, local, key):
             idx, mask, weight = self._unit_data(unit, blocks)
-            rows = {k: v[idx] for k, v in local.items()}
+            if rows is None:  # device table: the unit's rows gathered here
+                rows = {k: v[idx] for k, v in local.items()}
             # the Monte-Carlo key is fixed during one solve (common random numbers); with crn="run" it is
             # also the same at every visit, which makes each f_i a deterministic sample-average objective
             unit_key = random.fold_in(base_key if self.crn == "run" else key, unit)
@@ -486,10 +527,17 @@ class PDVI:
             return lam, rows, jnp.where(ok, value, jnp.nan), idx, mask
 
         def oracle(units, mask, lam0, mu_sel, eta, local, key):
+            if isinstance(local, _host.HostTable):  # host table: the selected rows in, their new values out
+                idx = jax.vmap(lambda u: self._unit_data(u, blocks)[0])(units)
+                lam, rows, values, idx, row_mask = jax.vmap(solve_one, in_axes=(0, 0, None, 0, None, None, None))(
+                    units, _host.gather(local, idx), lam0, mu_sel, eta, {}, key)
+                ok = jnp.all(jnp.where(mask, jnp.isfinite(values), True))
+                _host.scatter(local, idx, rows, row_mask & mask[:, None] & ok)
+                return lam, local, values
             if self.mesh is not None:  # the selected units spread over the devices (when their number divides)
                 units, mu_sel = _sharding.constrain_rows((units, mu_sel), self.mesh)
-            lam, rows, values, idx, row_mask = jax.vmap(solve_one, in_axes=(0, None, 0, None, None, None))(
-                units, lam0, mu_sel, eta, local, key)
+            lam, rows, values, idx, row_mask = jax.vmap(solve_one, in_axes=(0, None, None, 0, None, None, None))(
+                units, None, lam0, mu_sel, eta, local, key)
             ok = jnp.all(jnp.where(mask, jnp.isfinite(values), True))  # a failed step writes nothing
             keep = row_mask & mask[:, None] & ok
             target = jnp.where(keep, idx, size).reshape(-1)
@@ -515,7 +563,7 @@ class PDVI:
         key ``fold_in(key, unit)`` (shared by the curvature estimate and the dual table)."""
         blocks, args, kwargs = inputs
         idx, mask, weight = self._unit_data(unit, blocks)
-        rows = {k: v[idx] for k, v in local.items()}
+        rows = self._rows_of(local, idx)
         unit_key = random.fold_in(key, unit)
         return (lambda lam: self._block_loss(unit_key, lam, rows, idx, mask, weight, args, kwargs)), unit_key
 
@@ -621,6 +669,8 @@ class PDVI:
         rng_key, setup_key, eta_key = random.split(rng_key, 3)
         self._setup(setup_key, args, kwargs, init_params)
         lam0, local = self.structure.init_global, self.structure.init_local
+        if self.local_table == "host":
+            local = _host.HostTable.create(local)
         if self.eta_spec == "auto":
             eta = self._auto_eta(lam0, local, eta_key, self._inputs(args, kwargs))
         else:
@@ -692,8 +742,17 @@ class PDVI:
 
     def _evaluate(self, state, inputs):
         blocks, args, kwargs = inputs
-        loss = full_loss_fn(self._block_loss, self.structure, blocks)
         key = random.split(state.rng_key)[1]
+        if isinstance(state.local, _host.HostTable):  # full_loss_fn's blocks in sequence, rows from the host
+            size, lam = self.structure.data_plate.size, self._global_params(state)
+
+            def one(block):
+                idx, mask, n_b = block
+                return self._block_loss(key, lam, self._rows_of(state.local, idx), idx, mask, n_b / size, args,
+                                        kwargs)
+
+            return jnp.sum(jax.lax.map(one, (blocks.indices, blocks.mask, blocks.sizes)))
+        loss = full_loss_fn(self._block_loss, self.structure, blocks)
         return loss(key, self._global_params(state), state.local, args, kwargs)
 
     def _global_params(self, state):
@@ -703,6 +762,9 @@ class PDVI:
     def get_params(self, state: PDVIState) -> dict[str, jax.Array]:
         """Constrained params (global = λ_0, local = stored φ), usable with ``Predictive(guide, params=...)``."""
         self._require_init()
+        if isinstance(state.local, _host.HostTable):  # the local params stay in host memory (the CPU device)
+            with jax.default_device(jax.devices("cpu")[0]):
+                return self.structure.constrained_params(self._global_params(state), state.local.arrays)
         return self.structure.constrained_params(self._global_params(state), state.local)
 
     def run(self, rng_key, num_steps: int, *args, progress_bar: bool = True, stable_update: bool = False,
