@@ -32,6 +32,7 @@ import numpy as np
 from jax import random
 from numpyro.infer import Trace_ELBO
 
+from . import sharding as _sharding
 from . import vi_solvers as vs
 from .federated import ClientData, check_clients, client_minibatch
 from .fedmm.engine import strong_types
@@ -136,6 +137,13 @@ class FedLocalVI:
         centralised optimum of a sorted-site logistic regression (0.02 posterior sd at K = 20, exact at K = 5).
     :param data_plate: name of the data plate (default: the only subsampled plate, else the only plate around every
         observation).
+    :param mesh: optional 1-D ``jax.sharding.Mesh`` (:func:`numpyro_fedvi.sharding.make_mesh`): the clients (their
+        row INDICES for blocks of the data plate, their rows for a ClientData) and the per-client iterates and
+        control variates along the client axis over its devices (:func:`~numpyro_fedvi.sharding.shard_client_data`,
+        :func:`~numpyro_fedvi.sharding.shard_vi_state`), the synchronised state and the model's own arguments
+        replicated; the clients' local steps run on the devices that own them and the synchronisation is an
+        all-reduce.  Same results as without a mesh up to float reassociation; the number of clients must divide by
+        the number of devices (``ValueError`` at construction).
     Extra keyword arguments are passed to model and guide.
     """
 
@@ -144,7 +152,7 @@ class FedLocalVI:
                  inner_steps="auto", inner_eps: float = 1e-3, sigma: float | None = None, delta: float | None = None,
                  prox: Callable | None = None, batch_size: int | None = None, crn: bool = False,
                  output: str = "last", drift_correction: str | None = "scaffnew", control_step: float = 0.2,
-                 data_plate: str | None = None, **static_kwargs):
+                 data_plate: str | None = None, mesh=None, **static_kwargs):
         loss, clients, num_clients = _client_spec(loss, legacy, clients, num_clients, type(self).__name__)
         _check_elbo(loss, type(self).__name__)
         if isinstance(clients, ClientData):
@@ -212,6 +220,19 @@ class FedLocalVI:
         self.data_plate, self.static_kwargs = data_plate, static_kwargs
         self.solver = self._make_solver()
         self.structure = None
+        self.mesh = None if mesh is None else _sharding.check_mesh(mesh)
+        if self.mesh is not None:  # before anything compiles
+            _sharding._check_divides(self.num_clients, self.mesh, "the number of clients")
+            self.clients = self._place_clients(self.clients)
+
+    # -- placement on the mesh (no-ops without one; placing an array already laid out so moves nothing) -------------
+    def _place_clients(self, clients):
+        if self.mesh is None or clients is None:
+            return clients
+        return _sharding.shard_client_data(clients, self.mesh)
+
+    def _place_state(self, state):
+        return state if self.mesh is None else _sharding.shard_vi_state(state, self.mesh)
 
     # -- construction ---------------------------------------------------------------------------------------------
     def _make_solver(self) -> vs.Solver:
@@ -253,13 +274,15 @@ class FedLocalVI:
         else:
             structure = self.inspect(rng_key, (self.clients.client(0), *args), kwargs, init_params)
         if self._plate_mode:
-            self.clients, self.num_total = clients, plate.size
+            self.clients, self.num_total = self._place_clients(clients), plate.size
             self._block_loss = block_loss_fn(self.elbo, self.model, self.guide, structure, self.static_kwargs)
         self.structure = structure
         return structure
 
     def _inputs(self, args, kwargs):
         """What a compiled round reads: ``(client data, model args, model kwargs)`` (traced, never closed over)."""
+        if self.mesh is not None:  # the model's own arguments on every device
+            args, kwargs = _sharding.replicate_arrays((args, kwargs), self.mesh)
         return self.clients, args, kwargs
 
     def _client_loss(self, inputs):
@@ -350,7 +373,7 @@ class FedLocalVI:
         setup_key, rng_key = random.split(rng_key)
         structure = self._setup(setup_key, args, kwargs, init_params)
         z0 = strong_types(self._initial_point(structure.init_global))  # no weak types: no retrace after round 1
-        return self.solver.init(z0, self.num_clients, rng_key)
+        return self._place_state(self.solver.init(z0, self.num_clients, rng_key))
 
     def _step(self, state, inputs):
         """One round: ``(state, loss)`` with the loss at the new iterate."""
@@ -368,7 +391,7 @@ class FedLocalVI:
         comparable losses)."""
         self._require_init()
         args, kwargs = prepare_inputs(args, kwargs)
-        return self._compiled("update", self._step)(state, self._inputs(args, kwargs))
+        return self._compiled("update", self._step)(self._place_state(state), self._inputs(args, kwargs))
 
     def stable_update(self, state: vs.VIState, *args, **kwargs):
         """Like ``update`` but keeps the old iterates when the loss or the new state is not finite."""
@@ -379,8 +402,8 @@ class FedLocalVI:
         """Full-data negative ELBO at ``get_params(state, which)`` (key: ``rng_key`` or the run's fixed key)."""
         self._require_init()
         args, kwargs = prepare_inputs(args, kwargs)
-        return self._compiled("evaluate", self._evaluate)(state, (self._inputs(args, kwargs), rng_key,
-                                                                  which or self.output))
+        inputs = (self._inputs(args, kwargs), rng_key, which or self.output)
+        return self._compiled("evaluate", self._evaluate)(self._place_state(state), inputs)
 
     def _evaluate(self, state, inputs):
         inputs, rng_key, which = inputs
@@ -403,7 +426,7 @@ class FedLocalVI:
             init_state = self.init(rng_key, *args, init_params=init_params, **kwargs)
         elif self.structure is None:
             self._setup(random.split(rng_key)[0], args, kwargs, init_params)
-        result = run_loop(self._step, init_state, num_steps, inputs=self._inputs(args, kwargs),
+        result = run_loop(self._step, self._place_state(init_state), num_steps, inputs=self._inputs(args, kwargs),
                           get_params=self.get_params, progress_bar=progress_bar, callbacks=callbacks,
                           early_stopping=early_stopping, stable_update=stable_update, chunk_size=chunk_size,
                           desc=f"{type(self).__name__}[{self.method}]",

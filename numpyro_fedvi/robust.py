@@ -85,21 +85,21 @@ class RobustFedVI(FedLocalVI):
         (a block scaling leaves the VI's solutions unchanged).
     :param output: ``"last"`` (default: the synchronised primal iterate) or ``"average"`` (Thm 7's output of eq. (13),
         the mean of v over all local steps: carries the transient from the start, so it needs longer runs).
-    Other arguments as :class:`~numpyro_fedvi.FedLocalVI` (``batch_size``, ``crn``, ``data_plate``;
+    Other arguments as :class:`~numpyro_fedvi.FedLocalVI` (``batch_size``, ``crn``, ``data_plate``, ``mesh``;
     ``drift_correction`` defaults to ``None`` here: the paper's saddle-point solver as published).
     """
 
     def __init__(self, model, guide, loss=None, *legacy, clients=None, num_clients: int | None = None, tau: float,
                  local_steps: int, step_size: float, weight_step_size: float | None = None,
                  batch_size: int | None = None, crn=False, output: str = "last", drift_correction: str | None = None,
-                 data_plate: str | None = None, **static_kwargs):
+                 data_plate: str | None = None, mesh=None, **static_kwargs):
         self.tau = _positive_float(tau, "tau")
         self.weight_step_size = (min(_positive_float(step_size, "step_size"), 1.0 / self.tau)
                                  if weight_step_size is None else _positive_float(weight_step_size, "weight_step_size"))
         super().__init__(model, guide, loss, *legacy, clients=clients, num_clients=num_clients,
                          method="local_dual_averaging", local_steps=local_steps, step_size=step_size,
                          prox=simplex_weight_prox(), batch_size=batch_size, crn=crn, output=output,
-                         drift_correction=drift_correction, data_plate=data_plate, **static_kwargs)
+                         drift_correction=drift_correction, data_plate=data_plate, mesh=mesh, **static_kwargs)
         if self.num_clients < 2:
             raise ValueError(f"the clients must form at least 2 groups (one client each), got {self.num_clients}.")
 

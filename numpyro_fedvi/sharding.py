@@ -8,10 +8,11 @@ A thin, optional layer: the engines' cores are unchanged; the arrays with a unit
   them (a masked local gather and one all-reduce of the selected rows: O(|S_t|·|b|), never the table), solves the
   selected blocks spread over the devices (the selected axis is constrained to the mesh axis when it divides), writes
   the rows back into the owners' shards and sums the consensus update (λ_0, h) with an all-reduce.
-- FedMM / FedSVI / FedLocalVI: the clients' data (a :class:`~numpyro_fedvi.federated.ClientData`) and the
-  per-client state (control variates, local iterates) along the client axis, the server state replicated; the
-  weighted client sum is an all-reduce.  Place them with :func:`shard_client_data` and :func:`shard_fedmm_state` /
-  :func:`shard_vi_state` and pass them to ``run(..., init_state=...)``: the jitted round follows their layout.
+- FedMM / FedSVI / FedLocalVI / RobustFedVI: the clients' data (a :class:`~numpyro_fedvi.federated.ClientData`: the
+  rows, or for clients given as blocks of the model's data plate their row INDICES) and the per-client state (control
+  variates, local iterates) along the client axis, the server state and the model's own arguments replicated; the
+  weighted client sum is an all-reduce.  ``mesh=`` on the engines places them (:func:`shard_client_data`,
+  :func:`shard_fedmm_state`, :func:`shard_vi_state`); the jitted round follows their layout.
 
 Every sharded axis must divide by the number of devices (``ValueError`` otherwise).  Multi-host: call
 ``jax.distributed.initialize()`` in every process first; ``make_mesh()`` then spans ``jax.devices()`` of all hosts.
@@ -26,8 +27,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-__all__ = ["AXIS", "bytes_per_device", "collectives", "constrain_rows", "make_mesh", "replicate", "shard_client_data",
-           "shard_fedmm_state", "shard_pdvi_state", "shard_rows", "shard_vi_state"]
+__all__ = ["AXIS", "bytes_per_device", "collectives", "constrain_rows", "make_mesh", "replicate", "replicate_arrays",
+           "shard_client_data", "shard_fedmm_state", "shard_pdvi_state", "shard_rows", "shard_vi_state"]
 
 AXIS = "units"
 
@@ -78,6 +79,13 @@ def _check_divides(size: int, mesh, what: str) -> None:
 def replicate(tree, mesh):
     """Every array leaf of ``tree`` replicated on every device of ``mesh``."""
     return jax.tree.map(lambda x: _put(x, NamedSharding(mesh, PartitionSpec())), tree)
+
+
+def replicate_arrays(tree, mesh):
+    """The array leaves (JAX / NumPy) of ``tree`` replicated over ``mesh``; other leaves (Python numbers, strings,
+    ``None``: static model arguments) unchanged."""
+    return jax.tree.map(lambda x: _put(x, NamedSharding(mesh, PartitionSpec()))
+                        if isinstance(x, (jax.Array, np.ndarray)) else x, tree)
 
 
 def shard_rows(tree, mesh, size: int | None = None, what: str = "the leading axis"):

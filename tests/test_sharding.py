@@ -70,17 +70,28 @@ def test_fedmm_client_axis_sharded_equals_unsharded(measured):
     assert r["specs"]["V_clients"] == ["units"] and r["specs"]["data"] == ["units"]
 
 
-@pytest.mark.parametrize("engine", ["fedsvi", "fedlocalvi"])
+@pytest.mark.parametrize("engine", ["fedsvi", "fedlocalvi", "fedsvi_plate", "robust_plate"])
 def test_fedsvi_fedlocalvi_client_axis_sharded_equal_unsharded(measured, engine):
+    """``mesh=`` on the engine: ClientData of rows (``fedsvi``, ``fedlocalvi``) and clients as index arrays into the
+    model's own arguments (``*_plate``: FedSVI resumed half-way, RobustFedVI); per-client state and clients sharded."""
     r = measured[engine]
     np.testing.assert_allclose(r["mesh"]["params"], r["single"]["params"], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(r["mesh"]["losses"], r["single"]["losses"], rtol=1e-5)
     assert r["spec"] == ["units"]
+    if engine.endswith("_plate"):
+        assert r["data_spec"] == ["units"]  # the clients' row indices
+
+
+def test_federated_mesh_refusals(measured):
+    errors = measured["errors"]
+    for what in ("fedmm_six_clients", "fedlocalvi_six_clients", "fedsvi_six_clients"):
+        assert "the number of clients (6) must divide by the 4 devices" in errors[what], what
+    assert "mesh must be a jax.sharding.Mesh" in errors["fedsvi_bad_mesh"]
 
 
 def test_sizes_that_do_not_divide_are_refused(measured):
-    assert "must divide by the 4 devices" in measured["errors"]["pdvi_odd_n"]
-    assert "mesh must be a jax.sharding.Mesh" in measured["errors"]["bad_mesh"]
+    assert "must divide by the 4 devices" in measured["pdvi_errors"]["pdvi_odd_n"]
+    assert "mesh must be a jax.sharding.Mesh" in measured["pdvi_errors"]["bad_mesh"]
 
 
 def test_large_block_counts_select_without_permuting_every_block():
@@ -115,6 +126,7 @@ def _worker(part):  # runs in a subprocess with 4 CPU devices: part "pdvi" or "f
     from numpyro_fedvi.federated import ClientData, FixedSize
     from numpyro_fedvi.fedlocalvi import FedLocalVI
     from numpyro_fedvi.fedmm import FedMM, FedSVI, gmm_map_em
+    from numpyro_fedvi.robust import RobustFedVI
 
     def model(x, batch_size=None):
         beta = numpyro.sample("beta", dist.Normal(0.0, 10.0))
@@ -132,7 +144,7 @@ def _worker(part):  # runs in a subprocess with 4 CPU devices: part "pdvi" or "f
     x = np.sort(1.0 + rng.normal(size=N) + 0.5 * rng.normal(size=N)).astype(np.float32)
     mesh = sharding.make_mesh(4)
     eta = {"beta_auto_loc": 2e-3, "beta_auto_scale": 2e-3}
-    out = {"pdvi": {"num_devices": jax.device_count()}, "errors": {}}
+    out = {"pdvi": {"num_devices": jax.device_count()}, "pdvi_errors": {}}
     for name, m in (("single", None), ("mesh", mesh)) if part == "pdvi" else ():
         engine = nfv.PDVI(model, AutoNormal(model), num_partitions=B, partitions_per_step=M, eta=eta, mesh=m,
                            local_steps=1, oracle_draws=None)
@@ -156,36 +168,37 @@ def _worker(part):  # runs in a subprocess with 4 CPU devices: part "pdvi" or "f
             nfv.PDVI(model, AutoNormal(model), num_partitions=B, eta=eta, mesh=mesh).init(random.key(0), x[:-2],
                                                                                            batch_size=10)
         except ValueError as err:
-            out["errors"]["pdvi_odd_n"] = str(err)
+            out["pdvi_errors"]["pdvi_odd_n"] = str(err)
         try:
             nfv.PDVI(model, AutoNormal(model), num_partitions=B, mesh=jax.devices())
         except TypeError as err:
-            out["errors"]["bad_mesh"] = str(err)
+            out["pdvi_errors"]["bad_mesh"] = str(err)
         print(json.dumps(out))
         return
     out = {}
 
-    # FedMM: 8 clients of a 3-component GMM, 4 active per round, client axis over the 4 devices
+    # FedMM: 8 clients of a 3-component GMM, 4 active per round, FedMM(mesh=) places the client axis over 4 devices
     means = np.array([[-4.0, 0.0], [4.0, 0.0], [0.0, 4.0]])
     clients = [(means[np.where(rng.random(40) < 0.9, i % 3, rng.integers(0, 3, 40))]
                 + rng.standard_normal((40, 2))).astype(np.float32) for i in range(8)]
     cd = ClientData.from_list(clients)
     s0 = {"s1": jnp.asarray(rng.normal(size=(3, 2)) * 0.3, jnp.float32), "s2": jnp.full((3,), 1 / 3, jnp.float32)}
-    out["fedmm"] = {}
-    for name in ("single", "mesh"):
-        engine = FedMM(gmm_map_em(3, 2, 0.1), step_size=0.5, cv_step=0.2, participation=FixedSize(4), log_every=1)
-        state = engine.init(random.key(3), cd, s0)
-        data = cd
-        if name == "mesh":
-            state, data = sharding.shard_fedmm_state(state, mesh), sharding.shard_client_data(cd, mesh)
-        res = engine.run(random.key(3), 6, data, init_state=state, progress_bar=False)
+    out["fedmm"], out["errors"] = {}, {}
+    for name, m in (("single", None), ("mesh", mesh)):
+        engine = FedMM(gmm_map_em(3, 2, 0.1), step_size=0.5, cv_step=0.2, participation=FixedSize(4), log_every=1,
+                       mesh=m)
+        res = engine.run(random.key(3), 6, cd, s0, progress_bar=False)
         out["fedmm"][name] = {"theta": flat(res.state.theta), "losses": np.asarray(res.losses).tolist(),
                               "V_clients": flat(res.state.V_clients)}
-        if name == "mesh":
+        if m is not None:
             out["fedmm"]["specs"] = {"V_clients": spec(jax.tree.leaves(res.state.V_clients)[0]),
-                                     "data": spec(jax.tree.leaves(data.data)[0])}
+                                     "data": spec(jax.tree.leaves(engine._prepare(cd).data)[0])}
+            try:
+                engine.init(random.key(3), ClientData.from_list(clients[:6]), s0)
+            except ValueError as err:
+                out["errors"]["fedmm_six_clients"] = str(err)
 
-    # FedSVI and FedLocalVI on a ClientData (their lower layer): 8 clients, 20 rows each
+    # FedSVI and FedLocalVI on a ClientData (their lower layer): 8 clients, 20 rows each, mesh= on the engine
     def normal_model(rows):
         mu = numpyro.sample("mu", dist.Normal(0.0, 10.0))
         with numpyro.plate("data", rows.shape[0]):
@@ -195,23 +208,62 @@ def _worker(part):  # runs in a subprocess with 4 CPU devices: part "pdvi" or "f
     for name in ("fedsvi", "fedlocalvi"):
         out[name] = {}
         for m in (None, mesh):
-            data = cd if m is None else sharding.shard_client_data(cd, m)
             if name == "fedsvi":
                 engine = FedSVI(normal_model, AutoNormal(normal_model), rho=0.01, cv_step=0.2,
-                                participation=FixedSize(4))
-                args, state = (data,), engine.init(random.key(0), data)
-                per_client = lambda st: st.V_clients  # noqa: E731
+                                participation=FixedSize(4), mesh=m)
+                res = engine.run(random.key(0), 6, cd, progress_bar=False)
+                per_client = res.state.V_clients
             else:
-                engine = FedLocalVI(normal_model, AutoNormal(normal_model), data, local_steps=3, step_size=0.01)
-                args, state = (), engine.init(random.key(0))
-                per_client = lambda st: st.z  # noqa: E731
-            if m is not None:
-                state = (sharding.shard_fedmm_state if name == "fedsvi" else sharding.shard_vi_state)(state, m)
-            res = engine.run(random.key(0), 6, *args, init_state=state, progress_bar=False)
+                engine = FedLocalVI(normal_model, AutoNormal(normal_model), cd, local_steps=3, step_size=0.01,
+                                    mesh=m)
+                res = engine.run(random.key(0), 6, progress_bar=False)
+                per_client = res.state.z
             out[name]["single" if m is None else "mesh"] = {"params": flat(res.params),
                                                              "losses": np.asarray(res.losses).tolist()}
             if m is not None:
-                out[name]["spec"] = spec(jax.tree.leaves(per_client(res.state))[0])
+                out[name]["spec"] = spec(jax.tree.leaves(per_client)[0])
+
+    # the upper layer: clients = index arrays into the model's own arguments (8 sites of 25 rows of one data plate);
+    # FedSVI (resumed half-way) and RobustFedVI (FedLocalVI's subclass)
+    def site_model(x, batch_size=None):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 10.0))
+        with numpyro.plate("data", x.shape[0], subsample_size=batch_size) as idx:
+            numpyro.sample("x", dist.Normal(mu, 2.0), obs=x[idx])
+
+    xs = rng.normal(np.repeat(np.arange(8.0), 25), 2.0).astype(np.float32)
+    sites = np.repeat(np.arange(8), 25)
+    for name in ("fedsvi_plate", "robust_plate"):
+        out[name] = {}
+        for m in (None, mesh):
+            if name == "fedsvi_plate":
+                engine = FedSVI(site_model, AutoNormal(site_model), rho=0.01, cv_step=0.2, clients=sites,
+                                participation=FixedSize(4), log_every=1, mesh=m)
+                half = engine.run(random.key(1), 3, xs, batch_size=10, progress_bar=False)
+                res = engine.run(random.key(1), 3, xs, batch_size=10, progress_bar=False, init_state=half.state)
+                res = type(res)(res.params, res.state, np.concatenate([half.losses, res.losses]))
+                per_client, data = res.state.V_clients, engine.client_data.data
+            else:
+                engine = RobustFedVI(site_model, AutoNormal(site_model), clients=sites, tau=0.5, local_steps=2,
+                                     step_size=0.05, mesh=m)
+                res = engine.run(random.key(1), 4, xs, batch_size=10, progress_bar=False)
+                per_client, data = res.state.z, engine.clients.data
+            out[name]["single" if m is None else "mesh"] = {"params": flat(res.params),
+                                                             "losses": np.asarray(res.losses).tolist()}
+            if m is not None:
+                out[name]["spec"] = spec(jax.tree.leaves(per_client)[0])
+                out[name]["data_spec"] = spec(data)
+    for what, make in (
+            ("fedlocalvi_six_clients", lambda: FedLocalVI(normal_model, AutoNormal(normal_model),
+                                                          ClientData.from_list([np.ones(3, np.float32)] * 6),
+                                                          local_steps=1, step_size=0.01, mesh=mesh)),
+            ("fedsvi_six_clients", lambda: FedSVI(site_model, AutoNormal(site_model), rho=0.01, num_clients=6,
+                                                  mesh=mesh)),
+            ("fedsvi_bad_mesh", lambda: FedSVI(site_model, AutoNormal(site_model), rho=0.01, num_clients=8,
+                                               mesh=jax.devices()))):
+        try:
+            make()
+        except (ValueError, TypeError) as err:
+            out["errors"][what] = str(err)
     print(json.dumps(out))
 
 

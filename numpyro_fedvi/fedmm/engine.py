@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import random
 
+from .. import sharding as _sharding
 from ..federated import Bernoulli, ClientData, Full, Identity
 from ..inputs import InputJit, prepare_inputs, prepare_value
 from ..runner import EarlyStopping, RunResult, revert_non_finite, run_loop, tree_all_finite
@@ -143,6 +144,9 @@ class _Engine:
         return data
 
     # SVI surface -------------------------------------------------------------------------------------------------
+    def _place_state(self, state):
+        return state
+
     def get_params(self, state):
         """``to_params(θ_t)`` (e.g. NumPyro guide params for ``Predictive``) or θ_t itself."""
         return self.to_params(state.theta) if self.to_params is not None else state.theta
@@ -165,7 +169,7 @@ class _Engine:
         """The family's objective at θ_t over all rows (see the subclasses)."""
         if not self._has_objective():
             raise ValueError("this family has no objective to evaluate.")
-        return self._compiled("evaluate", self._evaluate)(state, self._prepare(data))
+        return self._compiled("evaluate", self._evaluate)(self._place_state(state), self._prepare(data))
 
     def _run(self, init_state, num_steps, inputs, *, progress_bar, stable_update, callbacks, early_stopping,
              chunk_size) -> RunResult:
@@ -263,6 +267,12 @@ class FedMM(_Engine):
         pass, while a round with ``FixedSize(m)`` participation costs O(m)); the losses in between repeat the last
         value.  Default 10; use 1 for a fresh loss every round (e.g. with ``early_stopping``); ``evaluate`` gives it
         on request.
+    :param mesh: optional 1-D ``jax.sharding.Mesh`` (:func:`numpyro_fedvi.sharding.make_mesh`): the clients' data
+        and control variates ``V_clients`` are placed along the client axis over its devices
+        (:func:`~numpyro_fedvi.sharding.shard_client_data`, :func:`~numpyro_fedvi.sharding.shard_fedmm_state`), the
+        server state replicated; the compiled round follows that layout (the weighted client sum becomes an
+        all-reduce).  Same results as without a mesh up to float reassociation; the number of clients must divide by
+        the number of devices (``ValueError`` at ``init``, before anything compiles).
 
     ``client_data`` is a :class:`~numpyro_fedvi.federated.ClientData`.
     """
@@ -270,8 +280,9 @@ class FedMM(_Engine):
     def __init__(self, family: SurrogateFamily, *, step_size=1.0, cv_step: float = 0.0, participation=None,
                  compressor=None, batch_size: int | None = None, init_control_variates: str = "zero",
                  aggregate: str = "surrogate", to_params: Callable | None = None,
-                 projection: Callable | None = None, log_every: int = 10):
+                 projection: Callable | None = None, log_every: int = 10, mesh=None):
         super().__init__(family, step_size, batch_size, to_params, projection)
+        self.mesh = None if mesh is None else _sharding.check_mesh(mesh)
         if isinstance(log_every, bool) or not isinstance(log_every, (int, np.integer)) or log_every < 1:
             raise ValueError(f"log_every must be an int >= 1 (rounds between two full-objective passes), got "
                              f"{log_every!r}.")
@@ -296,13 +307,41 @@ class FedMM(_Engine):
         """Rows per client drawn by the core (``None``: the oracle gets every row of its client)."""
         return self.batch_size
 
+    # placement on the mesh (no-ops without one; placing an array already laid out so moves nothing) -------------
+    def _check_mesh_clients(self, num_clients: int) -> None:
+        if self.mesh is not None:
+            _sharding._check_divides(int(num_clients), self.mesh, "the number of clients")
+
+    def _place_data(self, client_data):
+        """A ClientData with the client axis over the mesh."""
+        if self.mesh is None or not isinstance(client_data, ClientData):
+            return client_data
+        self._check_mesh_clients(client_data.num_clients)
+        return _sharding.shard_client_data(client_data, self.mesh)
+
+    def _place_state(self, state):
+        """A FedMMState with ``V_clients`` along the client axis, the rest replicated."""
+        return state if self.mesh is None or state is None else _sharding.shard_fedmm_state(state, self.mesh)
+
+    def _prepare(self, data):
+        return self._place_data(super()._prepare(data))
+
+    def update(self, state: FedMMState, client_data: ClientData):
+        """One round; the loss is Σ_i μ_i objective_i(θ_t) over all rows every ``log_every`` rounds (the last value
+        in between; ``E^s``/``E^p`` without an objective)."""
+        return super().update(self._place_state(state), client_data)
+
+    def _run(self, init_state, num_steps, inputs, **options) -> RunResult:
+        return super()._run(self._place_state(init_state), num_steps, inputs, **options)
+
     def init(self, rng_key, client_data: ClientData, init_stat) -> FedMMState:
         """Check ``init_stat`` against the family (:func:`check_init_stat`), the participation law against the
         clients and α <= 1/(1+ω_p) (``ValueError`` otherwise), build the state."""
-        client_data = self._prepare(client_data)
+        client_data = _Engine._prepare(self, client_data)
         if not isinstance(client_data, ClientData):
             raise TypeError("FedMM needs a numpyro_fedvi.federated.ClientData (ClientData.from_list / from_ids), "
                             f"got {type(client_data).__name__}.")
+        client_data = self._place_data(client_data)  # (the divisibility check comes before anything runs)
         rows = jax.tree.map(lambda x: x[0], client_data.data)
         init_stat = check_init_stat(self._family_for(client_data, exact=True), init_stat, rows, client_data.mask[0],
                                     "client 0's rows")
@@ -312,7 +351,9 @@ class FedMM(_Engine):
         client_data, family = self._data_of(inputs), self._family_for(inputs, exact=True)
         init_stat = strong_types(init_stat)
         self.check_settings(family, init_stat, client_data.num_clients)
-        return fedmm_init(family, init_stat, client_data, rng_key, self.init_control_variates, self.aggregate)
+        self._check_mesh_clients(client_data.num_clients)
+        return self._place_state(fedmm_init(family, init_stat, client_data, rng_key, self.init_control_variates,
+                                            self.aggregate))
 
     def check_settings(self, family: SurrogateFamily, init_stat, num_clients: int) -> None:
         """The participation law against ``num_clients`` and α ≤ 1/(1+ω_p) (ω: the compressor's variance factor on
@@ -354,11 +395,6 @@ class FedMM(_Engine):
             return new, info.get("E_s", info.get("E_p")), info["ok"]
         ok = info["ok"] & jnp.isfinite(loss)
         return new._replace(objective=jnp.where(ok, loss, state.objective)), loss, ok
-
-    def update(self, state: FedMMState, client_data: ClientData):
-        """One round; the loss is Σ_i μ_i objective_i(θ_t) over all rows every ``log_every`` rounds (the last value
-        in between; ``E^s``/``E^p`` without an objective)."""
-        return super().update(state, client_data)
 
     def evaluate(self, state: FedMMState, client_data: ClientData):
         """``Σ_i μ_i objective_i(θ_t)`` over all rows."""

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax import random
 from numpyro.infer import Trace_ELBO
 
+from .. import sharding as _sharding
 from ..federated import ClientData, check_clients, client_minibatch
 from ..inputs import check_positive, check_static_kwargs, prepare_inputs, prepare_value
 from ..objectives import block_loss_fn, client_loss_fn, client_loss_from_blocks, full_loss_fn
@@ -123,6 +124,12 @@ class FedSVI(FedMM):
         :func:`~numpyro_fedvi.prox.theta_l_prox` (``σ_min(Σ) ≥ 1/√L`` for AutoLocationScale guides), a list
         of them on disjoint params, or a callable ``(theta, rho) -> theta``.  With γ = 1 and full participation
         one round is a proximal-gradient step ``θ ← prox_{ρg}(θ − ρ∇f(θ))``.
+    :param mesh: optional 1-D ``jax.sharding.Mesh``: the clients (their row INDICES for blocks of the data plate, their
+        rows for a ClientData) and the control variates along the client axis over its devices, the server state and
+        the model's own arguments replicated (every device reads its clients' rows by index; data too large for one
+        device: use the ClientData layer, whose rows are sharded).  Same results as without a mesh up to float
+        reassociation; the number of clients must divide by the number of devices (``ValueError`` before anything
+        compiles).
     Other arguments (``cv_step``, ``participation``, ``compressor``, ``init_control_variates``, ``projection``,
     ``log_every``) as :class:`~numpyro_fedvi.fedmm.FedMM`; extra keyword arguments are passed to model and guide.
     """
@@ -130,13 +137,13 @@ class FedSVI(FedMM):
     def __init__(self, model, guide, loss=None, *, rho: float, clients=None, num_clients: int | None = None,
                  data_plate: str | None = None, step_size=1.0, cv_step: float = 0.0, participation=None,
                  compressor=None, batch_size: int | None = None, init_control_variates: str = "zero", prox=None,
-                 projection: Callable | None = None, log_every: int = 10, **static_kwargs):
+                 projection: Callable | None = None, log_every: int = 10, mesh=None, **static_kwargs):
         rho = check_positive(rho, "rho", expected="a positive finite float (the SGD step of the quadratic surrogate)")
         _check_elbo(loss, "FedSVI")
         placeholder = SurrogateFamily(oracle=lambda *a: None, T=lambda s: s)
         super().__init__(placeholder, step_size=step_size, cv_step=cv_step, participation=participation,
                          compressor=compressor, batch_size=batch_size, init_control_variates=init_control_variates,
-                         projection=projection, log_every=log_every)
+                         projection=projection, log_every=log_every, mesh=mesh)
         self.prox = as_prox(prox)
         self.model, self.guide, self.elbo = model, guide, Trace_ELBO() if loss is None else loss
         check_static_kwargs(static_kwargs)
@@ -153,6 +160,9 @@ class FedSVI(FedMM):
             self._plate_clients = (clients, num_clients)
         else:
             self.num_clients = None  # a ClientData comes with every call
+        if self.num_clients is not None:
+            self._check_mesh_clients(self.num_clients)
+        self._fixed_rows = self._place_data(self._fixed_rows)
         self.structure = None
         self.client_data = self._fixed_rows  # the clients (indices of the data plate once built)
 
@@ -164,6 +174,8 @@ class FedSVI(FedMM):
     def _split(self, args, kwargs, where: str):
         """``(client_data, model args, model kwargs)`` of a call, converted and checked (prepare_inputs)."""
         args, kwargs = prepare_inputs(args, kwargs)
+        if self.mesh is not None:  # the model's own arguments on every device
+            args, kwargs = _sharding.replicate_arrays((args, kwargs), self.mesh)
         if self._plate_mode or self._fixed_rows is not None:
             if args and isinstance(args[0], ClientData):
                 raise TypeError(f"this FedSVI was built with clients=; call {where}(..., *model_args) with the "
@@ -175,7 +187,7 @@ class FedSVI(FedMM):
                             "as PDVI's partitions=) or num_clients=M at construction, then "
                             f"{where}(..., *model_args); or a numpyro_fedvi.federated.ClientData as the first "
                             f"argument of {where} (lower layer: model(rows, *args)). Got {got}.")
-        return args[0], args[1:], kwargs
+        return self._place_data(args[0]), args[1:], kwargs
 
     def inspect(self, rng_key, args, kwargs, init_params=None):
         """Trace model and guide once on the model's arguments and check the guide: the model's structure (also
@@ -200,7 +212,7 @@ class FedSVI(FedMM):
             structure = self.inspect(rng_key, (client_data.client(0), *args), kwargs, init_params)
         self.structure = structure
         if self._plate_mode:
-            self.client_data = client_data
+            self.client_data = self._place_data(client_data)
         self.to_params = structure.constrain_global
         self.family = self._family_for((client_data, args, kwargs))  # concrete (e.g. for lemma2_check)
         return structure.init_global
@@ -281,13 +293,13 @@ class FedSVI(FedMM):
         client_data, *args)``); returns ``(state, loss)`` with the loss at θ_t."""
         self._require_init()
         client_data, args, kwargs = self._split(args, kwargs, "update")
-        return self._compiled("update", self._round)(state, (client_data, args, kwargs))
+        return self._compiled("update", self._round)(self._place_state(state), (client_data, args, kwargs))
 
     def evaluate(self, state, *args, **kwargs):
         """The full-data negative ELBO at θ_t (the fixed objective key; + the prox's penalty)."""
         self._require_init()
         client_data, args, kwargs = self._split(args, kwargs, "evaluate")
-        return self._compiled("evaluate", self._evaluate)(state, (client_data, args, kwargs))
+        return self._compiled("evaluate", self._evaluate)(self._place_state(state), (client_data, args, kwargs))
 
     def run(self, rng_key, num_steps: int, *args, progress_bar: bool = True, init_state=None,
             init_params: dict | None = None, callbacks=(), early_stopping: EarlyStopping | None = None,
