@@ -14,6 +14,12 @@ the compiled step (largest element count one moves).
 * ``weak``: N = N0·D and m = D (the work per device fixed); ideal: a flat time.
 * ``strong``: the largest N of the sweep, m = 4, D = 1, 2, 4; ideal: time ∝ 1/D; the bytes each device holds
   (claim: ≤ 1.1/D of one device's).
+* ``host_table``: one device, ``PDVI(..., local_table="host")`` (the local table in host memory, the selected blocks'
+  rows moved in and out each iteration) against the device-resident table of the same process, same key and
+  settings, at each N of ``host_sizes``: time per iteration of both (measured as above), bytes moved per iteration
+  (counted by the table: rows to the device and back plus their indices), the bytes left on the device, and the
+  largest relative difference of the two runs' losses (claims: equal to 1e-4, O(selected rows) bytes per iteration,
+  and, with several N, a host-table iteration that does not grow with N).
 
 ALL SIMULATED DEVICES SHARE THE SAME CPU CORES (2 here), so no speed-up across devices is possible or claimed: weak
 and strong scaling are reported as measured (they show the overhead of the partitioned step, not multi-device
@@ -41,15 +47,18 @@ NAME = "scaling"
 DEVICES = (1, 2, 4)
 # quick: a one-step Newton oracle on the ELBO's own draws (a smaller program to compile); full: the oracle's defaults
 # ``sweep``: the device counts whose whole N sweep is run (quick: 1 and 4 only, to stay within its time budget)
+# ``host_sizes``: the N at which the host-table section runs (in the D = 1 worker)
 QUICK = {"sizes": [20_000, 80_000], "block": 500, "rounds": 100, "weak_n0": 20_000, "sweep": (1, 4),
-         "oracle": {"local_steps": 1, "oracle_draws": None}}
+         "oracle": {"local_steps": 1, "oracle_draws": None}, "host_sizes": [80_000]}
 FULL = {"sizes": [100_000, 1_000_000, 10_000_000], "block": 1000, "rounds": 100, "weak_n0": 250_000,
-        "sweep": DEVICES, "oracle": {}}
+        "sweep": DEVICES, "oracle": {}, "host_sizes": [100_000, 1_000_000, 10_000_000]}
 M = 4
 
 
-def _worker(devices: int, configs: list, block_rows: int, rounds: int, hlo_for: list | None, oracle: dict):
-    """In a process with ``devices`` CPU devices: measure every ``(N, m)`` of ``configs``; JSON lines on stdout."""
+def _worker(devices: int, configs: list, block_rows: int, rounds: int, hlo_for: list | None, oracle: dict,
+            host_for: list | None = None):
+    """In a process with ``devices`` CPU devices: measure every ``(N, m)`` of ``configs`` (and the host-table engine
+    at the N of ``host_for``); JSON lines on stdout."""
     import jax
     import jax.numpy as jnp
     import numpyro
@@ -98,14 +107,56 @@ def _worker(devices: int, configs: list, block_rows: int, rounds: int, hlo_for: 
         if hlo_for and [n, m] in hlo_for and mesh is not None:
             step = jax.jit(lambda s, b, a: engine._plain_step(s, (b, a, {"batch_size": 10})))
             row["collectives"] = sharding.collectives(step.lower(res.state, *inputs[:2]).compile().as_text())
+        if host_for and n in host_for and mesh is None and m == M:
+            row["host"] = _host_table_row(model, n, m, block_rows, rounds, oracle, xj, res)
         print(json.dumps(row), flush=True)
 
 
-def _measure(devices: int, configs: list, block_rows: int, rounds: int, oracle: dict, hlo_for=None) -> list[dict]:
+def _host_table_row(model, n, m, block_rows, rounds, oracle, xj, device_res) -> dict:
+    """The host-table engine on the same data, key and settings as the device-resident run ``device_res``: time per
+    iteration (best of 3 runs of 2R iterations, each from its own copy of the initial table), bytes moved per
+    iteration, bytes left on the device, and the largest relative difference of the first R losses."""
+    import jax
+    from jax import random
+    from numpyro.infer.autoguide import AutoNormal
+
+    import numpyro_fedvi as nfv
+    from numpyro_fedvi import sharding
+
+    t0 = time.perf_counter()
+    engine = nfv.PDVI(model, AutoNormal(model), num_partitions=n // block_rows, partitions_per_step=m,
+                      eta={"beta_auto_loc": 1e-3, "beta_auto_scale": 1e-3}, local_table="host", **oracle)
+    state = engine.init(random.key(0), xj, batch_size=10)
+    starts = [state._replace(local=state.local.copy()) for _ in range(4)]  # the copies are made outside the timer
+    res = engine.run(random.key(0), rounds, xj, init_state=starts[0], progress_bar=False, chunk_size=2 * rounds,
+                     batch_size=10)  # compile; the losses compared with the device-resident run
+    jax.block_until_ready(res.state)
+    setup = time.perf_counter() - t0
+    times, moved = [], None
+    for start in starts[1:]:
+        before = dict(start.local.stats)
+        t = time.perf_counter()
+        jax.block_until_ready(engine.run(random.key(0), 2 * rounds, xj, init_state=start, progress_bar=False,
+                                         chunk_size=2 * rounds, batch_size=10).state)
+        times.append(time.perf_counter() - t)
+        moved = {k: (start.local.stats[k] - before[k]) / (2 * rounds) for k in before}
+    dev_losses, host_losses = np.asarray(device_res.losses, np.float64), np.asarray(res.losses, np.float64)
+    inputs = engine._inputs((xj,), {"batch_size": 10})
+    on_device = sharding.bytes_per_device((res.state, inputs[:2]))
+    return {"iter_s": min(times) / (2 * rounds), "setup_s": setup, "table_bytes": state.local.nbytes,
+            "row_bytes": state.local.row_bytes, "rows_to_device_per_iter": moved["rows_to_device"],
+            "rows_to_host_per_iter": moved["rows_to_host"], "bytes_to_device_per_iter": moved["bytes_to_device"],
+            "bytes_to_host_per_iter": moved["bytes_to_host"], "device_bytes": max(on_device.values()),
+            "max_rel_loss_diff": float(np.max(np.abs(host_losses - dev_losses) / np.abs(dev_losses))),
+            "finite": bool(np.isfinite(host_losses).all())}
+
+
+def _measure(devices: int, configs: list, block_rows: int, rounds: int, oracle: dict, hlo_for=None,
+             host_for=None) -> list[dict]:
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu",
            "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
     spec = json.dumps({"devices": devices, "configs": configs, "block_rows": block_rows, "rounds": rounds,
-                       "hlo_for": hlo_for, "oracle": oracle})
+                       "hlo_for": hlo_for, "oracle": oracle, "host_for": host_for})
     out = subprocess.run([sys.executable, "-m", "benchmarks.scaling", "--worker", spec], env=env, text=True,
                          capture_output=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     if out.returncode:
@@ -114,6 +165,13 @@ def _measure(devices: int, configs: list, block_rows: int, rounds: int, oracle: 
     for r in rows:
         print(f"D = {r['devices']}  N = {r['N']:>9,d}  m = {r['m']}  {r['iter_s'] * 1e3:8.2f} ms / iteration  "
               f"{r['bytes_per_device'] / 2**20:8.2f} MiB / device  (setup {r['setup_s']:.1f} s)", flush=True)
+        if "host" in r:
+            h = r["host"]
+            print(f"      host table: {h['iter_s'] * 1e3:8.2f} ms / iteration, "
+                  f"{h['bytes_to_device_per_iter'] / 1e3:.1f} kB in + {h['bytes_to_host_per_iter'] / 1e3:.1f} kB out "
+                  f"per iteration, table "
+                  f"{h['table_bytes'] / 2**20:.1f} MiB on the host, {h['device_bytes'] / 2**20:.2f} MiB on the device "
+                  f"(setup {h['setup_s']:.1f} s)", flush=True)
     return rows
 
 
@@ -129,7 +187,8 @@ def main(argv=None):
         configs = [[n, M] for n in (sizes if d in cfg["sweep"] else sizes[-1:])]  # + the strong-scaling point
         configs += [[n0 * d, d]] if [n0 * d, d] not in configs else []  # the weak-scaling point
         hlo_for = [[sizes[-1], M]] if d == DEVICES[-1] else None  # the collectives, once: largest N, most devices
-        rows += _measure(d, configs, block_rows, rounds, cfg["oracle"], hlo_for=hlo_for)
+        rows += _measure(d, configs, block_rows, rounds, cfg["oracle"], hlo_for=hlo_for,
+                         host_for=cfg["host_sizes"] if d == 1 else None)
     wall = time.perf_counter() - t_start
     cpu = resource.getrusage(resource.RUSAGE_CHILDREN)
 
@@ -153,6 +212,25 @@ def main(argv=None):
     methods["strong"] = {"devices": list(DEVICES), "N": sizes[-1], "m": M, "iter_s": [r["iter_s"] for r in strong],
                          "speedup": [strong[0]["iter_s"] / r["iter_s"] for r in strong]}
     methods["strong"]["bytes_per_device"] = [r["bytes_per_device"] for r in strong]
+    host_rows = [find(1, n, M) for n in cfg["host_sizes"]]
+    hosts = [r["host"] for r in host_rows]
+    methods["host_table"] = {
+        "N": cfg["host_sizes"], "device_iter_s": [r["iter_s"] for r in host_rows],
+        "host_iter_s": [h["iter_s"] for h in hosts],
+        "host_over_device": [h["iter_s"] / r["iter_s"] for h, r in zip(hosts, host_rows)],
+        "extra_ms_per_iter": [(h["iter_s"] - r["iter_s"]) * 1e3 for h, r in zip(hosts, host_rows)],
+        "bytes_to_device_per_iter": [h["bytes_to_device_per_iter"] for h in hosts],
+        "bytes_to_host_per_iter": [h["bytes_to_host_per_iter"] for h in hosts],
+        "rows_to_device_per_iter": [h["rows_to_device_per_iter"] for h in hosts],
+        "table_bytes_on_host": [h["table_bytes"] for h in hosts],
+        "device_bytes_host_table": [h["device_bytes"] for h in hosts],
+        "device_bytes_device_table": [r["bytes_per_device"] for r in host_rows],
+        "moved_fraction_of_table_per_iter": [(h["bytes_to_device_per_iter"] + h["bytes_to_host_per_iter"])
+                                             / h["table_bytes"] for h in hosts],
+        "max_rel_loss_diff": [h["max_rel_loss_diff"] for h in hosts], "setup_s": [h["setup_s"] for h in hosts]}
+    host_growth = hosts[-1]["iter_s"] / hosts[0]["iter_s"]
+    methods["host_table"]["final"] = {"host_over_device_at_max_n": methods["host_table"]["host_over_device"][-1],
+                                      "host_iter_ratio_max_to_min_n": host_growth}
     coll = strong[-1].get("collectives", {})
     moved = max((c["max_elements"] for c in coll.values()), default=None)
     claims = {
@@ -164,7 +242,21 @@ def main(argv=None):
         **{f"memory_per_device_about_1_over_{d}": strong[i]["bytes_per_device"]
            <= 1.1 * strong[0]["bytes_per_device"] / d for i, d in enumerate(DEVICES) if d > 1},
         "step_moves_only_selected_rows": moved is not None and moved <= M * block_rows,
-        "every_run_finite": all(r["finite"] for r in rows),
+        "every_run_finite": all(r["finite"] for r in rows) and all(h["finite"] for h in hosts),
+        # host table: the same losses as the device-resident table (same key; float reassociation at most) ...
+        "host_table_equals_device_table": max(h["max_rel_loss_diff"] for h in hosts) <= 1e-4,
+        # ... moving the selected blocks' rows and nothing else: m·|b| rows in and out per iteration, with their int32
+        # indices (both ways) and the write mask (1 byte a row) ...
+        "host_table_moves_only_selected_rows": all(
+            h["rows_to_device_per_iter"] == M * block_rows == h["rows_to_host_per_iter"]
+            and h["bytes_to_device_per_iter"] + h["bytes_to_host_per_iter"] <= M * block_rows * (2 * h["row_bytes"] + 9)
+            for h in hosts),
+        # ... and the table leaves the device: the device holds less than with the device-resident table
+        "host_table_frees_device_memory": all(h["device_bytes"] < r["bytes_per_device"]
+                                              for h, r in zip(hosts, host_rows)),
+        # with several N: a host-table iteration grows at most half as fast as an O(N) step would
+        **({"host_table_iter_cost_independent_of_n": host_growth <= 0.5 * cfg["host_sizes"][-1] / cfg["host_sizes"][0]}
+           if len(hosts) > 1 else {}),
         # with the devices simulated on the same cores, no speed-up is expected: recorded, not claimed
         "strong_speedup_above_1_at_max_devices": methods["strong"]["speedup"][-1] > 1.0,
     }
@@ -192,6 +284,8 @@ def _plot(methods, sizes, sweep, save_figure, out):
     for d in sweep:
         m = methods[f"devices_{d}"]
         axes[0].semilogx(sizes, np.asarray(m["iter_s"]) * 1e3, "o-", label=f"{d} device(s)")
+    host = methods["host_table"]
+    axes[0].semilogx(host["N"], np.asarray(host["host_iter_s"]) * 1e3, "x--", label="1 device, table in host memory")
     held = np.asarray(methods["strong"]["bytes_per_device"]) / 2**20
     axes[1].plot(DEVICES, held, "o-", label=f"N = {sizes[-1]:,}")
     axes[0].set(xlabel=f"N (m = {M} blocks per iteration)", ylabel="ms per iteration", ylim=(0, None))
@@ -201,13 +295,15 @@ def _plot(methods, sizes, sweep, save_figure, out):
     axes[2].set(xlabel="simulated CPU devices (same cores)", ylabel="ms per iteration", xticks=DEVICES, ylim=(0, None))
     for ax in axes:
         ax.legend(fontsize=8)
-    fig.suptitle("PD-VI sharded over a device mesh (simulated CPU devices sharing the same cores)", fontsize=10)
+    fig.suptitle("PD-VI sharded over a device mesh (simulated CPU devices sharing the same cores) and with its local "
+                 "table in host memory", fontsize=10)
     save_figure(fig, NAME, out)
 
 
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "--worker":
         spec = json.loads(sys.argv[2])
-        _worker(spec["devices"], spec["configs"], spec["block_rows"], spec["rounds"], spec["hlo_for"], spec["oracle"])
+        _worker(spec["devices"], spec["configs"], spec["block_rows"], spec["rounds"], spec["hlo_for"], spec["oracle"],
+                spec.get("host_for"))
     else:
         main()

@@ -83,18 +83,24 @@ class HostTable:
     def tree_unflatten(cls, spec, children):
         return cls(children[0], spec)
 
-    @property
-    def arrays(self) -> dict:
-        """The live NumPy arrays ``{name: (N, ...)}`` (written in place by the steps)."""
+    def _synced(self) -> _Store:
+        """The store, once every dispatched step has run its host reads and writes (``jax.effects_barrier``: a
+        compiled step returns before its callbacks ran)."""
         if self._store is None:
             raise RuntimeError("this HostTable is an abstract value inside a compiled function; read the table of a "
                                "concrete state instead.")
-        return self._store.arrays
+        jax.effects_barrier()
+        return self._store
+
+    @property
+    def arrays(self) -> dict:
+        """The live NumPy arrays ``{name: (N, ...)}`` (written in place by the steps)."""
+        return self._synced().arrays
 
     @property
     def stats(self) -> dict:
         """Transfer counters: gathers, scatters, rows and bytes moved to the device / back to the host."""
-        return self._store.stats
+        return self._synced().stats
 
     @property
     def num_rows(self) -> int:
