@@ -37,6 +37,8 @@ from numpyro import handlers
 from numpyro.infer import ELBO
 from numpyro.primitives import Messenger
 
+from .objectives import elbo_loss
+
 __all__ = ["ControlledDraws", "controlled_normals", "SCHEMES"]
 
 SCHEMES = ("iid", "antithetic", "moment_matched", "orthogonal")
@@ -204,6 +206,6 @@ class ControlledDraws(ELBO):
 
         def particle(p):
             g = _ControlledNoise(guide, rng_key, S, p, self.scheme)
-            return self.elbo.loss(random.fold_in(rng_key, p), param_map, model, g, *args, **kwargs)
+            return elbo_loss(self.elbo, random.fold_in(rng_key, p), param_map, model, g, *args, **kwargs)
 
         return {"loss": jnp.mean(jax.vmap(particle)(jnp.arange(S))), "mutable_state": None}
