@@ -1,11 +1,13 @@
 """Scale-out on a device mesh (numpyro_fedvi.sharding, issue 14), on 4 simulated CPU devices.
 
 XLA reads ``--xla_force_host_platform_device_count`` when JAX starts, so the runs happen in two subprocesses (this file
-run as a script: PD-VI, federated engines) that print their measurements as JSON; the tests check them.  Checked: PD-VI with ``mesh=`` equals
-the single-device run for the same key (``run``) to float tolerance; the local table, the duals
-and the data stay sharded over the 4 devices (``.sharding``, bytes per device = 1/4); the compiled step's
-collectives move at most the selected blocks' rows, never the table; FedMM, FedSVI and FedLocalVI with the client
-axis sharded (data and per-client state) equal the unsharded runs; sizes that do not divide by the devices are refused.
+run as a script: PD-VI, federated engines) that print their measurements as JSON; the tests check them.  Checked:
+PD-VI with ``mesh=`` equals the single-device run for the same key (``run``) to float tolerance; the local table, the
+duals and the data stay sharded over the 4 devices (``.sharding``, bytes per device = 1/4); the compiled step's
+collectives move at most the selected blocks' rows, never the table; FedMM, FedSVI, FedLocalVI and RobustFedVI with
+``mesh=`` (client axis sharded: the clients' rows or row indices and the per-client state) equal the unsharded runs,
+also with clients given as index arrays into the model's own arguments; sizes that do not divide by the devices are
+refused.
 """
 
 import json
