@@ -68,7 +68,8 @@ def _free_port():
 @pytest.mark.slow  # 2 processes, ~45 s on 2 loaded cores
 def test_two_processes_on_loopback_equal_single_device():
     port = str(_free_port())
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "OMP_NUM_THREADS": "1",
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2"  # keeps conftest's
+    env = {**os.environ, "XLA_FLAGS": flags, "OMP_NUM_THREADS": "1",
            "JAX_PLATFORMS": "cpu"}
     procs = [subprocess.Popen([sys.executable, __file__, str(pid), port], env={**env, "PYTHONHASHSEED": str(pid)},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for pid in (0, 1)]

@@ -78,7 +78,8 @@ def test_orthogonal_draws_exact_moments_and_zero_global_local_cross_moments():
         np.testing.assert_allclose((z**2).mean(0), 1.0, atol=1e-4)
         np.testing.assert_allclose((z**3).mean(0), 0.0, atol=1e-4)  # antithetic: every odd moment vanishes
     np.testing.assert_allclose(glob.T @ glob / S, np.eye(3), atol=1e-4)  # globals whitened jointly
-    np.testing.assert_allclose(glob.T @ v["u"] / S, 0.0, atol=1e-5)  # global–local cross moments vanish
+    # global–local cross moments vanish (up to float32 rounding of O(1) draws: 1.0e-5 seen with other XLA fusions)
+    np.testing.assert_allclose(glob.T @ v["u"] / S, 0.0, atol=5e-5)
     mm = {k: np.asarray(x).reshape(S, -1) for k, x in particle_values(hier_guide, S, "moment_matched",
                                                                       random.key(2)).items()}
     assert np.abs(mm["beta"].T @ mm["u"] / S).max() > 0.1  # without the projection they do not

@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -23,8 +24,12 @@ N, B, M, STEPS = 1600, 16, 4, 8  # 16 blocks of 100 rows, 4 selected per iterati
 
 @pytest.fixture(scope="module")
 def measured():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "OMP_NUM_THREADS": "1",
-           "JAX_PLATFORMS": "cpu"}
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4"  # keeps conftest's
+    env = {**os.environ, "XLA_FLAGS": flags, "OMP_NUM_THREADS": "1", "JAX_PLATFORMS": "cpu"}
+    cache = jax.config.jax_compilation_cache_dir  # the suite's persistent compilation cache (conftest), if on
+    if cache:
+        env.update(JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.1",
+                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     procs = [subprocess.Popen([sys.executable, __file__, part], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for part in ("pdvi", "federated")]  # two processes: one per core
     return _collect(procs)
