@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
-__all__ = ["HostTable", "gather", "scatter"]
+__all__ = ["HostTable", "gather", "gather_blocks", "scatter"]
 
 _IDS = itertools.count(1)
 _STORES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
@@ -154,6 +154,30 @@ def gather(table: HostTable, idx) -> dict:
         return rows
 
     return io_callback(read, out, table.id, idx, ordered=True)
+
+
+def gather_blocks(blocks: HostTable, table: HostTable, units) -> tuple[dict, dict]:
+    """Inside ``jit``, in ONE host round trip: the rows ``units`` of the block table ``blocks`` (``{"indices": (B, P),
+    "mask": (B, P), "sizes": (B,)}``) and the rows of ``table`` at those blocks' indices: ``(block rows, table rows)``
+    with leading axes ``units.shape`` and ``units.shape + (P,)``."""
+    width = dict((k, s) for k, s, _ in blocks.spec)["indices"][1]
+    out_blocks = {k: jax.ShapeDtypeStruct(tuple(units.shape) + tuple(s[1:]), jnp.dtype(d)) for k, s, d in blocks.spec}
+    out_rows = {k: jax.ShapeDtypeStruct(tuple(units.shape) + (width,) + tuple(s[1:]), jnp.dtype(d))
+                for k, s, d in table.spec}
+
+    def read(blocks_id, table_id, units):
+        bstore, store = _store_of(blocks_id), _store_of(table_id)
+        units = np.asarray(units)
+        b = {k: bstore.arrays[k][units] for k in out_blocks}
+        rows = {k: store.arrays[k][b["indices"]] for k in out_rows}
+        st = store.stats
+        st["gathers"] += 1
+        st["rows_to_device"] += b["indices"].size
+        st["bytes_to_device"] += (sum(r.nbytes for r in rows.values()) + sum(v.nbytes for v in b.values())
+                                  + units.nbytes)
+        return b, rows
+
+    return io_callback(read, (out_blocks, out_rows), blocks.id, table.id, units, ordered=True)
 
 
 def scatter(table: HostTable, idx, rows: dict, keep) -> None:

@@ -348,11 +348,11 @@ class PDVI:
         not fit in device memory); each iteration moves only the selected blocks' rows to the device and their new
         values back (two ``io_callback`` transfers inside the same compiled step and run loop: O(|S_t|·|b|) rows,
         never the table), with the same block selection and keys as ``"device"`` (same results up to float
-        reassociation).  The data stay where the model arguments are.  ``state.local`` is then a ``HostTable``
-        written IN PLACE (states that share it see the same rows; ``state.local.copy()`` keeps a snapshot);
-        ``get_params`` returns the local params on the CPU device, ``evaluate`` streams the blocks' rows.  Needs
-        a subsampled data plate and ``dual_granularity="partition"`` (per-datum duals would be as large as the
-        table), and excludes ``mesh=`` (``ValueError`` otherwise).
+        reassociation).  The blocks' index table stays in host memory too; the data stay where the model's
+        arguments are.  ``state.local`` is then a ``HostTable`` written IN PLACE (states that share it see the same
+        rows; ``state.local.copy()`` keeps a snapshot); ``get_params`` returns the local params on the CPU device,
+        ``evaluate`` streams the blocks' rows.  Needs a subsampled data plate and ``dual_granularity="partition"``
+        (per-datum duals would be as large as the table), and excludes ``mesh=`` (``ValueError`` otherwise).
     """
 
     def __init__(self, model, guide, loss=None, *, num_partitions: int | None = None, partitions=None,
@@ -429,8 +429,8 @@ class PDVI:
         return self.structure.data_plate.size if self.dual_granularity == "datum" else self.blocks.num_blocks
 
     def _setup(self, rng_key, args, kwargs, init_params):
-        if self.local_table == "host":  # the initial table is built on the CPU device (host memory), never on an
-            with jax.default_device(jax.devices("cpu")[0]):  # accelerator
+        if self.local_table == "host":  # the initial table and the blocks are built on the CPU device (host
+            with jax.default_device(jax.devices("cpu")[0]):  # memory), never on an accelerator
                 structure = inspect_model(self.model, self.guide, rng_key, args, {**kwargs, **self.static_kwargs},
                                           data_plate=self.data_plate, init_params=init_params)
             if not structure.data_plate.subsampled:
@@ -445,6 +445,9 @@ class PDVI:
         size = structure.data_plate.size
         if self.blocks is None or self.structure is None or self.structure.data_plate.size != size:
             blocks = make_partitions(size, self.num_partitions, self.partitions)
+            if self.local_table == "host":  # the block index table in host memory too (5 bytes per datum)
+                blocks = Partitions(*(np.asarray(a) for a in blocks))
+                self._host_blocks = _host.HostTable.create(blocks._asdict())
         else:
             blocks = self.blocks
         if not 1 <= self.partitions_per_step <= blocks.num_blocks:
@@ -476,6 +479,9 @@ class PDVI:
         if self.dual_granularity == "datum":
             return unit[None], jnp.ones((1,), bool), 1.0 / n
         b = unit if self._client_block is None else self._client_block
+        if isinstance(blocks, _host.HostTable):  # local_table="host": the block's indices from host memory
+            row = _host.gather(blocks, b)
+            return row["indices"], row["mask"], row["sizes"] / n
         return blocks.indices[b], blocks.mask[b], blocks.sizes[b] / n
 
     @staticmethod
@@ -496,7 +502,8 @@ class PDVI:
 
     def _select(self, blocks, key, step):
         m = self.partitions_per_step
-        chosen = self._select_units(blocks.num_blocks, key, step)
+        num_blocks = blocks.num_rows if isinstance(blocks, _host.HostTable) else blocks.num_blocks
+        chosen = self._select_units(num_blocks, key, step)
         if self.dual_granularity == "datum":
             return blocks.indices[chosen].reshape(-1), blocks.mask[chosen].reshape(-1)
         return chosen, jnp.ones((m,), bool)
@@ -504,8 +511,8 @@ class PDVI:
     def _oracle(self, blocks, args, kwargs, base_key):
         size = self.structure.data_plate.size
 
-        def solve_one(unit, rows, lam0, mu, eta, local, key):
-            idx, mask, weight = self._unit_data(unit, blocks)
+        def solve_one(unit, data, rows, lam0, mu, eta, local, key):
+            idx, mask, weight = self._unit_data(unit, blocks) if data is None else data
             if rows is None:  # device table: the unit's rows gathered here
                 rows = {k: v[idx] for k, v in local.items()}
             # the Monte-Carlo key is fixed during one solve (common random numbers); with crn="run" it is
@@ -527,17 +534,19 @@ class PDVI:
             return lam, rows, jnp.where(ok, value, jnp.nan), idx, mask
 
         def oracle(units, mask, lam0, mu_sel, eta, local, key):
-            if isinstance(local, _host.HostTable):  # host table: the selected rows in, their new values out
-                idx = jax.vmap(lambda u: self._unit_data(u, blocks)[0])(units)
-                lam, rows, values, idx, row_mask = jax.vmap(solve_one, in_axes=(0, 0, None, 0, None, None, None))(
-                    units, _host.gather(local, idx), lam0, mu_sel, eta, {}, key)
+            if isinstance(local, _host.HostTable):  # host table: the selected blocks and rows in, new values out
+                bl, rows = _host.gather_blocks(blocks, local, units)
+                data = (bl["indices"], bl["mask"], bl["sizes"] / size)
+                lam, rows, values, idx, row_mask = jax.vmap(solve_one, in_axes=(0, 0, 0, None, 0, None, None, None))(
+                    units, data, rows, lam0, mu_sel, eta, {}, key)
                 ok = jnp.all(jnp.where(mask, jnp.isfinite(values), True))
                 _host.scatter(local, idx, rows, row_mask & mask[:, None] & ok)
                 return lam, local, values
             if self.mesh is not None:  # the selected units spread over the devices (when their number divides)
                 units, mu_sel = _sharding.constrain_rows((units, mu_sel), self.mesh)
-            lam, rows, values, idx, row_mask = jax.vmap(solve_one, in_axes=(0, None, None, 0, None, None, None))(
-                units, None, lam0, mu_sel, eta, local, key)
+            in_axes = (0, None, None, None, 0, None, None, None)
+            lam, rows, values, idx, row_mask = jax.vmap(solve_one, in_axes=in_axes)(units, None, None, lam0, mu_sel,
+                                                                                   eta, local, key)
             ok = jnp.all(jnp.where(mask, jnp.isfinite(values), True))  # a failed step writes nothing
             keep = row_mask & mask[:, None] & ok
             target = jnp.where(keep, idx, size).reshape(-1)
@@ -603,6 +612,8 @@ class PDVI:
         return cache[name]
 
     def _inputs(self, args, kwargs):
+        if self.local_table == "host":
+            return self._host_blocks, args, kwargs
         if self.mesh is None:
             return self.blocks, args, kwargs
         size = self.structure.data_plate.size  # data leaves with N rows sharded along them, blocks along their axis
@@ -744,14 +755,13 @@ class PDVI:
         blocks, args, kwargs = inputs
         key = random.split(state.rng_key)[1]
         if isinstance(state.local, _host.HostTable):  # full_loss_fn's blocks in sequence, rows from the host
-            size, lam = self.structure.data_plate.size, self._global_params(state)
+            lam = self._global_params(state)
 
             def one(block):
-                idx, mask, n_b = block
-                return self._block_loss(key, lam, self._rows_of(state.local, idx), idx, mask, n_b / size, args,
-                                        kwargs)
+                idx, mask, weight = self._unit_data(block, blocks)
+                return self._block_loss(key, lam, self._rows_of(state.local, idx), idx, mask, weight, args, kwargs)
 
-            return jnp.sum(jax.lax.map(one, (blocks.indices, blocks.mask, blocks.sizes)))
+            return jnp.sum(jax.lax.map(one, jnp.arange(self.blocks.num_blocks)))
         loss = full_loss_fn(self._block_loss, self.structure, blocks)
         return loss(key, self._global_params(state), state.local, args, kwargs)
 

@@ -90,6 +90,14 @@ def test_host_table_moves_only_the_selected_rows(runs):
     assert moved["bytes_to_host"] < STEPS * rows * (row_bytes + 8) < N * row_bytes * STEPS  # never the table
 
 
+def test_host_table_keeps_the_blocks_on_the_host(runs):
+    """The block index table is a HostTable too: the device holds no O(N) array of the engine (only the data)."""
+    blocks, args, _ = runs["host_engine"]._inputs((jnp.asarray(X),), {"batch_size": 10})
+    assert isinstance(blocks, HostTable) and blocks.num_rows == B
+    on_device = [x for x in jax.tree.leaves(runs["host"].state) if np.size(x) >= N]
+    assert on_device == []
+
+
 def test_host_table_resume_equals_uninterrupted(runs):
     full, resumed = runs["host"], runs["resumed"]
     np.testing.assert_array_equal(flat(resumed.state.lam0), flat(full.state.lam0))
