@@ -310,12 +310,14 @@ def test_fedmm_guard_accept_and_no_objective():
     plain, _ = C.fedmm_step(state, FAM, cd, **kw)
     assert bool(info["ok"])
     for name in ("s", "theta", "V", "V_clients"):
+        assert jax.tree.structure(getattr(ok_state, name)) == jax.tree.structure(getattr(plain, name))
         for a, b in zip(jax.tree.leaves(getattr(ok_state, name)), jax.tree.leaves(getattr(plain, name))):
             np.testing.assert_array_equal(a, b)
     for accept, fam in [(False, FAM), (True, dataclasses.replace(FAM, T=lambda s: {"t": s["a"] / 0.0}))]:
         new, info = C.fedmm_step(state, fam, cd, guard=True, accept=accept, **kw)
         assert not bool(info["ok"]) and int(new.step) == 1
         for name in ("s", "theta", "V", "V_clients"):
+            assert jax.tree.structure(getattr(new, name)) == jax.tree.structure(getattr(state, name))
             for a, b in zip(jax.tree.leaves(getattr(new, name)), jax.tree.leaves(getattr(state, name))):
                 np.testing.assert_array_equal(a, b)
     _, info = C.fedmm_step(state, FAM, cd, with_objective=False, **kw)
@@ -428,3 +430,128 @@ def test_lemma2_check_closed_form():
             C.lemma2_check(fam, few)
     with pytest.raises(TypeError, match="family must be"):
         C.lemma2_check(None, s)
+
+
+def test_theory_step_sizes_names_every_non_finite_argument():
+    base = dict(omega=1.0, p=0.5, n=8, L=3.0, C_bar=0.5, v_min=2.0, v_max=4.0)
+    for name in base:
+        with pytest.raises(ValueError, match="^" + re.escape(f"{name} must be a finite real number, got nan.") + "$"):
+            C.theory_step_sizes(**{**base, name: float("nan")})
+
+
+def test_lemma2_check_messages_and_random_pairs():
+    fam = C.SurrogateFamily(oracle=_oracle, T=lambda s: {"x": 2.0 * s["x"]}, phi=lambda th: th)
+    with pytest.raises(ValueError, match=r"^lemma2_check needs family\.phi \(the map φ of MM-1\); build the family "
+                                         r"with phi=\.\.\.$"):
+        C.lemma2_check(C.SurrogateFamily(_oracle, _T), {"x": jnp.zeros((2, 1))})
+    with pytest.raises(ValueError, match=r"^s_samples holds no arrays\.$"):
+        C.lemma2_check(fam, {})
+    with pytest.raises(ValueError, match=r"^s_samples needs a leading sample axis with at least 2 samples, got 0\.$"):
+        C.lemma2_check(fam, {"x": jnp.asarray(1.0)})  # a scalar leaf has no sample axis
+    # the default is 4m random pairs: the same draws as num_pairs = 4m (on 16 samples, 64 of the 240 ordered pairs
+    # do not always include the closest pair: 5m pairs give another minimum for one of these keys)
+    s16 = {"x": jnp.asarray([0.38, -0.4, 1.92, 0.31, -1.61, 1.08, 3.91, 2.84, -2.11, -3.8, -1.87, 0.12, -6.98, -0.66,
+                             -3.74, -2.2])[:, None]}
+    default = [float(C.lemma2_check(fam, s16, key=random.key(k))) for k in range(8)]
+    assert default == [float(C.lemma2_check(fam, s16, key=random.key(k), num_pairs=64)) for k in range(8)]
+    assert default != [float(C.lemma2_check(fam, s16, key=random.key(k), num_pairs=80)) for k in range(8)]
+    # 1-D samples 0, 1, 3: the pair {i, j} has the value 2(s_i − s_j)², i.e. 2 ({0,1}), 8 ({1,2}), 18 ({0,2})
+    s = {"x": jnp.asarray([[0.0], [1.0], [3.0]])}
+    # num_pairs = 1: one pair i ≠ j uniform over the ordered pairs, so each unordered pair has probability 1/3
+    values = np.asarray([float(C.lemma2_check(fam, s, key=random.key(k), num_pairs=1)) for k in range(300)])
+    assert set(np.round(values, 4)) == {2.0, 8.0, 18.0}
+    for v in (2.0, 8.0, 18.0):
+        assert 75 <= np.sum(np.isclose(values, v)) <= 125, (v, np.sum(np.isclose(values, v)))
+
+
+def test_direction_and_message_defaults():
+    """Defaults: surrogate aggregation (the method, not the parameter baseline) and the client table updated in
+    place (``defer_client_update=False``)."""
+    cd = ClientData.from_list(_rows())
+    state = C.fedmm_init(FAM, S0, cd, _key(), init_control_variates="full")
+    kw = dict(alpha=0.5, participation=Full(), compressor=Identity())
+    d = C.fedmm_direction(state, FAM, cd, **kw)
+    ref = C.fedmm_direction(state, FAM, cd, aggregate="surrogate", defer_client_update=False, **kw)
+    assert d.V_clients is not None
+    for a, b in zip(jax.tree.leaves((d.H, d.V, d.V_clients)), jax.tree.leaves((ref.H, ref.V, ref.V_clients))):
+        np.testing.assert_array_equal(a, b)
+    assert C.fedmm_direction(state, FAM, cd, defer_client_update=True, **kw).V_clients is None
+    assert set(d.H) == {"a", "b"}  # Ŝ-space (the parameter baseline aggregates T(𝖲_i) in θ-space)
+    s_new, theta_new, info = C.server_update(state, FAM, d.H, 0.5)  # default: surrogate (project Ŝ, θ = T(Ŝ))
+    assert set(info) == {"E_s", "E_ps"} and set(s_new) == {"a", "b"} and set(theta_new) == {"t"}
+    _, info = C.fedmm_step(state, FAM, cd, step_size_fn=0.5, **kw)
+    assert info["num_active"].dtype == jnp.int32 and int(info["num_active"]) == 4
+    # the logged objective is the engine's: a round carries it over unchanged (an array, not the 0.0 default)
+    logged = state._replace(objective=jnp.asarray(3.25, jnp.result_type(float)))
+    new, _ = C.fedmm_step(logged, FAM, cd, step_size_fn=0.5, **kw)
+    assert new.objective.dtype == jnp.result_type(float) and float(new.objective) == 3.25
+    kt = random.fold_in(_key(), 0)
+    V0 = jax.tree.map(lambda v: v[1], state.V_clients)
+    args = (FAM, state.theta, state.s, V0, cd.data[1], cd.mask[1], kt, 1)
+    msg = C.client_message(*args, compressor=Identity())
+    want = C.client_message(*args, compressor=Identity(), aggregate="surrogate")
+    for a, b in zip(jax.tree.leaves(msg), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(Exception):  # the parameter target T(𝖲) ({"t"}) does not match x_t = Ŝ_t ({"a", "b"})
+        C.client_message(*args, compressor=Identity(), aggregate="parameter")
+
+
+def test_direction_active_set():
+    """``FedMMDirection.active``: a bool mask of the round's active clients, gathered (FixedSize) or not."""
+    cd = ClientData.from_list(_rows())
+    state = C.fedmm_init(FAM, S0, cd, _key())
+    kt = random.fold_in(state.rng_key, state.step)
+    for law in (FixedSize(2), Bernoulli(0.5)):
+        d = C.fedmm_direction(state, FAM, cd, alpha=0.5, participation=law, compressor=Identity())
+        idx, valid = C.round_clients(law, 4, kt)
+        want = np.zeros(4, bool)
+        want[np.asarray(idx)[np.asarray(valid)]] = True
+        assert d.active.dtype == jnp.bool_ and d.active.shape == (4,)
+        np.testing.assert_array_equal(d.active, want)
+        assert 0 < want.sum() < 4
+
+
+def test_float32_state_keeps_its_dtypes_under_x64():
+    """With ``enable_x64`` γ and μ are float64 (``jnp.result_type(float)``): a float32 server iterate stays float32
+    (γ is cast to the iterate's dtype), the SA-SSMM step counter is int32 and the objective follows the clients'
+    dtype."""
+    with jax.enable_x64(True):
+        s0 = {"a": jnp.asarray(S0["a"]), "b": jnp.asarray(S0["b"])}
+        st = C.sassmm_init(FAM, s0, _key())
+        assert st.step.dtype == jnp.int32
+        cd = ClientData.from_list(_rows())
+        state = C.fedmm_init(FAM, s0, cd, _key())
+        for aggregate in ("surrogate", "parameter"):
+            state = C.fedmm_init(FAM, s0, cd, _key(), aggregate=aggregate)
+            s_new, theta_new, _ = C.server_update(state, FAM, state.V, 0.5, aggregate)
+            assert s_new["a"].dtype == jnp.float32 and theta_new["t"].dtype == jnp.float32
+        assert C.full_objective(FAM, state.theta, cd).dtype == jnp.float32
+        st0 = C.fedmm_init(FAM, s0, cd, _key())
+        assert st0.step.dtype == jnp.int32 and st0.V_clients["a"].dtype == jnp.float32
+        f32 = {"x": jnp.asarray([1.0, 2.0], jnp.float32)}
+        # the tree reductions accumulate in the widest enabled float, also for an empty tree
+        assert C.tree_sqnorm(f32).dtype == jnp.float64 and C._tree_vdot(f32, f32).dtype == jnp.float64
+        assert C.tree_sqnorm({}).dtype == jnp.float64 and C._tree_vdot({}, {}).dtype == jnp.float64
+        assert C.masked_mean(jnp.ones((3, 2), jnp.float32), jnp.asarray([True, False, True])).dtype == jnp.float32
+
+
+def test_masked_mean_of_one_row_is_that_row():
+    x = jnp.asarray([[1.0, 2.0], [5.0, -4.0], [7.0, 7.0]])
+    _close(C.masked_mean(x, jnp.asarray([False, True, False])), [5.0, -4.0])
+    _close(C.masked_mean(x, jnp.zeros(3, bool)), [0.0, 0.0])  # no row: 0, not NaN
+
+
+def test_float32_oracle_rounds_stay_float32_under_x64():
+    """A family whose oracle returns float32: with ``enable_x64`` (γ, μ_i and the participation indicator are
+    float64) the SA-SSMM and FedMM iterates stay float32 — every float64 scalar is cast to the iterate's dtype."""
+    f32 = lambda tree: jax.tree.map(lambda v: jnp.asarray(v, jnp.float32), tree)  # noqa: E731
+    fam = dataclasses.replace(FAM, oracle=lambda *a: f32(_oracle(*a)))
+    with jax.enable_x64(True):
+        s0 = f32(S0)
+        rows = jnp.asarray(_rows()[1])
+        st, _ = C.sassmm_step(C.sassmm_init(fam, s0, _key()), fam, lambda key: (rows, jnp.ones(5, bool)), 0.5)
+        assert st.s["a"].dtype == jnp.float32 and st.step.dtype == jnp.int32
+        cd = ClientData.from_list(_rows())
+        state, _ = C.fedmm_step(C.fedmm_init(fam, s0, cd, _key()), fam, cd, step_size_fn=0.5, alpha=0.5,
+                                participation=Bernoulli(0.5), compressor=Identity())
+        assert state.s["a"].dtype == jnp.float32 and state.V_clients["a"].dtype == jnp.float32
