@@ -229,6 +229,8 @@ def test_bad_inputs():
     assert nfv.FedLocalVI is FedLocalVI
 
 
+@pytest.mark.slow  # a convergence reproduction (4 runs, up to 3,000 steps); the drift removal itself is
+# checked in the default run by test_vi_solvers.py and test_mutation_vi_solvers.py
 def test_drift_correction_reaches_the_centralised_optimum_on_sorted_sites():
     """Logistic regression, 4 sites sorted by a covariate (non-iid), common random numbers (a deterministic
     objective): with the default drift correction, K = 5 and K = 20 local steps reach the centralised optimum of the
