@@ -369,7 +369,7 @@ def _lippax_solver(eta, K, L, H, delta_fn, name) -> Solver:
                     k_op, k_s = random.split(kc)
                     s = _tree_normal(k_s, x)
                     v = operator(_axpy(delta, s, x), k_op, m)
-                g = _tmap(lambda vi, xi, zi: vi + (xi - zi) / eta, v, x, zm)
+                g = _tmap(lambda vi, xi, zi: vi + (xi - zi) / jnp.asarray(eta, xi.dtype), v, x, zm)
                 return _axpy(-gamma, g, x), None
 
             x, _ = lax.scan(inner, zm, jnp.arange(H))
