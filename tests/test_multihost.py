@@ -108,19 +108,14 @@ def _worker(pid: int, port: str):  # one of the 2 processes: 2 CPU devices each,
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=pid)
     import jax.numpy as jnp
-    import numpyro
-    import numpyro.distributions as dist
     from jax import random
     from numpyro.infer.autoguide import AutoNormal
 
     import numpyro_fedvi as nfv
     from numpyro_fedvi import sharding
+    from numpyro_fedvi.models import random_effects
 
-    def model(x, batch_size=None):
-        beta = numpyro.sample("beta", dist.Normal(0.0, 10.0))
-        with numpyro.plate("data", x.shape[0], subsample_size=batch_size) as idx:
-            u = numpyro.sample("u", dist.Normal(0.0, 1.0))
-            numpyro.sample("x", dist.Normal(beta + u, 0.5), obs=x[idx])
+    model = random_effects.make_model()  # beta ~ N(0, 10), u_i ~ N(0, 1), x_i ~ N(beta + u_i, 0.5)
 
     def flat(tree):
         return np.concatenate([np.ravel(np.asarray(v, np.float64)) for v in jax.tree.leaves(tree)]).tolist()

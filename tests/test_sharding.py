@@ -130,16 +130,13 @@ def _worker(part):  # runs in a subprocess with 4 CPU devices: part "pdvi" or "f
 
     import numpyro_fedvi as nfv
     from numpyro_fedvi import sharding
+    from numpyro_fedvi.models import random_effects
     from numpyro_fedvi.federated import ClientData, FixedSize
     from numpyro_fedvi.fedlocalvi import FedLocalVI
     from numpyro_fedvi.fedmm import FedMM, FedSVI, gmm_map_em
     from numpyro_fedvi.robust import RobustFedVI
 
-    def model(x, batch_size=None):
-        beta = numpyro.sample("beta", dist.Normal(0.0, 10.0))
-        with numpyro.plate("data", x.shape[0], subsample_size=batch_size) as idx:
-            u = numpyro.sample("u", dist.Normal(0.0, 1.0))
-            numpyro.sample("x", dist.Normal(beta + u, 0.5), obs=x[idx])
+    model = random_effects.make_model()  # beta ~ N(0, 10), u_i ~ N(0, 1), x_i ~ N(beta + u_i, 0.5)
 
     def flat(tree):
         return np.concatenate([np.ravel(np.asarray(v, np.float64)) for v in jax.tree.leaves(tree)]).tolist()
