@@ -431,8 +431,9 @@ def local_dual_averaging(eta, num_local_steps: int, prox: ProxMap | None = None)
     def init(z0, num_clients, key):
         return _init_state(z0, num_clients, key, dual=True)
 
-    def primal(state, y, t):
-        return mirror_map(prox, state.anchor, y, t.astype(jnp.float32) * eta)
+    def primal(state, y, t):  # s = tη in the duals' dtype (a float64 η under x64 must not promote a float32 problem)
+        dtype = jnp.result_type(*jax.tree.leaves(y))
+        return mirror_map(prox, state.anchor, y, t.astype(dtype) * jnp.asarray(eta, dtype))
 
     def half_step(state, operator, z, x, k, idx, rkey):
         t = state.step + k + 1

@@ -468,7 +468,7 @@ def test_float32_problem_stays_float32_under_x64(method):
     SLIPPAX's perturbations s ~ N(0, I) are float32, so the scanned iterates keep their dtype."""
     with jax.enable_x64(True):
         soft = lambda w, s: jax.tree.map(lambda a: jnp.sign(a) * jnp.maximum(jnp.abs(a) - 0.4 * s, 0.0), w)  # noqa
-        solver = (vs.local_dual_averaging(ETA, 2, prox=soft) if method == "local_dual_averaging"
+        solver = (vs.local_dual_averaging(np.float64(ETA), 2, prox=soft) if method == "local_dual_averaging"
                   else vs.slippax(np.float64(ETA), 2, L_NOM, 1, SIGMA))  # a float64 η: γ, δ, η are cast
         state = solver.init(_tree(Z0_NP), M, random.key(SEED))
         base = _operator()
