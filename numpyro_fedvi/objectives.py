@@ -104,7 +104,8 @@ def block_loss_fn(elbo, model, guide, structure: ModelStructure, static_kwargs: 
         if plate.subsampled:
             local = structure.constrain_local(local_rows_unc)
             site_mask, local_scale = mask, local_weight * idx.shape[0] / plate.size  # undoes the plate's N/|b|
-            m, g = handlers.substitute(model, data={plate.name: idx}), handlers.substitute(guide, data={plate.name: idx})
+            pinned = {plate.name: idx}
+            m, g = handlers.substitute(model, data=pinned), handlers.substitute(guide, data=pinned)
         else:
             target = jnp.where(mask, idx, plate.size)
             site_mask = jnp.zeros(plate.size, jnp.int32).at[target].add(1, mode="drop") > 0

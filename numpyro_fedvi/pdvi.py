@@ -605,7 +605,8 @@ class PDVI:
                                                                                       inputs))
 
     def _compiled(self, name, fn):
-        """``fn(state, inputs)`` jitted once per engine (and input shapes): see :class:`~numpyro_fedvi.inputs.InputJit`."""
+        """``fn(state, inputs)`` jitted once per engine (and input shapes): see
+        :class:`~numpyro_fedvi.inputs.InputJit`."""
         cache = self.__dict__.setdefault("_jit_cache", {})
         if name not in cache:
             cache[name] = InputJit(fn)

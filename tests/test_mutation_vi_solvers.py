@@ -388,7 +388,8 @@ def _terms(method, L, D_, s, K_, R_, M_, G=None, d=None, beta=None):
     if method == "lesgd":
         t = [1 / (L * math.sqrt(14 * K_))]
         n = [D_ * math.sqrt(M_) / (s * math.sqrt(6 * K_ * R_)),
-             D_ ** (2 / 3) / (936 ** (1 / 3) * e ** (2 / 3) * K_ ** (2 / 3) * R_ ** (1 / 3) * s ** (2 / 3) * L ** (1 / 3))]
+             D_ ** (2 / 3)
+             / (936 ** (1 / 3) * e ** (2 / 3) * K_ ** (2 / 3) * R_ ** (1 / 3) * s ** (2 / 3) * L ** (1 / 3))]
     elif method == "lippax":
         t = [1 / L]
         n = [D_ * math.sqrt(M_) / (s * math.sqrt(K_ * R_)),
@@ -481,7 +482,8 @@ def test_float32_problem_stays_float32_under_x64(method):
         assert state.z["u"].dtype == jnp.float32 and info.mean_iterate["u"].dtype == jnp.float32
         # the diagnostics keep the documented 32-bit dtypes too
         assert info.drift.dtype == jnp.float32 and info.oracle_calls.dtype == jnp.int32
-        assert state.step.dtype == jnp.int32 and state.round.dtype == jnp.int32 and state.output["u"].dtype == jnp.float32
+        assert state.step.dtype == jnp.int32 and state.round.dtype == jnp.int32
+        assert state.output["u"].dtype == jnp.float32
 
 
 def test_tree_normal_one_key_per_leaf():
