@@ -18,6 +18,7 @@ coordinate) is P²D-VI (Oracle II).  The invariant ``h = D_η^{-1} mean(μ)`` ho
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import warnings
@@ -429,19 +430,17 @@ class PDVI:
         return self.structure.data_plate.size if self.dual_granularity == "datum" else self.blocks.num_blocks
 
     def _setup(self, rng_key, args, kwargs, init_params):
-        if self.local_table == "host":  # the initial table and the blocks are built on the CPU device (host
-            with jax.default_device(jax.devices("cpu")[0]):  # memory), never on an accelerator
-                structure = inspect_model(self.model, self.guide, rng_key, args, {**kwargs, **self.static_kwargs},
-                                          data_plate=self.data_plate, init_params=init_params)
+        host = self.local_table == "host"  # the initial table and the blocks are then built on the CPU device
+        with jax.default_device(jax.devices("cpu")[0]) if host else contextlib.nullcontext():  # (host memory)
+            structure = inspect_model(self.model, self.guide, rng_key, args, {**kwargs, **self.static_kwargs},
+                                      data_plate=self.data_plate, init_params=init_params)
+        if host:
             if not structure.data_plate.subsampled:
                 raise ValueError(f"local_table='host' needs a subsampled data plate (numpyro.plate("
                                  f"{structure.data_plate.name!r}, N, subsample_size=...)): the unsubsampled path "
                                  "evaluates every block on all N rows of the table.")
             structure = dataclasses.replace(structure, init_local={k: np.asarray(v) for k, v in
                                                                    structure.init_local.items()})
-        else:
-            structure = inspect_model(self.model, self.guide, rng_key, args, {**kwargs, **self.static_kwargs},
-                                      data_plate=self.data_plate, init_params=init_params)
         size = structure.data_plate.size
         if self.blocks is None or self.structure is None or self.structure.data_plate.size != size:
             blocks = make_partitions(size, self.num_partitions, self.partitions)
@@ -514,7 +513,7 @@ class PDVI:
         def solve_one(unit, data, rows, lam0, mu, eta, local, key):
             idx, mask, weight = self._unit_data(unit, blocks) if data is None else data
             if rows is None:  # device table: the unit's rows gathered here
-                rows = {k: v[idx] for k, v in local.items()}
+                rows = self._rows_of(local, idx)
             # the Monte-Carlo key is fixed during one solve (common random numbers); with crn="run" it is
             # also the same at every visit, which makes each f_i a deterministic sample-average objective
             unit_key = random.fold_in(base_key if self.crn == "run" else key, unit)
@@ -534,21 +533,23 @@ class PDVI:
             return lam, rows, jnp.where(ok, value, jnp.nan), idx, mask
 
         def oracle(units, mask, lam0, mu_sel, eta, local, key):
-            if isinstance(local, _host.HostTable):  # host table: the selected blocks and rows in, new values out
+            host = isinstance(local, _host.HostTable)
+            if host:  # host table: the selected blocks and rows in, their new values out (scatter below)
                 bl, rows = _host.gather_blocks(blocks, local, units)
                 data = (bl["indices"], bl["mask"], bl["sizes"] / size)
-                lam, rows, values, idx, row_mask = jax.vmap(solve_one, in_axes=(0, 0, 0, None, 0, None, None, None))(
-                    units, data, rows, lam0, mu_sel, eta, {}, key)
-                ok = jnp.all(jnp.where(mask, jnp.isfinite(values), True))
-                _host.scatter(local, idx, rows, row_mask & mask[:, None] & ok)
-                return lam, local, values
-            if self.mesh is not None:  # the selected units spread over the devices (when their number divides)
-                units, mu_sel = _sharding.constrain_rows((units, mu_sel), self.mesh)
-            in_axes = (0, None, None, None, 0, None, None, None)
-            lam, rows, values, idx, row_mask = jax.vmap(solve_one, in_axes=in_axes)(units, None, None, lam0, mu_sel,
-                                                                                   eta, local, key)
+                in_axes = (0, 0, 0, None, 0, None, None, None)
+                solve_args = (units, data, rows, lam0, mu_sel, eta, {}, key)
+            else:
+                if self.mesh is not None:  # the selected units spread over the devices (when their number divides)
+                    units, mu_sel = _sharding.constrain_rows((units, mu_sel), self.mesh)
+                in_axes = (0, None, None, None, 0, None, None, None)
+                solve_args = (units, None, None, lam0, mu_sel, eta, local, key)
+            lam, rows, values, idx, row_mask = jax.vmap(solve_one, in_axes=in_axes)(*solve_args)
             ok = jnp.all(jnp.where(mask, jnp.isfinite(values), True))  # a failed step writes nothing
             keep = row_mask & mask[:, None] & ok
+            if host:
+                _host.scatter(local, idx, rows, keep)
+                return lam, local, values
             target = jnp.where(keep, idx, size).reshape(-1)
             local = {k: v.at[target].set(rows[k].reshape((-1,) + v.shape[1:]).astype(v.dtype), mode="drop")
                      for k, v in local.items()}
