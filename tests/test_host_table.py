@@ -150,3 +150,22 @@ def test_host_table_bad_combinations_are_refused():
 
     with pytest.raises(ValueError, match="subsampled data plate"):
         nfv.PDVI(plain, AutoNormal(plain), num_partitions=4, eta=1e-3, local_table="host").init(random.key(0), X)
+
+
+def test_failed_step_writes_nothing_into_the_host_table():
+    """A step whose block solve is not finite writes no row of the host table (as with the device table): the run
+    stops at that step and returns the table of the last finite step."""
+    def solver(lam0, mu, eta, rows, block, x, batch_size=None):  # rows + 1; NaN on the block holding datum 400
+        bad = jnp.any(block.indices == 400)
+        return lam0, {k: jnp.where(bad, jnp.nan, v + 1.0) for k, v in rows.items()}
+
+    for table in ("device", "host"):
+        eng = engine(table, selection="cyclic", eta=0.1, eta_refresh=False, block_solver=solver)
+        with pytest.warns(RuntimeWarning, match="step 1"):  # cyclic: blocks 4..7 (rows 400..799) at step 1
+            res = eng.run(random.key(0), 3, X, batch_size=10, progress_bar=False)
+        assert res.diagnostics["non_finite_step"] == 1
+        local = res.state.local.numpy() if table == "host" else res.state.local
+        u = np.asarray(local["u_auto_loc"])
+        init = np.asarray(eng.structure.init_local["u_auto_loc"])
+        np.testing.assert_allclose(u[:400], init[:400] + 1.0, rtol=1e-6)  # step 0 wrote blocks 0..3
+        np.testing.assert_array_equal(u[400:], init[400:])  # step 1 wrote nothing
