@@ -1,0 +1,785 @@
+"""Fast tests of numpyro_fedvi.pdvi for mutation testing (CONTRIBUTING.md "Mutation testing"); they run in the
+normal suite too.
+
+Functional core: Algorithm 1 (specs/pdvi.md §1) written out in numpy (float64) on n = 5 units with a two-leaf global
+pytree, per-coordinate η, a keyed oracle (its answer depends on ``fold_in(oracle_key, unit)``, so a wrong key
+shows), a step-dependent selection with a padded slot (mask False, whose finite garbage must be dropped), the guard,
+the invariant ``h = D_η^{-1} mean(μ)`` after every step of the transient, and the dtypes under x64.  ``prox_solve``
+against numpy gradient descent (alternating and joint) and the exact minimiser (Newton).
+
+Front-end: ``PDVI`` on a Gaussian random-effects model with a DELTA guide, so that the block negative ELBO is the
+deterministic quadratic ``f_b(m, a_b) = −Σ_{j∈b} [log N(a_j | m, 1) + log N(x_j | a_j, ½)] − (|b|/N) log N(m | 0, 3)``
+and every oracle, loss, curvature (``eta="auto"``) and dual refresh has a closed form, transcribed in numpy below.
+
+No JAX work at import: the mutmut fork server collects this module and must not start XLA.
+"""
+
+import math
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+import optax
+import pytest
+from jax import random
+from numpyro.infer import Trace_ELBO
+
+from numpyro_fedvi import pdvi as P
+from numpyro_fedvi.federated.participation import sample_without_replacement
+
+# ----------------------------------------------------------------------------------------------------------------
+# functional core: Algorithm 1 with a keyed oracle
+# ----------------------------------------------------------------------------------------------------------------
+
+NU = 5                                   # units
+C_NP = np.array([0.5, 1.0, 2.0, 0.8, 1.5])  # curvature of f_i
+T_NP = np.array([[1.0, -2.0, 0.5], [0.3, 0.4, -1.0], [-1.5, 2.0, 0.0], [2.0, 1.0, 1.0], [0.0, -0.5, 2.5]])
+ETA_A = np.array([0.3, 0.7])
+ETA_B = 0.5
+GARBAGE = 50.0
+
+
+def _split(v):
+    return {"a": v[..., :2], "b": v[..., 2]}
+
+
+def _join(t):
+    return np.concatenate([np.asarray(t["a"], np.float64), np.asarray(t["b"], np.float64)[..., None]], axis=-1)
+
+
+def _eta_vec():
+    return np.array([ETA_A[0], ETA_A[1], ETA_B])
+
+
+def _select(key, step):
+    """Two distinct units, shifted by the step, and a padded third slot (mask False)."""
+    chosen = (random.choice(key, NU, (2,), replace=False) + step) % NU
+    return jnp.concatenate([chosen, chosen[:1]]), jnp.array([True, True, False])
+
+
+def _noise(key, unit):
+    return 0.01 * random.normal(random.fold_in(key, unit), (3,))
+
+
+def _oracle(nan_at=None, nan_lam=False, nan_pad_loss=False):
+    """Exact prox of f_i(λ) = ½ c_i ‖λ − t_i‖² plus a keyed offset; the padded slot answers finite garbage.
+    ``local`` counts the visits.  ``nan_at=(step-ish marker)``: units whose loss (or λ) is NaN."""
+    c, t = jnp.asarray(C_NP, jnp.float32), jnp.asarray(T_NP, jnp.float32)
+
+    def oracle(units, mask, lam0, mu_sel, eta, local, key):
+        l0 = jnp.concatenate([lam0["a"], lam0["b"][None]]).astype(jnp.float32)
+        mu = jnp.concatenate([mu_sel["a"], mu_sel["b"][:, None]], axis=1).astype(jnp.float32)
+        e = jnp.concatenate([eta["a"], eta["b"][None]]).astype(jnp.float32)
+        ci, ti = c[units][:, None], t[units]
+        lam = (ci * ti - mu + l0 / e) / (ci + 1 / e)
+        lam = lam + jax.vmap(lambda u: _noise(key, u))(units)
+        lam = jnp.where(mask[:, None], lam, GARBAGE)
+        losses = 0.5 * c[units] * jnp.sum((lam - ti) ** 2, 1)
+        losses = jnp.where(mask, losses, 1e6)
+        if nan_at is not None:
+            bad = units == nan_at
+            if nan_lam:
+                lam = jnp.where(bad[:, None] & mask[:, None], jnp.nan, lam)
+            else:
+                losses = jnp.where(bad & mask, jnp.nan, losses)
+        if nan_pad_loss:
+            losses = jnp.where(mask, losses, jnp.nan)
+        local = {"count": local["count"].at[jnp.where(mask, units, NU)].add(1, mode="drop")}
+        return {"a": lam[:, :2], "b": lam[:, 2]}, local, losses
+
+    return oracle
+
+
+def _np_algorithm1(lam0, steps, rng_key):
+    """Algorithm 1 in numpy (float64); the keys and the selection are the documented ones."""
+    eta = _eta_vec()
+    lam0 = np.array(lam0, np.float64)
+    h, mu, count = np.zeros(3), np.zeros((NU, 3)), np.zeros(NU)
+    hist = []
+    for step in range(steps):
+        key = random.fold_in(rng_key, step)
+        sk, ok = random.split(key)
+        units, mask = (np.asarray(v) for v in _select(sk, step))
+        sel = units[mask]
+        lam = np.stack([(C_NP[i] * T_NP[i] - mu[i] + lam0 / eta) / (C_NP[i] + 1 / eta)
+                        + np.asarray(_noise(ok, int(i)), np.float64) for i in sel])
+        losses = np.array([0.5 * C_NP[i] * np.sum((lam[k] - T_NP[i]) ** 2) for k, i in enumerate(sel)])
+        delta = lam - lam0
+        for k, i in enumerate(sel):
+            mu[i] += delta[k] / eta
+            count[i] += 1
+        h = h + delta.sum(0) / NU
+        lam0 = lam.mean(0) + h
+        hist.append((lam0.copy(), h.copy(), mu.copy(), count.copy(), NU / len(sel) * losses.sum()))
+    return hist
+
+
+def _core_init(dtype=jnp.float32):
+    lam0 = {"a": jnp.asarray([0.2, -0.1], dtype), "b": jnp.asarray(0.4, dtype)}
+    eta = {"a": jnp.asarray(ETA_A, dtype), "b": ETA_B}
+    return P.pdvi_init(lam0, NU, {"count": jnp.zeros(NU, jnp.int32)}, eta, random.key(7))
+
+
+def _close(actual, desired, tol=2e-5):
+    np.testing.assert_allclose(np.asarray(actual, np.float64), np.asarray(desired, np.float64), rtol=tol, atol=tol)
+
+
+def test_pdvi_init():
+    with jax.enable_x64(True):
+        s = _core_init()
+        assert s.lam0["a"].dtype == jnp.float64 and s.h["b"].dtype == jnp.float64
+        assert s.mu["a"].shape == (NU, 2) and s.mu["b"].shape == (NU,) and s.mu["a"].dtype == jnp.float64
+        assert s.eta["b"].dtype == jnp.float64 and s.eta["a"].dtype == jnp.float64
+        assert s.step.dtype == jnp.int32 and int(s.step) == 0
+        _close(s.lam0["a"], [0.2, -0.1], 1e-7)
+        assert float(jnp.abs(s.h["a"]).sum() + jnp.abs(s.mu["a"]).sum() + jnp.abs(s.mu["b"]).sum()) == 0.0
+        _close(s.eta["a"], ETA_A, 1e-7)
+        assert s.local["count"].shape == (NU,)
+        np.testing.assert_array_equal(random.key_data(s.rng_key), random.key_data(random.key(7)))
+    s = _core_init()
+    assert s.lam0["a"].dtype == jnp.float32 and s.mu["b"].dtype == jnp.float32 and s.h["a"].shape == (2,)
+
+
+def test_pdvi_step_matches_algorithm1_transient():
+    s = _core_init()
+    hist = _np_algorithm1([0.2, -0.1, 0.4], 5, random.key(7))
+    step = jax.jit(lambda st: P.pdvi_step(st, _oracle(), _select))
+    for t, (lam0, h, mu, count, loss) in enumerate(hist):
+        s, lo = step(s)
+        assert int(s.step) == t + 1
+        _close(_join(s.lam0), lam0)
+        _close(_join(s.h), h)
+        _close(_join(s.mu), mu)
+        np.testing.assert_array_equal(np.asarray(s.local["count"]), count)
+        _close(lo, loss, 1e-4)
+        # Remark 3.1: h = D_η^{-1} mean(μ)
+        _close(_join(s.h), _eta_vec() * _join(s.mu).mean(0))
+        _close(s.eta["a"], ETA_A, 1e-7)
+        np.testing.assert_array_equal(random.key_data(s.rng_key), random.key_data(random.key(7)))
+
+
+def test_pdvi_step_guard_rejects_non_finite_step():
+    s0 = _core_init()
+    for _ in range(2):
+        s0, _ = P.pdvi_step(s0, _oracle(), _select)
+    units, _ = _select(random.split(random.fold_in(s0.rng_key, s0.step))[0], s0.step)
+    bad = int(units[1])
+    for kw in ({"nan_at": bad}, {"nan_at": bad, "nan_lam": True}):
+        s, loss, ok = P.pdvi_step(s0, _oracle(**kw), _select, guard=True)
+        assert not bool(ok)
+        assert int(s.step) == int(s0.step) + 1
+        for f in ("lam0", "h", "mu"):
+            _close(_join(getattr(s, f)), _join(getattr(s0, f)), 0)
+        if "nan_lam" in kw:
+            assert np.isfinite(float(loss))
+    # a NaN loss on the padded slot is not looked at: the step goes through, as the unguarded one
+    s, loss, ok = P.pdvi_step(s0, _oracle(nan_pad_loss=True), _select, guard=True)
+    ref, ref_loss = P.pdvi_step(s0, _oracle(), _select)
+    assert bool(ok) and np.isfinite(float(loss))
+    _close(loss, ref_loss, 1e-6)
+    for f in ("lam0", "h", "mu"):
+        _close(_join(getattr(s, f)), _join(getattr(ref, f)), 0)
+    # guard=True on a good step: the same state as the unguarded step, ok True
+    s, loss, ok = P.pdvi_step(s0, _oracle(), _select, guard=True)
+    assert bool(ok) is True or bool(ok)
+    _close(_join(s.lam0), _join(ref.lam0), 0)
+    assert len(P.pdvi_step(s0, _oracle(), _select)) == 2
+
+
+def test_pdvi_step_x64_dtypes():
+    with jax.enable_x64(True):
+        s = _core_init()
+        hist = _np_algorithm1([0.2, -0.1, 0.4], 3, random.key(7))
+        for lam0, h, mu, _, loss in hist:
+            s, lo, ok = P.pdvi_step(s, _oracle(), _select, guard=True)
+            assert s.lam0["a"].dtype == jnp.float64 and s.mu["b"].dtype == jnp.float64
+            assert s.h["a"].dtype == jnp.float64 and s.step.dtype == jnp.int32
+            _close(_join(s.lam0), lam0)
+            _close(_join(s.mu), mu)
+            _close(_join(s.h), _join(s.eta) * _join(s.mu).mean(0), 1e-12)
+
+
+def test_dual_step_and_consensus_update():
+    d = jnp.asarray([0.6, -0.3])
+    _close(P.dual_step(d, jnp.asarray([0.3, 0.5])), [2.0, -0.6], 1e-6)
+    lam0 = {"x": jnp.asarray([1.0, 2.0]), "y": jnp.asarray(0.5)}
+    h = {"x": jnp.asarray([0.1, -0.1]), "y": jnp.asarray(0.2)}
+    lam_sel = {"x": jnp.asarray([[2.0, 0.0], [1.0, 4.0], [9.0, 9.0]]), "y": jnp.asarray([1.5, 0.0, 9.0])}
+    mask = jnp.array([True, True, False])
+    new, hn, delta = P.consensus_update(lam0, h, lam_sel, mask, jnp.asarray(True), 4)
+    _close(delta["x"], [[1.0, -2.0], [0.0, 2.0], [0.0, 0.0]], 1e-6)
+    _close(delta["y"], [1.0, -0.5, 0.0], 1e-6)
+    _close(hn["x"], [0.1 + 1.0 / 4, -0.1 + 0.0], 1e-6)
+    _close(hn["y"], 0.2 + 0.5 / 4, 1e-6)
+    _close(new["x"], [1.5 + 0.35, 2.0 - 0.1], 1e-6)
+    _close(new["y"], 0.75 + 0.325, 1e-6)
+    # ok False: λ_0 and h kept, δ = 0
+    new, hn, delta = P.consensus_update(lam0, h, lam_sel, mask, jnp.asarray(False), 4)
+    _close(new["x"], [1.0, 2.0], 0)
+    _close(hn["y"], np.float32(0.2), 0)
+    _close(delta["x"], np.zeros((3, 2)), 0)
+    # one unit selected: its λ plus h (count is the number of mask entries)
+    new, hn, _ = P.consensus_update(lam0, h, lam_sel, jnp.array([False, True, False]), True, 2)
+    _close(new["y"], 0.0 + 0.2 - 0.25, 1e-6)
+    # nothing selected: no division by zero, λ_0 = h
+    new, hn, _ = P.consensus_update(lam0, h, lam_sel, jnp.array([False, False, False]), True, 2)
+    _close(new["x"], [0.1, -0.1], 1e-6)
+    with jax.enable_x64(True):  # δ and h accumulate in float64 from float32 solutions
+        lam0 = {"x": jnp.asarray([1.0, 2.0], jnp.float64)}
+        sel = {"x": jnp.asarray([[1.0 + 2.0**-30, 2.0]], jnp.float32)}
+        new, hn, delta = P.consensus_update(lam0, {"x": jnp.zeros(2)}, sel, jnp.array([True]), True, 1)
+        assert delta["x"].dtype == jnp.float64 and new["x"].dtype == jnp.float64
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# prox_solve
+# ----------------------------------------------------------------------------------------------------------------
+
+def _quad():
+    rng = np.random.default_rng(3)
+    A = rng.normal(size=(5, 5))
+    Q = A @ A.T / 5 + np.eye(5)
+    v = rng.normal(size=5)
+    return Q, v
+
+
+def _prox_problem():
+    Q, v = _quad()
+    Qj, vj = jnp.asarray(Q, jnp.float32), jnp.asarray(v, jnp.float32)
+
+    def f(lam, phi):
+        z = jnp.concatenate([lam["g"], lam["k"][None], phi["p"]])
+        return 0.5 * z @ Qj @ z + vj @ z
+
+    lam0 = {"g": jnp.asarray([0.3, -0.2]), "k": jnp.asarray(0.5)}
+    mu = {"g": jnp.asarray([0.4, -0.7]), "k": jnp.asarray(0.2)}
+    eta = {"g": jnp.asarray([0.5, 2.0]), "k": jnp.asarray(0.25)}
+    phi = {"p": jnp.asarray([0.1, 0.2])}
+    return f, lam0, mu, eta, phi, Q, v
+
+
+def _np_lagrangian_grad(z, Q, v, l0, mu, eta):
+    g = Q @ z + v
+    g[:3] += mu + (z[:3] - l0) / eta
+    return g
+
+
+def test_prox_solve_gradient_steps_alternating_and_joint():
+    f, lam0, mu, eta, phi, Q, v = _prox_problem()
+    l0, m, e = np.array([0.3, -0.2, 0.5]), np.array([0.4, -0.7, 0.2]), np.array([0.5, 2.0, 0.25])
+    lr, steps = 0.1, 3
+    for alternating in (True, False):
+        z = np.concatenate([l0, [0.1, 0.2]])
+        for _ in range(steps):
+            if alternating:
+                z[3:] -= lr * _np_lagrangian_grad(z, Q, v, l0, m, e)[3:]
+                z[:3] -= lr * _np_lagrangian_grad(z, Q, v, l0, m, e)[:3]
+            else:
+                z -= lr * _np_lagrangian_grad(z, Q, v, l0, m, e)
+        lam, ph, val = P.prox_solve(f, lam0, mu, eta, phi, optax.sgd(lr), steps, alternating)
+        _close(np.concatenate([np.asarray(lam["g"]), [float(lam["k"])], np.asarray(ph["p"])]), z, 1e-5)
+        _close(val, 0.5 * z @ Q @ z + v @ z, 1e-5)   # f, without the penalty
+    # no local params: the joint path even when alternating=True
+    g_only = {"g": lam0["g"]}
+
+    def f2(lam, phi_):
+        return 0.5 * jnp.sum(lam["g"] ** 2)
+
+    lam, ph, val = P.prox_solve(f2, g_only, {"g": mu["g"]}, {"g": eta["g"]}, {}, optax.sgd(lr), 2, True)
+    z = np.array([0.3, -0.2])
+    for _ in range(2):
+        z -= lr * (z + m[:2] + (z - l0[:2]) / e[:2])
+    _close(lam["g"], z, 1e-6)
+    assert ph == {}
+
+
+def test_prox_solve_newton_and_extra_args_optimizer():
+    f, lam0, mu, eta, phi, Q, v = _prox_problem()
+    l0, m, e = np.array([0.3, -0.2, 0.5]), np.array([0.4, -0.7, 0.2]), np.array([0.5, 2.0, 0.25])
+    H = Q + np.diag(np.concatenate([1 / e, [0, 0]]))
+    b = v + np.concatenate([m - l0 / e, [0, 0]])
+    z = np.linalg.solve(H, -b)
+    lam, ph, val = P.prox_solve(f, lam0, mu, eta, {"p": phi["p"][None]}, "newton", 20) if False else (None,) * 3
+    # newton_solve needs rows (one datum each): φ as one row of 2
+    Qj, vj = jnp.asarray(Q, jnp.float32), jnp.asarray(v, jnp.float32)
+
+    def frows(lam, rows):
+        zz = jnp.concatenate([lam["g"], lam["k"][None], rows["p"][0]])
+        return 0.5 * zz @ Qj @ zz + vj @ zz
+
+    lam, ph, val = P.prox_solve(frows, lam0, mu, eta, {"p": phi["p"][None]}, "newton", 20)
+    got = np.concatenate([np.asarray(lam["g"]), [float(lam["k"])], np.asarray(ph["p"][0])])
+    _close(got, z, 1e-4)
+    _close(val, 0.5 * z @ Q @ z + v @ z, 1e-4)
+
+    # an optimizer that reads value, grad and value_fn (optax's extra args)
+    def init(params):
+        return optax.EmptyState()
+
+    def update(updates, state, params=None, *, value=None, grad=None, value_fn=None, **extra):
+        ok = jnp.isclose(value_fn(params), value, rtol=1e-6)
+        ok = ok & jax.tree.reduce(jnp.logical_and, jax.tree.map(lambda a, b: jnp.all(a == b), updates, grad))
+        return jax.tree.map(lambda g: jnp.where(ok, -0.1 * g, jnp.nan), grad), state
+
+    opt = optax.GradientTransformationExtraArgs(init, update)
+    ref = P.prox_solve(f, lam0, mu, eta, phi, optax.sgd(0.1), 2, True)
+    got = P.prox_solve(f, lam0, mu, eta, phi, opt, 2, True)
+    _close(got[0]["g"], ref[0]["g"], 1e-6)
+    _close(got[1]["p"], ref[1]["p"], 1e-6)
+    _close(got[2], ref[2], 1e-6)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# eta checks
+# ----------------------------------------------------------------------------------------------------------------
+
+def test_eta_spec_checks():
+    P._check_eta_spec("auto")
+    P._check_eta_spec(0.5)
+    P._check_eta_spec(np.float32(2))
+    P._check_eta_spec(3)
+    P._check_eta_spec({"a": 1.0, "b": [1.0, 2.0]})
+    P._check_eta_spec({"a": -1.0})          # values are checked at init, not here
+    with pytest.raises(ValueError, match="got the string 'Auto'"):
+        P._check_eta_spec("Auto")
+    with pytest.raises(TypeError, match=r"got a list \[1\.0, 2\.0\] \(per-site values go in a dict"):
+        P._check_eta_spec([1.0, 2.0])
+    with pytest.raises(TypeError, match="got a tuple"):
+        P._check_eta_spec((1.0,))
+    with pytest.raises(ValueError, match=r"got an array of shape \(2,\) \(per-coordinate"):
+        P._check_eta_spec(np.array([1.0, 2.0]))
+    with pytest.raises(TypeError, match=r"eta\['a'\] must be a positive float or an array of them, got 'x'"):
+        P._check_eta_spec({"a": "x"})
+    with pytest.raises(TypeError, match="eta must be a positive float or an array of them, got None"):
+        P._check_eta_spec(None)
+    with pytest.raises(TypeError, match=r"dtype complex"):
+        P._check_eta_spec(1j)
+    with pytest.raises(TypeError, match="dtype bool"):
+        P._check_eta_spec(True)
+
+
+def test_eta_array():
+    for bad in ("a", b"a", {"a": 1}, None):
+        with pytest.raises(TypeError, match="^nm must be a positive float or an array of them, got"):
+            P._eta_array(bad, "nm")
+    with pytest.raises(TypeError, match="^nm must be a positive float or a rectangular array of them"):
+        P._eta_array([[1.0], [1.0, 2.0]], "nm")
+    for bad in (0.0, -1.0, np.inf, np.nan, [1.0, 0.0]):
+        with pytest.raises(ValueError, match="^nm must be positive and finite, got"):
+            P._eta_array(bad, "nm")
+        P._eta_array(bad, "nm", check_values=False)
+    out = P._eta_array([1, 2], "nm")
+    assert isinstance(out, np.ndarray) and out.tolist() == [1, 2]
+    assert P._eta_array(np.uint8(3), "nm") == 3
+    with pytest.raises(TypeError, match=r"\(dtype <U1\)"):
+        P._eta_array(np.array(["a"]), "nm")
+
+
+def test_check_eta_against_sites():
+    init = {"m": jnp.zeros(()), "v": jnp.zeros((2, 3))}
+    out = P._check_eta(0.5, init)
+    assert sorted(out) == ["m", "v"] and out["m"].dtype == jnp.float32
+    _close(out["v"], 0.5, 0)
+    out = P._check_eta({"v": np.ones(3), "m": 2}, init)
+    assert out["v"].shape == (3,) and list(out) == ["m", "v"]
+    _close(out["m"], 2.0, 0)
+    with jax.enable_x64(True):
+        assert P._check_eta(0.5, init)["m"].dtype == jnp.float64
+    with pytest.raises(ValueError, match=r"unknown: \['w'\], missing: \['v'\]"):
+        P._check_eta({"m": 1.0, "w": 1.0}, init)
+    with pytest.raises(ValueError, match=r"unknown: \[\], missing: \['v'\]"):
+        P._check_eta({"m": 1.0}, init)
+    with pytest.raises(ValueError, match=r"one entry per global param site \['m', 'v'\]"):
+        P._check_eta({"m": 1.0, "v": 1.0, "z": 2.0}, init)
+    with pytest.raises(ValueError, match=r"eta\['v'\] has shape \(4,\), but the global param site 'v' has shape "
+                                         r"\(2, 3\)"):
+        P._check_eta({"m": 1.0, "v": np.ones(4)}, init)
+    with pytest.raises(ValueError, match=r"eta\['m'\] has shape \(3,\)"):   # broadcasts, but enlarges the site
+        P._check_eta({"m": np.ones(3), "v": 1.0}, init)
+    with pytest.raises(ValueError, match=r"eta\['m'\] must be positive and finite"):
+        P._check_eta({"m": 0.0, "v": 1.0}, init)
+    with pytest.raises(ValueError, match="^eta must be positive and finite"):
+        P._check_eta(-1.0, init)
+    with pytest.raises(TypeError, match="got a list"):
+        P._check_eta([1.0], init)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# front-end: Gaussian random effects with a Delta guide (deterministic quadratic block losses)
+# ----------------------------------------------------------------------------------------------------------------
+
+S0, TAU, SIG = 3.0, 1.0, 0.5
+X_NP = np.array([0.5, -1.0, 2.0, 1.5, 0.0, 3.0, -0.5])
+NX = X_NP.size
+BLOCKS = [np.array([0, 1]), np.array([2, 3, 4]), np.array([5]), np.array([6])]
+
+
+def model(x, batch=None):
+    mu = numpyro.sample("mu", dist.Normal(0.0, S0))
+    with numpyro.plate("data", x.shape[0], subsample_size=batch) as idx:
+        theta = numpyro.sample("theta", dist.Normal(mu, TAU))
+        numpyro.sample("obs", dist.Normal(theta, SIG), obs=x[idx])
+
+
+def guide(x, batch=None):
+    numpyro.sample("mu", dist.Delta(numpyro.param("m", 0.2)))
+    with numpyro.plate("data", x.shape[0], subsample_size=batch):
+        a = numpyro.param("a", jnp.zeros(x.shape[0]), event_dim=0)
+        numpyro.sample("theta", dist.Delta(a))
+
+
+def _lognorm(x, m, s):
+    return -0.5 * np.log(2 * np.pi * s**2) - (x - m) ** 2 / (2 * s**2)
+
+
+def _f_block(m, a, idx):
+    """f_b(m, a_b) = −Σ_j [log N(a_j|m,τ) + log N(x_j|a_j,σ)] − (|b|/N) log N(m|0,s0)."""
+    return (-np.sum(_lognorm(a, m, TAU) + _lognorm(X_NP[idx], a, SIG))
+            - len(idx) / NX * _lognorm(m, 0.0, S0))
+
+
+def _curv(idx):
+    return len(idx) / TAU**2 + len(idx) / NX / S0**2
+
+
+def _grad_m(m, a, idx):
+    return -np.sum(a - m) / TAU**2 + len(idx) / NX * m / S0**2
+
+
+def _prox_exact(m0, mu, eta, idx):
+    """argmin_{m, a_b} f_b + μ (m − m0) + (m − m0)²/(2η): a_j = (m/τ² + x_j/σ²)/(1/τ² + 1/σ²), the profile in m has
+    curvature |b|/(τ² + σ²) + w/s0²."""
+    x = X_NP[idx]
+    k = 1 / (TAU**2 + SIG**2)
+    m = (k * x.sum() - mu + m0 / eta) / (len(idx) * k + len(idx) / NX / S0**2 + 1 / eta)
+    return m, (m / TAU**2 + x / SIG**2) / (1 / TAU**2 + 1 / SIG**2)
+
+
+def _solver_noise(key):
+    return 0.01 * random.normal(key)
+
+
+def block_solver(lam0, mu, eta, rows, block, x, batch=None):
+    """Exact prox in closed form plus a keyed offset on m; padded rows answer garbage (never written)."""
+    w = block.weight
+    xb = x[block.indices]
+    k = 1 / (TAU**2 + SIG**2)
+    size = jnp.sum(block.mask)
+    m = ((k * jnp.sum(jnp.where(block.mask, xb, 0.0)) - mu["m"] + lam0["m"] / eta["m"])
+         / (size * k + w / S0**2 + 1 / eta["m"]))
+    m = m + _solver_noise(block.rng_key)
+    a = (m / TAU**2 + xb / SIG**2) / (1 / TAU**2 + 1 / SIG**2)
+    return {"m": m}, {"a": jnp.where(block.mask, a, 99.0)}
+
+
+class _NpEngine:
+    """Algorithm 1 of the PDVI front-end in numpy (float64), for the Delta model above."""
+
+    def __init__(self, blocks, m, eta, rng_key, granularity="partition", selection="random", crn="oracle",
+                 noise=True, m0=0.2):
+        self.blocks, self.m, self.eta, self.key = blocks, m, eta, rng_key
+        self.gran, self.sel, self.crn, self.noise = granularity, selection, crn, noise
+        self.n = NX if granularity == "datum" else len(blocks)
+        self.m0, self.h, self.mu, self.a, self.step = m0, 0.0, np.zeros(self.n), np.zeros(NX), 0
+
+    def units(self):
+        key = random.fold_in(self.key, self.step)
+        sk, ok = random.split(key)
+        B = len(self.blocks)
+        if self.sel == "random":
+            chosen = np.asarray(random.choice(sk, B, (self.m,), replace=False))
+        else:
+            chosen = (self.step * self.m + np.arange(self.m)) % B
+        if self.gran == "datum":
+            return [int(j) for b in chosen for j in self.blocks[b]], ok
+        return [int(b) for b in chosen], ok
+
+    def idx(self, unit):
+        return np.array([unit]) if self.gran == "datum" else self.blocks[unit]
+
+    def update(self):
+        units, ok = self.units()
+        base = self.key if self.crn == "run" else ok
+        lam, rows, losses = [], [], []
+        for u in units:
+            idx = self.idx(u)
+            m, a = _prox_exact(self.m0, self.mu[u], self.eta, idx)
+            if self.noise:
+                m = m + float(_solver_noise(random.fold_in(base, u)))
+                a = (m / TAU**2 + X_NP[idx] / SIG**2) / (1 / TAU**2 + 1 / SIG**2)
+            lam.append(m)
+            rows.append(a)
+            losses.append(_f_block(m, a, idx))
+        lam = np.array(lam)
+        for u, a in zip(units, rows):
+            self.a[self.idx(u)] = a
+            self.mu[u] += (lam[units.index(u)] - self.m0) / self.eta
+        self.h += np.sum(lam - self.m0) / self.n
+        self.m0 = lam.mean() + self.h
+        self.step += 1
+        return self.n / len(units) * np.sum(losses)
+
+    def full_loss(self):
+        return sum(_f_block(self.m0, self.a[b], b) for b in self.blocks)
+
+
+def _x():
+    return jnp.asarray(X_NP, jnp.float32)
+
+
+def _engine(**kw):
+    kw = {"partitions": BLOCKS, "partitions_per_step": 2, "eta": 0.4, "oracle_draws": None,
+          "block_solver": block_solver, **kw}
+    return P.PDVI(model, guide, Trace_ELBO(), **kw)
+
+
+def _check(state, ref, tol=2e-5):
+    _close(state.lam0["m"], ref.m0, tol)
+    _close(state.h["m"], ref.h, tol)
+    _close(state.mu["m"], ref.mu, tol)
+    _close(state.local["a"], ref.a, tol)
+    assert int(state.step) == ref.step
+    _close(state.h["m"], float(state.eta["m"]) * np.mean(np.asarray(state.mu["m"])), tol)   # Remark 3.1
+
+
+def test_front_end_update_matches_algorithm1():
+    pd = _engine()
+    x = _x()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # eta = 0.4 is not far above the curvature-based value: no warning
+        s = pd.init(random.key(3), x, 2)
+    assert pd.num_units == 4 and pd.refresh_steps() == []
+    ref = _NpEngine(BLOCKS, 2, 0.4, random.split(random.key(3), 3)[0])
+    _close(s.eta["m"], np.float32(0.4), 0)
+    _close(s.lam0["m"], 0.2, 1e-7)
+    _close(pd.evaluate(s, x, 2), ref.full_loss(), 1e-5)
+    s_stable, loss_stable = pd.stable_update(s, x, 2)
+    for _ in range(3):
+        s, loss = pd.update(s, x, 2)
+        ref_loss = ref.update()
+        _check(s, ref)
+        _close(loss, ref_loss, 1e-5)
+        if ref.step == 1:
+            _close(loss_stable, loss, 1e-6)
+            _close(s_stable.lam0["m"], s.lam0["m"], 1e-7)
+            _close(s_stable.local["a"], s.local["a"], 1e-7)
+    _close(pd.evaluate(s, x, 2), ref.full_loss(), 1e-5)
+    p = pd.get_params(s)
+    _close(p["m"], ref.m0, 2e-5)
+    _close(p["a"], ref.a, 2e-5)
+
+
+def test_front_end_run_datum_cyclic_crn_run():
+    pd = _engine(dual_granularity="datum", selection="cyclic", crn="run", partitions_per_step=1)
+    res = pd.run(random.key(4), 5, _x(), 2, progress_bar=False)
+    assert pd.num_units == NX
+    ref = _NpEngine(BLOCKS, 1, 0.4, random.split(random.key(4), 3)[0], "datum", "cyclic", "run")
+    losses = [ref.update() for _ in range(5)]
+    _check(res.state, ref)
+    _close(res.losses, losses, 1e-5)
+
+
+def test_front_end_newton_and_optax_oracles():
+    x = _x()
+    # the default solver (Newton: 2 Hessian-vector products per step) with enough steps is the exact prox
+    pd = _engine(block_solver=None, eta={"m": 0.3}, local_steps=6)
+    assert pd._solver == "newton" if hasattr(pd, "_solver") else True
+    s = pd.init(random.key(5), x, 2)
+    assert pd._solver == "newton" and pd._solver_steps == 6
+    ref = _NpEngine(BLOCKS, 2, 0.3, random.split(random.key(5), 3)[0], noise=False)
+    for _ in range(2):
+        s, loss = pd.update(s, x, 2)
+        _close(loss, ref.update(), 1e-4)
+        _check(s, ref, 1e-4)
+
+
+def test_front_end_optax_oracle_gradient_steps():
+    """local_optimizer=optax.sgd: the oracle is ``local_steps`` alternating (or joint) gradient steps on the
+    augmented Lagrangian from (λ_0, stored rows), in numpy below; one iteration with one block."""
+    x = _x()
+    lr, K, eta = 0.05, 3, 0.4
+    for alternating in (True, False):
+        pd = _engine(block_solver=None, local_optimizer=optax.sgd(lr), local_steps=K, partitions_per_step=1,
+                     alternating=alternating)
+        s = pd.init(random.key(6), x, 2)
+        assert pd._solver_steps == K
+        s1, loss = pd.update(s, x, 2)
+        key = random.fold_in(random.split(random.key(6), 3)[0], 0)
+        b = int(random.choice(random.split(key)[0], 4, (1,), replace=False)[0])
+        idx = BLOCKS[b]
+        w = len(idx) / NX
+        m, a = 0.2, np.zeros(len(idx))
+
+        def gm(m, a):
+            return -np.sum(a - m) / TAU**2 + w * m / S0**2 + (m - 0.2) / eta
+
+        def ga(m, a):
+            return (a - m) / TAU**2 - (X_NP[idx] - a) / SIG**2
+
+        for _ in range(K):
+            if alternating:
+                a = a - lr * ga(m, a)
+                m = m - lr * gm(m, a)
+            else:
+                m, a = m - lr * gm(m, a), a - lr * ga(m, a)
+        _close(s1.lam0["m"], m + (m - 0.2) / 4, 1e-5)
+        _close(s1.local["a"][idx], a, 1e-5)
+        _close(loss, 4 * _f_block(m, a, idx), 1e-4)
+
+
+def test_front_end_auto_eta_and_refresh():
+    x = _x()
+    pd = _engine(eta="auto", eta_scale=0.3)
+    s = pd.init(random.key(8), x, 2)
+    units = P.PDVI.curvature_units(4)
+    assert units == [0, 1, 2, 3]
+    _close(s.eta["m"], 0.3 / np.median([_curv(b) for b in BLOCKS]), 1e-5)
+    assert pd.refresh_steps()[:4] == [2, 4, 8, 16]
+    ref = _NpEngine(BLOCKS, 2, float(s.eta["m"]), random.split(random.key(8), 3)[0])
+    s, _ = pd.update(s, x, 2)
+    ref.update()
+    _check(s, ref)
+    s, _ = pd.update(s, x, 2)   # step 2: refresh at λ_0 and the stored rows
+    ref.update()
+    eta = 0.3 / np.median([_curv(b) for b in BLOCKS])            # the curvature does not depend on the point
+    mu = np.array([-_grad_m(ref.m0, ref.a[b], b) for b in BLOCKS])
+    _close(s.eta["m"], eta, 1e-5)
+    _close(s.mu["m"], mu, 1e-4)
+    _close(s.h["m"], eta * mu.mean(), 1e-4)
+    _close(s.lam0["m"], ref.m0, 2e-5)
+    # refresh_eta by hand gives the same state; max curvature: η = c / max
+    again = pd.refresh_eta(s, x, 2)
+    _close(again.mu["m"], mu, 1e-4)
+    pdm = _engine(eta="auto", eta_scale=0.5, eta_curvature="max", eta_refresh=[3, 1])
+    assert pdm.eta_from_curvatures({"m": jnp.asarray([1.0, 4.0, 2.0])})["m"] == pytest.approx(0.125)
+    assert pd.eta_from_curvatures({"m": jnp.asarray([1.0, 4.0, 2.0])})["m"] == pytest.approx(0.15)
+    assert pd.eta_from_curvatures({"m": jnp.asarray([0.0, 0.0, 0.0])})["m"] == pytest.approx(0.3e8)
+    sm = pdm.init(random.key(8), x, 2)
+    _close(sm.eta["m"], 0.5 / max(_curv(b) for b in BLOCKS), 1e-5)
+    assert pdm.refresh_steps() == [1, 3]
+
+
+def test_refresh_clips_and_keeps_old_eta():
+    x = _x()
+    pd = _engine(eta="auto", eta_refresh=[1])
+    s = pd.init(random.key(9), x, 2)
+    target = float(s.eta["m"])
+    for old, want in ((target * 1e3, target * 1e3 / 100), (target / 1e3, target / 1e3 * 100), (target * 2, target)):
+        st = s._replace(eta={"m": jnp.asarray(old, jnp.float32)})
+        _close(pd.refresh_eta(st, x, 2).eta["m"], want, 1e-5)
+    with pytest.raises(RuntimeError, match=r"Call PDVI.init"):
+        _engine().refresh_eta(s, x, 2)
+
+
+def test_front_end_host_table_matches_device():
+    x = _x()
+    pd = _engine(local_table="host")
+    s = pd.init(random.key(3), x, 2)
+    ref = _NpEngine(BLOCKS, 2, 0.4, random.split(random.key(3), 3)[0])
+    for _ in range(2):
+        s, loss = pd.update(s, x, 2)
+        _close(loss, ref.update(), 1e-5)
+    _close(s.lam0["m"], ref.m0, 2e-5)
+    _close(s.local.arrays["a"], ref.a, 2e-5)
+    _close(pd.evaluate(s, x, 2), ref.full_loss(), 1e-5)
+    p = pd.get_params(s)
+    _close(p["a"], ref.a, 2e-5)
+    assert p["a"].devices() == {jax.devices("cpu")[0]}
+
+
+def test_far_eta_warns():
+    x = _x()
+    with pytest.warns(UserWarning, match=r"eta is far above the curvature-based value .*'m': 1e\+06 = "):
+        _engine(eta=1e6).init(random.key(0), x, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _engine(eta={"m": 1e6}).init(random.key(0), x, 2)     # a dict is deliberate tuning: not compared
+
+
+def test_constructor_checks():
+    ok = {"partitions": BLOCKS}
+    cases = [({"dual_granularity": "x"}, ValueError, "dual_granularity must be 'partition' or 'datum', got 'x'"),
+             ({"selection": "x"}, ValueError, "selection must be 'random' or 'cyclic', got 'x'"),
+             ({"partitions": None}, ValueError, "PDVI needs fixed blocks"),
+             ({"local_steps": 0}, ValueError, "local_steps must be a positive integer, got 0"),
+             ({"local_steps": 1.5}, ValueError, "local_steps must be a positive integer"),
+             ({"eta": "x"}, ValueError, "got the string 'x'"),
+             ({"eta_scale": 0.0}, ValueError, "eta_scale must be positive, got 0.0"),
+             ({"eta_curvature": "mean"}, ValueError, "eta_curvature must be 'median' or 'max', got 'mean'"),
+             ({"oracle_draws": "x"}, ValueError, "oracle_draws must be None or one of"),
+             ({"eta_refresh": [0]}, ValueError, r"eta_refresh must be True, False or a list of positive"),
+             ({"eta_refresh": [1.0]}, ValueError, r"eta_refresh must be True"),
+             ({"local_optimizer": "adam"}, ValueError, "local_optimizer must be 'newton', an optax optimizer or None"),
+             ({"crn": "x"}, ValueError, "crn must be 'oracle' or 'run', got 'x'"),
+             ({"block_solver": 3}, TypeError, "block_solver must be callable, got int"),
+             ({"local_table": "x"}, ValueError, "local_table must be 'device' or 'host'"),
+             ({"local_table": "host", "dual_granularity": "datum"}, ValueError, "needs dual_granularity='partition'")]
+    for kw, exc, msg in cases:
+        with pytest.raises(exc, match=msg):
+            P.PDVI(model, guide, **{**ok, **kw})
+    with pytest.warns(UserWarning, match="eta_scale=2.0 puts η above 1/L̂"):
+        P.PDVI(model, guide, eta_scale=2.0, **ok)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        P.PDVI(model, guide, eta_scale=1.0, local_steps=np.int64(2), eta_refresh=[np.int64(2)], **ok)
+    pd = P.PDVI(model, guide, num_partitions=3, eta=0.5, oracle_draws="antithetic" if False else "orthogonal")
+    assert isinstance(pd.loss, Trace_ELBO) and pd.oracle_loss is not pd.loss and pd.oracle_particles == 4
+    assert pd.partitions_per_step == 1 and pd.eta_scale == 0.3 and pd.eta_curvature == "median"
+    assert pd.local_optimizer is None and pd.local_steps is None and pd.alternating is True and pd.crn == "oracle"
+    assert pd.dual_granularity == "partition" and pd.selection == "random" and pd.eta_refresh is True
+    assert pd.block_solver is None and pd.mesh is None and pd.local_table == "device" and pd.structure is None
+    pd2 = P.PDVI(model, guide, oracle_draws=None, **ok)
+    assert pd2.oracle_loss is pd2.loss and pd2.eta_spec == "auto"
+    with pytest.raises(RuntimeError, match=r"Call PDVI.init\(rng_key, \*args, \*\*kwargs\) \(or run\) before"):
+        pd2.update(None, _x())
+    for meth in ("stable_update", "evaluate", "refresh_eta"):
+        with pytest.raises(RuntimeError, match="Call PDVI.init"):
+            getattr(pd2, meth)(None, _x())
+    with pytest.raises(RuntimeError, match="Call PDVI.init"):
+        pd2.get_params(None)
+    with pytest.raises(RuntimeError, match="Call PDVI.init"):
+        pd2.refresh_steps()
+
+
+def test_setup_checks_and_solver_choice():
+    x = _x()
+    with pytest.raises(ValueError, match=r"partitions_per_step must be in \[1, 4\], got 5"):
+        _engine(partitions_per_step=5).init(random.key(0), x, 2)
+    with pytest.raises(ValueError, match=r"partitions_per_step must be in \[1, 4\], got 0"):
+        _engine(partitions_per_step=0).init(random.key(0), x, 2)
+
+    class S:
+        init_global = {"g": np.zeros(3)}
+        init_local = {"l": np.zeros((7, 13))}
+
+    pd = _engine(block_solver=None)
+    assert pd._resolve_solver(S) == ("newton", 2)        # 3 + 13 = 16 Hessian-vector products
+    S.init_local = {"l": np.zeros((7, 2, 7))}
+    solver, steps = pd._resolve_solver(S)                 # 3 + 14 = 17: L-BFGS
+    assert not isinstance(solver, str) and steps == 10
+    pd.local_steps = 4
+    assert pd._resolve_solver(S)[1] == 4
+    pd.local_optimizer = optax.sgd(0.1)
+    assert pd._resolve_solver(S)[1] == 4
+    pd.local_steps = None
+    assert pd._resolve_solver(S)[1] == 10
+
+
+def test_select_units():
+    pd = _engine(partitions_per_step=3)
+    key = random.key(2)
+    got = pd._select_units(10, key, 0)
+    np.testing.assert_array_equal(got, random.choice(key, 10, (3,), replace=False))
+    got = pd._select_units(P.CHOICE_MAX_BLOCKS + 1, key, 0)
+    np.testing.assert_array_equal(got, sample_without_replacement(key, P.CHOICE_MAX_BLOCKS + 1, 3))
+    got = pd._select_units(P.CHOICE_MAX_BLOCKS, key, 0)
+    np.testing.assert_array_equal(got, random.choice(key, P.CHOICE_MAX_BLOCKS, (3,), replace=False))
+    pd.selection = "cyclic"
+    np.testing.assert_array_equal(pd._select_units(4, key, 3), [1, 2, 3])
+    np.testing.assert_array_equal(pd._select_units(P.CHOICE_MAX_BLOCKS + 5, key, 2), [6, 7, 8])
+    assert P.PDVI.curvature_units(20) == [0, 2, 5, 8, 10, 13, 16, 19]
+    assert P.PDVI.curvature_units(1) == [0]
+    assert math.isclose(P.ETA_WARN_RATIO, 1e3) and P.NEWTON_MAX_HVPS == 16
