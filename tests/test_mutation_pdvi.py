@@ -15,7 +15,9 @@ No JAX work at import: the mutmut fork server collects this module and must not 
 """
 
 import math
+import re
 import warnings
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -25,10 +27,13 @@ import numpyro.distributions as dist
 import optax
 import pytest
 from jax import random
-from numpyro.infer import Trace_ELBO
+from numpyro.infer import Trace_ELBO, TraceMeanField_ELBO
 
 from numpyro_fedvi import pdvi as P
 from numpyro_fedvi.federated.participation import sample_without_replacement
+from numpyro_fedvi.particles import ControlledDraws
+from numpyro_fedvi.runner import EarlyStopping
+from numpyro_fedvi.sharding import make_mesh
 
 # ----------------------------------------------------------------------------------------------------------------
 # functional core: Algorithm 1 with a keyed oracle
@@ -184,7 +189,7 @@ def test_pdvi_step_guard_rejects_non_finite_step():
         _close(_join(getattr(s, f)), _join(getattr(ref, f)), 0)
     # guard=True on a good step: the same state as the unguarded step, ok True
     s, loss, ok = P.pdvi_step(s0, _oracle(), _select, guard=True)
-    assert bool(ok) is True or bool(ok)
+    assert bool(ok)
     _close(_join(s.lam0), _join(ref.lam0), 0)
     assert len(P.pdvi_step(s0, _oracle(), _select)) == 2
 
@@ -268,18 +273,27 @@ def _np_lagrangian_grad(z, Q, v, l0, mu, eta):
 
 
 def test_prox_solve_gradient_steps_alternating_and_joint():
+    """Momentum SGD (optax.sgd(lr, momentum): t ← g + β t, z ← z − lr t): alternating = separate φ and λ states, φ
+    first; joint = one state from one gradient."""
     f, lam0, mu, eta, phi, Q, v = _prox_problem()
     l0, m, e = np.array([0.3, -0.2, 0.5]), np.array([0.4, -0.7, 0.2]), np.array([0.5, 2.0, 0.25])
-    lr, steps = 0.1, 3
-    for alternating in (True, False):
-        z = np.concatenate([l0, [0.1, 0.2]])
+    lr, beta, steps = 0.1, 0.5, 3
+    for alternating in (True, False, None):
+        z, t = np.concatenate([l0, [0.1, 0.2]]), np.zeros(5)
         for _ in range(steps):
-            if alternating:
-                z[3:] -= lr * _np_lagrangian_grad(z, Q, v, l0, m, e)[3:]
-                z[:3] -= lr * _np_lagrangian_grad(z, Q, v, l0, m, e)[:3]
+            if alternating is not False:
+                t[3:] = _np_lagrangian_grad(z, Q, v, l0, m, e)[3:] + beta * t[3:]
+                z[3:] -= lr * t[3:]
+                t[:3] = _np_lagrangian_grad(z, Q, v, l0, m, e)[:3] + beta * t[:3]
+                z[:3] -= lr * t[:3]
             else:
-                z -= lr * _np_lagrangian_grad(z, Q, v, l0, m, e)
-        lam, ph, val = P.prox_solve(f, lam0, mu, eta, phi, optax.sgd(lr), steps, alternating)
+                t = _np_lagrangian_grad(z, Q, v, l0, m, e) + beta * t
+                z -= lr * t
+        opt = optax.sgd(lr, momentum=beta)
+        if alternating is None:   # the default is alternating
+            lam, ph, val = P.prox_solve(f, lam0, mu, eta, phi, opt, steps)
+        else:
+            lam, ph, val = P.prox_solve(f, lam0, mu, eta, phi, opt, steps, alternating)
         _close(np.concatenate([np.asarray(lam["g"]), [float(lam["k"])], np.asarray(ph["p"])]), z, 1e-5)
         _close(val, 0.5 * z @ Q @ z + v @ z, 1e-5)   # f, without the penalty
     # no local params: the joint path even when alternating=True
@@ -302,7 +316,6 @@ def test_prox_solve_newton_and_extra_args_optimizer():
     H = Q + np.diag(np.concatenate([1 / e, [0, 0]]))
     b = v + np.concatenate([m - l0 / e, [0, 0]])
     z = np.linalg.solve(H, -b)
-    lam, ph, val = P.prox_solve(f, lam0, mu, eta, {"p": phi["p"][None]}, "newton", 20) if False else (None,) * 3
     # newton_solve needs rows (one datum each): φ as one row of 2
     Qj, vj = jnp.asarray(Q, jnp.float32), jnp.asarray(v, jnp.float32)
 
@@ -363,18 +376,20 @@ def test_eta_spec_checks():
 
 def test_eta_array():
     for bad in ("a", b"a", {"a": 1}, None):
-        with pytest.raises(TypeError, match="^nm must be a positive float or an array of them, got"):
+        with pytest.raises(TypeError, match=_full(f"nm must be a positive float or an array of them, got {bad!r}.")):
             P._eta_array(bad, "nm")
-    with pytest.raises(TypeError, match="^nm must be a positive float or a rectangular array of them"):
+    with pytest.raises(TypeError, match=_full("nm must be a positive float or a rectangular array of them, got "
+                                              "[[1.0], [1.0, 2.0]].")):
         P._eta_array([[1.0], [1.0, 2.0]], "nm")
     for bad in (0.0, -1.0, np.inf, np.nan, [1.0, 0.0]):
-        with pytest.raises(ValueError, match="^nm must be positive and finite, got"):
+        with pytest.raises(ValueError, match=_full(f"nm must be positive and finite, got {bad!r}.")):
             P._eta_array(bad, "nm")
         P._eta_array(bad, "nm", check_values=False)
     out = P._eta_array([1, 2], "nm")
     assert isinstance(out, np.ndarray) and out.tolist() == [1, 2]
     assert P._eta_array(np.uint8(3), "nm") == 3
-    with pytest.raises(TypeError, match=r"\(dtype <U1\)"):
+    with pytest.raises(TypeError, match=_full("nm must be a positive float or an array of them, got array(['a'], "
+                                              "dtype='<U1') (dtype <U1).")):
         P._eta_array(np.array(["a"]), "nm")
 
 
@@ -388,14 +403,16 @@ def test_check_eta_against_sites():
     _close(out["m"], 2.0, 0)
     with jax.enable_x64(True):
         assert P._check_eta(0.5, init)["m"].dtype == jnp.float64
-    with pytest.raises(ValueError, match=r"unknown: \['w'\], missing: \['v'\]"):
+    with pytest.raises(ValueError, match=_full("eta dict must give one entry per global param site ['m', 'v']; "
+                                               "unknown: ['w'], missing: ['v'].")):
         P._check_eta({"m": 1.0, "w": 1.0}, init)
     with pytest.raises(ValueError, match=r"unknown: \[\], missing: \['v'\]"):
         P._check_eta({"m": 1.0}, init)
     with pytest.raises(ValueError, match=r"one entry per global param site \['m', 'v'\]"):
         P._check_eta({"m": 1.0, "v": 1.0, "z": 2.0}, init)
-    with pytest.raises(ValueError, match=r"eta\['v'\] has shape \(4,\), but the global param site 'v' has shape "
-                                         r"\(2, 3\)"):
+    with pytest.raises(ValueError, match=_full("eta['v'] has shape (4,), but the global param site 'v' has shape "
+                                               "(2, 3) (its unconstrained value, where η acts); give a scalar or an "
+                                               "array of that shape.")):
         P._check_eta({"m": 1.0, "v": np.ones(4)}, init)
     with pytest.raises(ValueError, match=r"eta\['m'\] has shape \(3,\)"):   # broadcasts, but enlarges the site
         P._check_eta({"m": np.ones(3), "v": 1.0}, init)
@@ -479,8 +496,8 @@ class _NpEngine:
     """Algorithm 1 of the PDVI front-end in numpy (float64), for the Delta model above."""
 
     def __init__(self, blocks, m, eta, rng_key, granularity="partition", selection="random", crn="oracle",
-                 noise=True, m0=0.2):
-        self.blocks, self.m, self.eta, self.key = blocks, m, eta, rng_key
+                 noise=True, m0=0.2, skip=()):
+        self.blocks, self.m, self.eta, self.key, self.skip = blocks, m, eta, rng_key, skip
         self.gran, self.sel, self.crn, self.noise = granularity, selection, crn, noise
         self.n = NX if granularity == "datum" else len(blocks)
         self.m0, self.h, self.mu, self.a, self.step = m0, 0.0, np.zeros(self.n), np.zeros(NX), 0
@@ -502,6 +519,9 @@ class _NpEngine:
 
     def update(self):
         units, ok = self.units()
+        if set(units) & set(self.skip):   # a non-finite oracle answer: the guarded step changes nothing
+            self.step += 1
+            return np.nan
         base = self.key if self.crn == "run" else ok
         lam, rows, losses = [], [], []
         for u in units:
@@ -513,6 +533,7 @@ class _NpEngine:
             lam.append(m)
             rows.append(a)
             losses.append(_f_block(m, a, idx))
+        self.last = (units, ok, lam, rows)
         lam = np.array(lam)
         for u, a in zip(units, rows):
             self.a[self.idx(u)] = a
@@ -521,6 +542,12 @@ class _NpEngine:
         self.m0 = lam.mean() + self.h
         self.step += 1
         return self.n / len(units) * np.sum(losses)
+
+    def refresh(self, eta):
+        """eta_refresh: η re-estimated, μ_i = −∇_m f_i(λ_0, φ_i) for every block, h = η mean(μ)."""
+        self.eta = eta
+        self.mu = np.array([-_grad_m(self.m0, self.a[b], b) for b in self.blocks])
+        self.h = eta * self.mu.mean()
 
     def full_loss(self):
         return sum(_f_block(self.m0, self.a[b], b) for b in self.blocks)
@@ -586,7 +613,6 @@ def test_front_end_newton_and_optax_oracles():
     x = _x()
     # the default solver (Newton: 2 Hessian-vector products per step) with enough steps is the exact prox
     pd = _engine(block_solver=None, eta={"m": 0.3}, local_steps=6)
-    assert pd._solver == "newton" if hasattr(pd, "_solver") else True
     s = pd.init(random.key(5), x, 2)
     assert pd._solver == "newton" and pd._solver_steps == 6
     ref = _NpEngine(BLOCKS, 2, 0.3, random.split(random.key(5), 3)[0], noise=False)
@@ -690,50 +716,118 @@ def test_front_end_host_table_matches_device():
     assert p["a"].devices() == {jax.devices("cpu")[0]}
 
 
+def guide_extra(x, batch=None):
+    numpyro.param("z", 0.0)          # a global param the model never reads: curvature 0, auto value c / 1e-8
+    guide(x, batch)
+
+
+def model_plain(x, batch=None):
+    mu = numpyro.sample("mu", dist.Normal(0.0, S0))
+    with numpyro.plate("data", x.shape[0]):
+        theta = numpyro.sample("theta", dist.Normal(mu, TAU))
+        numpyro.sample("obs", dist.Normal(theta, SIG), obs=x)
+
+
 def test_far_eta_warns():
     x = _x()
-    with pytest.warns(UserWarning, match=r"eta is far above the curvature-based value .*'m': 1e\+06 = "):
+    ref = 0.3 / np.median([_curv(b) for b in BLOCKS])
+    msg = (f"eta is far above the curvature-based value eta_scale / L̂ that eta='auto' picks at the initial point "
+           f"(site: η = ratio x auto value; 'm': {1e6:.3g} = {1e6 / ref:.3g} x {ref:.3g}); the theory needs "
+           "η ≲ 1/(22 L). The penalty then all but vanishes, each block solves its own problem and the consensus can "
+           "be far from the optimum: use eta='auto' or a smaller eta.")
+    with pytest.warns(UserWarning, match=_full(msg)) as rec:
         _engine(eta=1e6).init(random.key(0), x, 2)
+    assert Path(rec[0].filename).name != "pdvi.py"  # stacklevel: not pdvi's own line (mutmut adds frames)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _engine(eta=1.01e3 * ref * 0.99).init(random.key(0), x, 2)   # just below the ratio
+        P.PDVI(model, guide_extra, Trace_ELBO(), partitions=BLOCKS, eta=1e6, oracle_draws=None,
+               block_solver=block_solver).init(random.key(0), x, 2)   # far at one site of two: no warning
+    with pytest.warns(UserWarning, match="eta is far above"):
+        _engine(eta=1.01e3 * ref).init(random.key(0), x, 2)
+    with pytest.raises(ValueError, match=_full(
+            "local_table='host' needs a subsampled data plate (numpyro.plate('data', N, subsample_size=...)): the "
+            "unsubsampled path evaluates every block on all N rows of the table.")):
+        P.PDVI(model_plain, guide, partitions=BLOCKS, local_table="host", eta=0.4).init(random.key(0), x)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _engine(eta={"m": 1e6}).init(random.key(0), x, 2)     # a dict is deliberate tuning: not compared
 
 
+_ETA_TEXT = ("eta must be 'auto', a positive float (one η for every coordinate), or a dict {site: η_j} with one entry "
+             "per global param site (a positive float, or an array shaped like the site's unconstrained value); ")
+
+
+def _full(msg):
+    """``pytest.raises(match=...)`` for exactly this message."""
+    return "^" + re.escape(msg) + "$"
+
+
 def test_constructor_checks():
     ok = {"partitions": BLOCKS}
-    cases = [({"dual_granularity": "x"}, ValueError, "dual_granularity must be 'partition' or 'datum', got 'x'"),
-             ({"selection": "x"}, ValueError, "selection must be 'random' or 'cyclic', got 'x'"),
-             ({"partitions": None}, ValueError, "PDVI needs fixed blocks"),
-             ({"local_steps": 0}, ValueError, "local_steps must be a positive integer, got 0"),
-             ({"local_steps": 1.5}, ValueError, "local_steps must be a positive integer"),
-             ({"eta": "x"}, ValueError, "got the string 'x'"),
-             ({"eta_scale": 0.0}, ValueError, "eta_scale must be positive, got 0.0"),
-             ({"eta_curvature": "mean"}, ValueError, "eta_curvature must be 'median' or 'max', got 'mean'"),
-             ({"oracle_draws": "x"}, ValueError, "oracle_draws must be None or one of"),
-             ({"eta_refresh": [0]}, ValueError, r"eta_refresh must be True, False or a list of positive"),
-             ({"eta_refresh": [1.0]}, ValueError, r"eta_refresh must be True"),
-             ({"local_optimizer": "adam"}, ValueError, "local_optimizer must be 'newton', an optax optimizer or None"),
-             ({"crn": "x"}, ValueError, "crn must be 'oracle' or 'run', got 'x'"),
-             ({"block_solver": 3}, TypeError, "block_solver must be callable, got int"),
-             ({"local_table": "x"}, ValueError, "local_table must be 'device' or 'host'"),
-             ({"local_table": "host", "dual_granularity": "datum"}, ValueError, "needs dual_granularity='partition'")]
+    cases = [({"dual_granularity": "x"}, ValueError, "dual_granularity must be 'partition' or 'datum', got 'x'."),
+             ({"selection": "x"}, ValueError, "selection must be 'random' or 'cyclic', got 'x'."),
+             ({"partitions": None}, ValueError,
+              "PDVI needs fixed blocks of the data: pass num_partitions=B or partitions=[...]."),
+             ({"local_steps": 0}, ValueError, "local_steps must be a positive integer, got 0."),
+             ({"local_steps": 1.5}, ValueError, "local_steps must be a positive integer, got 1.5."),
+             ({"eta": "x"}, ValueError, _ETA_TEXT + "got the string 'x'."),
+             ({"eta": [1.0]}, TypeError, _ETA_TEXT + "got a list [1.0] (per-site values go in a dict {site: η_j})."),
+             ({"eta": np.ones(2)}, ValueError, _ETA_TEXT + "got an array of shape (2,) (per-coordinate values go in "
+                                               "a dict {site: array shaped like the site})."),
+             ({"eta_scale": 0.0}, ValueError, "eta_scale must be positive, got 0.0."),
+             ({"eta_scale": -1.0}, ValueError, "eta_scale must be positive, got -1.0."),
+             ({"eta_curvature": "mean"}, ValueError, "eta_curvature must be 'median' or 'max', got 'mean'."),
+             ({"oracle_draws": "x"}, ValueError, "oracle_draws must be None or one of ('iid', 'antithetic', "
+                                                 "'moment_matched', 'orthogonal'), got 'x'."),
+             ({"eta_refresh": [0]}, ValueError,
+              "eta_refresh must be True, False or a list of positive iteration numbers, got [0]."),
+             ({"eta_refresh": [1.0]}, ValueError,
+              "eta_refresh must be True, False or a list of positive iteration numbers, got [1.0]."),
+             ({"local_optimizer": "adam"}, ValueError,
+              "local_optimizer must be 'newton', an optax optimizer or None, got 'adam'."),
+             ({"crn": "x"}, ValueError, "crn must be 'oracle' or 'run', got 'x'."),
+             ({"block_solver": 3}, TypeError, "block_solver must be callable, got int."),
+             ({"local_table": "x"}, ValueError,
+              "local_table must be 'device' or 'host' (a NumPy table in host memory), got 'x'."),
+             ({"local_table": "host", "dual_granularity": "datum"}, ValueError,
+              "local_table='host' needs dual_granularity='partition': with 'datum' the duals (one per datum, on the "
+              "device) are as large as the table."),
+             ({"local_table": "host", "mesh": "MESH"}, ValueError,
+              "local_table='host' and mesh= are exclusive: a mesh shards the table over the devices' memory, 'host' "
+              "keeps it in host memory; choose one.")]
     for kw, exc, msg in cases:
-        with pytest.raises(exc, match=msg):
+        if kw.get("mesh") == "MESH":
+            kw = {**kw, "mesh": make_mesh(1)}
+        with pytest.raises(exc, match=_full(msg)):
             P.PDVI(model, guide, **{**ok, **kw})
-    with pytest.warns(UserWarning, match="eta_scale=2.0 puts η above 1/L̂"):
+    P.PDVI(model, guide, mesh=make_mesh(1), **ok)   # a mesh alone, or the host table alone, is fine
+    P.PDVI(model, guide, local_table="host", **ok)
+    P.PDVI(model, guide, eta_refresh=False, local_steps=1, eta_scale=1e-9, **ok)
+    with pytest.warns(UserWarning, match=_full(
+            "eta_scale=2.0 puts η above 1/L̂ (the theory needs η ≲ 1/(22 L)); with an accurate oracle the consensus "
+            "step can swing and diverge (measured: eta_scale=10 diverged at iteration 8 on "
+            "examples/random_effects_workflow.py). The default is 0.3.")) as rec:
         P.PDVI(model, guide, eta_scale=2.0, **ok)
+    assert Path(rec[0].filename).name != "pdvi.py"  # stacklevel: not pdvi's own line (mutmut adds frames)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         P.PDVI(model, guide, eta_scale=1.0, local_steps=np.int64(2), eta_refresh=[np.int64(2)], **ok)
-    pd = P.PDVI(model, guide, num_partitions=3, eta=0.5, oracle_draws="antithetic" if False else "orthogonal")
+    pd = P.PDVI(model, guide, num_partitions=3, eta=0.5, oracle_draws="orthogonal")
     assert isinstance(pd.loss, Trace_ELBO) and pd.oracle_loss is not pd.loss and pd.oracle_particles == 4
+    assert isinstance(pd.oracle_loss, ControlledDraws) and pd.oracle_loss.num_particles == 4
+    assert pd.oracle_loss.scheme == "orthogonal" and isinstance(pd.oracle_loss.elbo, Trace_ELBO)
+    anti = P.PDVI(model, guide, TraceMeanField_ELBO(), oracle_draws="antithetic", oracle_particles=6, **ok)
+    assert anti.oracle_loss.scheme == "antithetic" and anti.oracle_loss.num_particles == 6
+    assert isinstance(anti.loss, TraceMeanField_ELBO) and isinstance(anti.oracle_loss.elbo, TraceMeanField_ELBO)
     assert pd.partitions_per_step == 1 and pd.eta_scale == 0.3 and pd.eta_curvature == "median"
     assert pd.local_optimizer is None and pd.local_steps is None and pd.alternating is True and pd.crn == "oracle"
     assert pd.dual_granularity == "partition" and pd.selection == "random" and pd.eta_refresh is True
     assert pd.block_solver is None and pd.mesh is None and pd.local_table == "device" and pd.structure is None
     pd2 = P.PDVI(model, guide, oracle_draws=None, **ok)
     assert pd2.oracle_loss is pd2.loss and pd2.eta_spec == "auto"
-    with pytest.raises(RuntimeError, match=r"Call PDVI.init\(rng_key, \*args, \*\*kwargs\) \(or run\) before"):
+    with pytest.raises(RuntimeError, match=_full("Call PDVI.init(rng_key, *args, **kwargs) (or run) before "
+                                                 "update/evaluate.")):
         pd2.update(None, _x())
     for meth in ("stable_update", "evaluate", "refresh_eta"):
         with pytest.raises(RuntimeError, match="Call PDVI.init"):
@@ -746,7 +840,7 @@ def test_constructor_checks():
 
 def test_setup_checks_and_solver_choice():
     x = _x()
-    with pytest.raises(ValueError, match=r"partitions_per_step must be in \[1, 4\], got 5"):
+    with pytest.raises(ValueError, match=_full("partitions_per_step must be in [1, 4], got 5.")):
         _engine(partitions_per_step=5).init(random.key(0), x, 2)
     with pytest.raises(ValueError, match=r"partitions_per_step must be in \[1, 4\], got 0"):
         _engine(partitions_per_step=0).init(random.key(0), x, 2)
@@ -783,3 +877,218 @@ def test_select_units():
     assert P.PDVI.curvature_units(20) == [0, 2, 5, 8, 10, 13, 16, 19]
     assert P.PDVI.curvature_units(1) == [0]
     assert math.isclose(P.ETA_WARN_RATIO, 1e3) and P.NEWTON_MAX_HVPS == 16
+
+
+def bad_block_solver(lam0, mu, eta, rows, block, x, batch=None):
+    """block_solver, but block [5] answers λ = NaN and block [6] a finite λ = 1e30 whose loss overflows to inf."""
+    lam, rows = block_solver(lam0, mu, eta, rows, block, x, batch)
+    first = block.indices[0]
+    return {"m": jnp.where(first == 5, jnp.nan, jnp.where(first == 6, 1e30, lam["m"]))}, rows
+
+
+def test_front_end_non_finite_oracle():
+    x = _x()
+    pd = _engine(block_solver=bad_block_solver, selection="cyclic", partitions_per_step=1)
+    key0 = random.split(random.key(11), 3)[0]
+    with pytest.warns(RuntimeWarning, match="stable_update skipped 2 of 5 steps"):
+        res = pd.run(random.key(11), 5, x, 2, progress_bar=False, stable_update=True)
+    ref = _NpEngine(BLOCKS, 1, 0.4, key0, selection="cyclic", skip=(2, 3))
+    losses = [ref.update() for _ in range(5)]
+    _check(res.state, ref)
+    assert np.isnan(res.losses[2]) and np.isnan(res.losses[3])      # a non-finite block value is reported as NaN
+    _close(np.asarray(res.losses)[[0, 1, 4]], np.array(losses)[[0, 1, 4]], 1e-5)
+    assert res.diagnostics["non_finite_step"] == 2
+    with pytest.warns(RuntimeWarning, match="Non-finite loss or state at step 2"):
+        res2 = pd.run(random.key(11), 5, x, 2, progress_bar=False)
+    assert len(res2.losses) == 2 and int(res2.state.step) == 2
+    s = res2.state
+    s_st, loss = pd.stable_update(s, x, 2)                          # guarded: only the step counter moves
+    assert np.isnan(float(loss)) and int(s_st.step) == 3
+    _close(s_st.lam0["m"], s.lam0["m"], 0)
+    _close(s_st.mu["m"], s.mu["m"], 0)
+    s_un, loss = pd.update(s, x, 2)                                 # unguarded: λ_0 is NaN, the table untouched
+    assert np.isnan(float(loss)) and np.isnan(float(s_un.lam0["m"]))
+    _close(s_un.local["a"], s.local["a"], 0)
+    s3, loss = pd.update(s_st, x, 2)                                # block [6]: λ finite, loss inf -> NaN
+    assert np.isnan(float(loss))
+    _close(s3.local["a"], s.local["a"], 0)
+
+
+def test_front_end_run_options(capsys):
+    x = _x()
+    calls = []
+
+    def cb(step, state, losses):
+        calls.append((step, len(losses)))
+
+    pd = _engine(eta="auto", eta_refresh=[2], selection="cyclic", partitions_per_step=1)
+    capsys.readouterr()
+    res = pd.run(random.key(12), 3, x, batch=2, progress_bar=False, callbacks=[cb], chunk_size=2,
+                 init_params={"m": 0.5})
+    assert "PDVI" not in capsys.readouterr().err
+    assert calls == [(2, 2), (3, 3)]          # chunks of 2 steps (the default here would be 1)
+    eta = 0.3 / np.median([_curv(b) for b in BLOCKS])
+    ref = _NpEngine(BLOCKS, 1, eta, random.split(random.key(12), 3)[0], selection="cyclic", m0=0.5)
+    losses = [ref.update(), ref.update()]
+    ref.refresh(eta)
+    losses.append(ref.update())
+    _check(res.state, ref, 1e-4)
+    _close(res.losses, losses, 1e-4)
+    _close(res.params["m"], ref.m0, 1e-4)
+    # resumed on a FRESH engine (its structure is built from the run's arguments) across the refresh at step 2
+    first = pd.run(random.key(12), 1, x, 2, progress_bar=False, init_params={"m": 0.5})
+    pd2 = _engine(eta="auto", eta_refresh=[2], selection="cyclic", partitions_per_step=1)
+    rest = pd2.run(random.key(12), 2, x, 2, progress_bar=False, init_state=first.state)
+    _check(rest.state, ref, 1e-4)
+    _close(rest.losses, losses[1:], 1e-4)
+    two = pd2.run(random.key(12), 2, x, 2, progress_bar=False, init_params={"m": 0.5})   # ends AT the refresh
+    _close(two.state.mu["m"], np.array([-_grad_m(two.state.lam0["m"], np.asarray(two.state.local["a"])[b], b)
+                                         for b in BLOCKS]), 1e-4)
+    capsys.readouterr()
+    pd2.run(random.key(12), 1, x, 2, init_state=rest.state)          # the bar is named after the engine
+    assert "PDVI" in capsys.readouterr().err
+    short = pd2.run(random.key(12), 30, x, 2, progress_bar=False, init_state=rest.state,
+                    early_stopping=EarlyStopping(rtol=1e9, patience=1, min_steps=2))
+    assert len(short.losses) < 30
+
+
+def _sharded_like(state, mesh, strict=True):
+    """The layout of shard_pdvi_state: μ and the local table along their leading axis, the rest replicated (a
+    compiled step's outputs on a one-device mesh: on the mesh, the partition spec simplified away)."""
+    from jax.sharding import NamedSharding, PartitionSpec
+    for leaf, spec in ((state.mu["m"], PartitionSpec(mesh.axis_names[0])), (state.local["a"],
+                                                                            PartitionSpec(mesh.axis_names[0])),
+                       (state.lam0["m"], PartitionSpec()), (state.h["m"], PartitionSpec()),
+                       (state.eta["m"], PartitionSpec()), (state.step, PartitionSpec())):
+        assert isinstance(leaf.sharding, NamedSharding) and leaf.sharding.mesh == mesh
+        assert leaf.sharding.spec == spec or not strict
+
+
+def test_front_end_mesh_matches_algorithm1():
+    x = _x()
+    mesh = make_mesh(1)
+    pd = _engine(mesh=mesh, eta="auto", eta_refresh=[2])
+    s = pd.init(random.key(13), x, 2)
+    _sharded_like(s, mesh)
+    eta = 0.3 / np.median([_curv(b) for b in BLOCKS])
+    ref = _NpEngine(BLOCKS, 2, eta, random.split(random.key(13), 3)[0])
+    s, loss = pd.update(s, x, 2)
+    _close(loss, ref.update(), 1e-5)
+    _sharded_like(s, mesh, strict=False)
+    s, loss = pd.stable_update(s, x, 2)          # step 2: refreshed
+    _close(loss, ref.update(), 1e-5)
+    ref.refresh(eta)
+    _sharded_like(s, mesh)
+    _check(s, ref, 1e-4)
+    _sharded_like(pd.refresh_eta(s, x, 2), mesh)
+    _close(pd.evaluate(s, x, 2), ref.full_loss(), 1e-5)
+
+
+def model_vec(x, batch=None):
+    mu = numpyro.sample("mu", dist.Normal(0.0, S0).expand([2]).to_event(1))
+    with numpyro.plate("data", x.shape[0], subsample_size=batch) as idx:
+        theta = numpyro.sample("theta", dist.Normal(mu[0] + 0.5 * mu[1], TAU))
+        numpyro.sample("obs", dist.Normal(theta, SIG), obs=x[idx])
+
+
+def guide_vec(x, batch=None):
+    numpyro.sample("mu", dist.Delta(numpyro.param("m", jnp.array([0.2, -0.3])), event_dim=1))
+    with numpyro.plate("data", x.shape[0], subsample_size=batch):
+        numpyro.sample("theta", dist.Delta(numpyro.param("a", jnp.zeros(x.shape[0]), event_dim=0)))
+
+
+def test_refresh_vector_site_and_bad_estimates():
+    """A two-coordinate global site: μ_i = −∇f_i per coordinate, h = η mean_i μ_i per coordinate; an estimate that
+    is not finite and positive keeps the old η, one refresh moves η by at most 100x."""
+    x = _x()
+    pd = P.PDVI(model_vec, guide_vec, Trace_ELBO(), partitions=BLOCKS, eta="auto", oracle_draws=None,
+                eta_refresh=[1])
+    s = pd.init(random.key(14), x, 2)
+    s = s._replace(local={"a": jnp.asarray(np.linspace(-1, 1, NX), jnp.float32)})
+    r = pd.refresh_eta(s, x, 2)
+    m, a = np.array([0.2, -0.3]), np.linspace(-1, 1, NX)
+    mu = []
+    for b in BLOCKS:
+        g = -np.sum(a[b] - m[0] - 0.5 * m[1]) / TAU**2
+        mu.append(-(np.array([g, 0.5 * g]) + len(b) / NX * m / S0**2))
+    mu = np.array(mu)
+    assert r.mu["m"].shape == (4, 2) and r.h["m"].shape == (2,)
+    _close(r.mu["m"], mu, 1e-5)
+    _close(r.h["m"], float(r.eta["m"]) * mu.mean(0), 1e-5)
+    for new, want in ((np.inf, 1.0), (-1.0, 1.0), (0.0, 1.0), (np.nan, 1.0), (1e6, 100.0), (1e-6, 0.01), (3.0, 3.0)):
+        pd._auto_eta = lambda *a, new=new: {"m": jnp.asarray(new, jnp.float32)}
+        st = s._replace(eta={"m": jnp.asarray(1.0, jnp.float32)})
+        _close(pd.refresh_eta(st, x, 2).eta["m"], want, 1e-6)
+    # a non-finite dual table keeps the old duals
+    pd._auto_eta = lambda *a: {"m": jnp.asarray(1.0, jnp.float32)}
+    st = s._replace(local={"a": s.local["a"].at[0].set(jnp.nan)}, mu={"m": jnp.full((4, 2), 0.25, jnp.float32)})
+    out = pd.refresh_eta(st, x, 2)
+    _close(out.mu["m"], np.full((4, 2), 0.25), 0)
+    _close(out.h["m"], [0.25, 0.25], 1e-7)
+
+
+def guide_mc(x, batch=None):
+    numpyro.sample("mu", dist.Normal(numpyro.param("m", jnp.asarray(0.2, jnp.float32)), 0.3))
+    with numpyro.plate("data", x.shape[0], subsample_size=batch):
+        a = numpyro.param("a", jnp.zeros(x.shape[0], jnp.float32), event_dim=0)
+        numpyro.sample("theta", dist.Normal(a, 0.4))
+
+
+def test_front_end_monte_carlo_keys():
+    """A Monte-Carlo guide: the reported losses, ``evaluate`` and the refreshed duals use the documented keys
+    (the block losses are evaluated with the engine's own ``_block_loss``, a function of ``objectives``)."""
+    from numpyro_fedvi.inputs import prepare_inputs
+    x = _x()
+    args, kwargs = prepare_inputs((x, 2), {})
+    pd = P.PDVI(model, guide_mc, Trace_ELBO(), partitions=BLOCKS, partitions_per_step=2, eta=0.4,
+                oracle_draws=None, block_solver=block_solver)
+    s = pd.init(random.key(15), x, 2)
+    bl = pd.blocks
+
+    def val(key, m, rows_b, b):
+        return pd._block_loss(key, {"m": jnp.asarray(m, jnp.float32)}, {"a": jnp.asarray(rows_b, jnp.float32)},
+                              bl.indices[b], bl.mask[b], bl.sizes[b] / NX, args, kwargs)
+
+    def padded(a, b):
+        return np.where(np.asarray(bl.mask[b]), a[np.asarray(bl.indices[b])], 0.0)
+
+    base = random.split(random.key(15), 3)[0]
+    ev_key = random.split(base)[1]
+    _close(pd.evaluate(s, x, 2), sum(float(val(ev_key, 0.2, padded(np.zeros(NX), b), b)) for b in range(4)), 1e-5)
+    ref = _NpEngine(BLOCKS, 2, 0.4, base)
+    for _ in range(2):
+        s, loss = pd.update(s, x, 2)
+        ref.update()
+        units, ok, lam, rows = ref.last
+        want = 0.0
+        for u, m, a in zip(units, lam, rows):
+            rb = np.where(np.asarray(bl.mask[u]), np.resize(a, bl.mask.shape[1]), 99.0)
+            want += float(val(random.fold_in(ok, u), m, rb, u))
+        _close(loss, 4 / 2 * want, 1e-5)
+        _check(s, ref)
+    _close(pd.evaluate(s, x, 2), sum(float(val(ev_key, ref.m0, padded(ref.a, b), b)) for b in range(4)), 1e-5)
+    r = pd.refresh_eta(s, x, 2)
+    dkey = random.fold_in(random.fold_in(base, 2), 1)
+    mu = [-float(jax.grad(lambda m: val(random.fold_in(dkey, b), m, padded(ref.a, b), b))(jnp.float32(ref.m0)))
+          for b in range(4)]
+    _close(r.mu["m"], mu, 1e-4)
+    _close(r.h["m"], float(r.eta["m"]) * np.mean(mu), 1e-4)
+
+
+def test_front_end_x64_keeps_model_dtypes():
+    """Under x64 the accumulators are float64; the model still sees its float32 params (get_params)."""
+    with jax.enable_x64(True):
+        x = _x()
+        pd = P.PDVI(model, guide_mc, Trace_ELBO(), partitions=BLOCKS, partitions_per_step=2, eta=0.4,
+                    oracle_draws=None, block_solver=block_solver)
+        s = pd.init(random.key(16), x, 2)
+        assert s.lam0["m"].dtype == jnp.float64 and s.eta["m"].dtype == jnp.float64
+        s, loss = pd.update(s, x, 2)
+        assert s.lam0["m"].dtype == jnp.float64 and s.mu["m"].dtype == jnp.float64 and s.h["m"].dtype == jnp.float64
+        assert s.local["a"].dtype == jnp.float32
+        p = pd.get_params(s)
+        assert p["m"].dtype == jnp.float32 and p["a"].dtype == jnp.float32
+        assert pd._global_params(s)["m"].dtype == jnp.float32
+        ref = _NpEngine(BLOCKS, 2, 0.4, random.split(random.key(16), 3)[0])
+        ref.update()
+        _check(s, ref)
