@@ -479,8 +479,9 @@ def _solver_noise(key):
     return 0.01 * random.normal(key)
 
 
-def block_solver(lam0, mu, eta, rows, block, x, batch=None):
-    """Exact prox in closed form plus a keyed offset on m; padded rows answer garbage (never written)."""
+def block_solver(lam0, mu, eta, rows, block, x, batch):
+    """Exact prox in closed form plus a keyed offset on m; padded rows answer garbage (never written).  It reads the
+    stored rows (a solver warm-starts from them) and needs every model argument."""
     w = block.weight
     xb = x[block.indices]
     k = 1 / (TAU**2 + SIG**2)
@@ -489,7 +490,7 @@ def block_solver(lam0, mu, eta, rows, block, x, batch=None):
          / (size * k + w / S0**2 + 1 / eta["m"]))
     m = m + _solver_noise(block.rng_key)
     a = (m / TAU**2 + xb / SIG**2) / (1 / TAU**2 + 1 / SIG**2)
-    return {"m": m}, {"a": jnp.where(block.mask, a, 99.0)}
+    return {"m": m}, {"a": jnp.where(block.mask, a, 99.0) + 0.0 * rows["a"]}
 
 
 class _NpEngine:
@@ -804,6 +805,7 @@ def test_constructor_checks():
     P.PDVI(model, guide, mesh=make_mesh(1), **ok)   # a mesh alone, or the host table alone, is fine
     P.PDVI(model, guide, local_table="host", **ok)
     P.PDVI(model, guide, eta_refresh=False, local_steps=1, eta_scale=1e-9, **ok)
+    assert P.PDVI(model, guide, local_optimizer="newton", **ok).local_optimizer == "newton"
     with pytest.warns(UserWarning, match=_full(
             "eta_scale=2.0 puts η above 1/L̂ (the theory needs η ≲ 1/(22 L)); with an accurate oracle the consensus "
             "step can swing and diverge (measured: eta_scale=10 diverged at iteration 8 on "
@@ -879,7 +881,7 @@ def test_select_units():
     assert math.isclose(P.ETA_WARN_RATIO, 1e3) and P.NEWTON_MAX_HVPS == 16
 
 
-def bad_block_solver(lam0, mu, eta, rows, block, x, batch=None):
+def bad_block_solver(lam0, mu, eta, rows, block, x, batch):
     """block_solver, but block [5] answers λ = NaN and block [6] a finite λ = 1e30 whose loss overflows to inf."""
     lam, rows = block_solver(lam0, mu, eta, rows, block, x, batch)
     first = block.indices[0]
@@ -1077,13 +1079,18 @@ def test_front_end_monte_carlo_keys():
 
 def test_front_end_x64_keeps_model_dtypes():
     """Under x64 the accumulators are float64; the model still sees its float32 params (get_params)."""
+    def solver32(*a, **k):   # a solver that answers in float32: the engine casts its λ to λ_0's float64
+        lam, rows = block_solver(*a, **k)
+        return {"m": lam["m"].astype(jnp.float32)}, rows
+
     with jax.enable_x64(True):
         x = _x()
         pd = P.PDVI(model, guide_mc, Trace_ELBO(), partitions=BLOCKS, partitions_per_step=2, eta=0.4,
-                    oracle_draws=None, block_solver=block_solver)
+                    oracle_draws=None, block_solver=solver32)
         s = pd.init(random.key(16), x, 2)
         assert s.lam0["m"].dtype == jnp.float64 and s.eta["m"].dtype == jnp.float64
         s, loss = pd.update(s, x, 2)
+        assert loss.dtype == jnp.float64
         assert s.lam0["m"].dtype == jnp.float64 and s.mu["m"].dtype == jnp.float64 and s.h["m"].dtype == jnp.float64
         assert s.local["a"].dtype == jnp.float32
         p = pd.get_params(s)
@@ -1091,4 +1098,118 @@ def test_front_end_x64_keeps_model_dtypes():
         assert pd._global_params(s)["m"].dtype == jnp.float32
         ref = _NpEngine(BLOCKS, 2, 0.4, random.split(random.key(16), 3)[0])
         ref.update()
-        _check(s, ref)
+        _check(s, ref, 1e-6)
+
+
+def test_warn_far_eta_rules():
+    """The warning compares max η_j with ETA_WARN_RATIO x the auto value at EVERY site; an estimate that is not
+    finite and positive, or that cannot be computed, never warns."""
+    pd = _engine()
+    eta = {"m": jnp.asarray([10.0, 2000.0]), "v": jnp.asarray(5000.0)}
+
+    def warns(auto):
+        pd._auto_eta = auto
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter("always")
+            pd._warn_far_eta(eta, None, None, None, None)
+        return [str(r.message) for r in rec if r.category is UserWarning]
+
+    got = warns(lambda *a: {"m": jnp.asarray(1.0), "v": jnp.asarray(2.0)})
+    assert len(got) == 1 and "value; 'm': 2e+03 = 2e+03 x 1; 'v': 5e+03 = 2.5e+03 x 2);" in got[0]
+    assert warns(lambda *a: {"m": jnp.asarray(1.0), "v": jnp.asarray(5.0)}) == []       # 5000 = 1000 x 5: not above
+    assert warns(lambda *a: {"m": jnp.asarray(3.0), "v": jnp.asarray(2.0)}) == []       # one site of two
+    for bad in (0.0, -1.0, np.inf, np.nan):
+        assert warns(lambda *a, bad=bad: {"m": jnp.asarray(bad), "v": jnp.asarray(bad)}) == []
+
+    def fails(*a):
+        raise FloatingPointError("no estimate")
+
+    assert warns(fails) == []
+
+
+def model_shift(x, batch=None, shift=0.0):
+    mu = numpyro.sample("mu", dist.Normal(0.0, S0))
+    with numpyro.plate("data", x.shape[0], subsample_size=batch) as idx:
+        theta = numpyro.sample("theta", dist.Normal(mu, TAU))
+        numpyro.sample("obs", dist.Normal(theta + shift, SIG), obs=x[idx])
+
+
+def guide_shift(x, batch=None, shift=0.0):
+    guide(x, batch)
+
+
+def test_static_kwargs_reach_model_and_solver():
+    """``PDVI(..., shift=1.0)``: a static keyword of the model reaches the model (structure and block losses) and the
+    block solver; data x + 1 with shift 1 is the unshifted problem."""
+    def solver(lam0, mu, eta, rows, block, x, batch, shift):
+        return block_solver(lam0, mu, eta, rows, block, x - shift, batch)
+
+    x1 = jnp.asarray(X_NP + 1.0, jnp.float32)
+    pd = P.PDVI(model_shift, guide_shift, Trace_ELBO(), partitions=BLOCKS, partitions_per_step=2, eta={"m": 0.4},
+                oracle_draws=None, block_solver=solver, shift=1.0)
+    s = pd.init(random.key(17), x1, 2)
+    ref = _NpEngine(BLOCKS, 2, 0.4, random.split(random.key(17), 3)[0])
+    _close(pd.evaluate(s, x1, 2), ref.full_loss(), 1e-5)
+    s, loss = pd.update(s, x1, 2)
+    _close(loss, ref.update(), 1e-5)
+    _check(s, ref)
+
+
+def test_setup_rebuilds_blocks_and_unit_data():
+    x = _x()
+    pd = P.PDVI(model, guide, Trace_ELBO(), num_partitions=2, eta={"m": 0.4}, oracle_draws=None)
+    pd.init(random.key(0), x, 2)
+    np.testing.assert_array_equal(pd.blocks.sizes, [4, 3])
+    x8 = jnp.asarray(np.arange(8.0), jnp.float32)
+    pd.init(random.key(0), x8, 2)                     # another data size: new blocks
+    np.testing.assert_array_equal(pd.blocks.sizes, [4, 4])
+    assert pd.num_units == 2 and pd.structure.data_plate.size == 8
+    idx, mask, w = pd._unit_data(jnp.asarray(1), pd.blocks)
+    np.testing.assert_array_equal(idx, [4, 5, 6, 7])
+    _close(w, 0.5, 1e-7)
+    pd._num_total, pd._client_block = 80, 0           # a federated client's view: its block, the federation's N
+    idx, mask, w = pd._unit_data(jnp.asarray(1), pd.blocks)
+    np.testing.assert_array_equal(idx, [0, 1, 2, 3])
+    _close(w, 4 / 80, 1e-7)
+    pdd = _engine(dual_granularity="datum")
+    pdd.init(random.key(0), x, 2)
+    idx, mask, w = pdd._unit_data(jnp.asarray(3), pdd.blocks)
+    np.testing.assert_array_equal(idx, [3])
+    np.testing.assert_array_equal(mask, [True])
+    _close(w, 1 / NX, 1e-7)
+
+
+def test_default_lbfgs_oracle_solves_the_prox():
+    """The L-BFGS that local_optimizer=None picks for many coordinates solves a quadratic prox."""
+    class S:
+        init_global = {"g": np.zeros(3)}
+        init_local = {"l": np.zeros((7, 20))}
+
+    solver, steps = _engine(block_solver=None)._resolve_solver(S)
+    f, lam0, mu, eta, phi, Q, v = _prox_problem()
+    l0, m, e = np.array([0.3, -0.2, 0.5]), np.array([0.4, -0.7, 0.2]), np.array([0.5, 2.0, 0.25])
+    H = Q + np.diag(np.concatenate([1 / e, [0, 0]]))
+    z = np.linalg.solve(H, -(v + np.concatenate([m - l0 / e, [0, 0]])))
+    lam, ph, val = P.prox_solve(f, lam0, mu, eta, phi, solver, steps)
+    _close(np.concatenate([np.asarray(lam["g"]), [float(lam["k"])], np.asarray(ph["p"])]), z, 1e-4)
+
+
+def model_wide(x, batch=None):
+    beta = numpyro.sample("beta", dist.Normal(0.0, 1.0).expand([520]).to_event(1))
+    with numpyro.plate("data", x.shape[0], subsample_size=batch) as idx:
+        numpyro.sample("obs", dist.Normal(jnp.sum(beta) * 0.1, 1.0), obs=x[idx])
+
+
+def guide_wide(x, batch=None):
+    numpyro.sample("beta", dist.Delta(numpyro.param("b", jnp.zeros(520)), event_dim=1))
+
+
+def test_auto_eta_probes_follow_the_key():
+    """Above 512 coordinates the curvature is Hutchinson's estimate with probes drawn from the unit's key: with a
+    non-diagonal Hessian (the data see Σβ) another init key gives another η."""
+    x = _x()
+    pd = P.PDVI(model_wide, guide_wide, Trace_ELBO(), partitions=BLOCKS, eta="auto", oracle_draws=None,
+                block_solver=lambda lam0, mu, eta, rows, block, x, batch: (lam0, rows))
+    e0 = float(pd.init(random.key(0), x, 2).eta["b"])
+    e1 = float(pd.init(random.key(1), x, 2).eta["b"])
+    assert np.isfinite(e0) and e0 > 0 and e0 != e1
