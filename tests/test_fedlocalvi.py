@@ -104,7 +104,8 @@ def engine(method, clients=None, **kw):
                       **{**defaults, **kw})
 
 
-@pytest.mark.parametrize("method", METHODS)
+# the default suite runs local_sgd (FedLocalVI's default); the other methods are long reproductions (.ci/run)
+@pytest.mark.parametrize("method", [m if m == "local_sgd" else pytest.param(m, marks=pytest.mark.slow) for m in METHODS])
 def test_every_method_reaches_the_centralised_optimum(optimum, method):
     u_star, f_star = optimum
     eng, res = run_cached(method, 300)

@@ -101,6 +101,7 @@ def assert_on_simplex(w):
     assert np.all(w >= 0) and abs(w.sum() - 1) < 1e-5
 
 
+@pytest.mark.slow   # a long reproduction (runs in .ci/run)
 def test_synchronised_dual_averaging_reaches_the_centralised_saddle_point(references):
     u_star = references["robust"]
     eng, res = run()

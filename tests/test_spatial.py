@@ -113,6 +113,7 @@ def test_local_sweep_is_the_cavi_update_of_phi(tiny):
     np.testing.assert_allclose(half, 0.5 * (phi + new), rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow   # a long reproduction (runs in .ci/run); README's spatial block runs P²D-VI on this model
 def test_tiny_p2dvi_reaches_the_block_cavi_oracle():
     data = spatial.make_spatial_surrogate(0, n=400, K=4, d=8, tiles=(2, 2))
     x, graph = jnp.asarray(data.x), spatial.within_patches(data.graph, data.patches)

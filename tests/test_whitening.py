@@ -180,7 +180,8 @@ def test_stage_tail_average_and_rewhitening():
 
 
 # --- the engine's defaults ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("scale", ["full", "tril", "diag"])
+@pytest.mark.parametrize("scale", ["full", pytest.param("tril", marks=pytest.mark.slow),   # one scale by default
+                                   pytest.param("diag", marks=pytest.mark.slow)])
 def test_defaults_reach_the_exact_posterior(scale):
     """Linear-Gaussian model, every default: full/tril reach the exact posterior (means within 0.05 sd, covariance
     within 5% Frobenius); diag the mean-field optimum s_i = 1/√P_ii."""
