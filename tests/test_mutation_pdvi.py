@@ -400,6 +400,7 @@ def test_check_eta_against_sites():
     _close(out["v"], 0.5, 0)
     out = P._check_eta({"v": np.ones(3), "m": 2}, init)
     assert out["v"].shape == (3,) and list(out) == ["m", "v"]
+    assert out["m"].dtype == jnp.float32 and P._check_eta(3, init)["v"].dtype == jnp.float32   # ints: widest float
     _close(out["m"], 2.0, 0)
     with jax.enable_x64(True):
         assert P._check_eta(0.5, init)["m"].dtype == jnp.float64
@@ -608,6 +609,9 @@ def test_front_end_run_datum_cyclic_crn_run():
     losses = [ref.update() for _ in range(5)]
     _check(res.state, ref)
     _close(res.losses, losses, 1e-5)
+    r = pd.refresh_eta(res.state, _x(), 2)           # one dual per datum: μ_j = −∂_m f_j(λ_0, a_j), weight 1/N
+    mu = [-_grad_m(ref.m0, ref.a[[j]], [j]) for j in range(NX)]
+    _close(r.mu["m"], mu, 1e-4)
 
 
 def test_front_end_newton_and_optax_oracles():
@@ -1213,3 +1217,19 @@ def test_auto_eta_probes_follow_the_key():
     e0 = float(pd.init(random.key(0), x, 2).eta["b"])
     e1 = float(pd.init(random.key(1), x, 2).eta["b"])
     assert np.isfinite(e0) and e0 > 0 and e0 != e1
+
+
+def test_nan_lambda_of_an_unused_site_is_a_failed_answer():
+    """A block solver whose λ is NaN at a site the loss does not read (finite loss): the answer still fails — NaN
+    loss, no local row written."""
+    def solver(lam0, mu, eta, rows, block, x, batch):
+        lam, rows = block_solver(lam0, mu, {"m": eta["m"]}, rows, block, x, batch)
+        return {"m": lam["m"], "z": jnp.full_like(lam0["z"], jnp.nan)}, rows
+
+    x = _x()
+    pd = P.PDVI(model, guide_extra, Trace_ELBO(), partitions=BLOCKS, eta={"m": 0.4, "z": 0.4}, oracle_draws=None,
+                block_solver=solver)
+    s = pd.init(random.key(18), x, 2)
+    s1, loss = pd.update(s, x, 2)
+    assert np.isnan(float(loss))
+    _close(s1.local["a"], s.local["a"], 0)
