@@ -1,5 +1,5 @@
 """Fast tests of numpyro_fedvi.mpsgd for mutation testing (CONTRIBUTING.md "Mutation testing"); they run in the
-normal suite too.
+normal suite too, except the ones that compile an engine (marked slow: `.ci/run` and mutmut run them).
 
 The estimator and the step are written out in numpy (float64) from specs/mpsgd.md ("Estimators", "Update"):
 ``g_μ = G1/N``, ``g_Σ = GZᵀ/N − Σ^{-T}`` (tril: ``tril(GZᵀ/N) − diag(1/C_ii)``; diag: ``mean(G∘Z) − 1/s``), the
@@ -435,6 +435,7 @@ def test_model_potential_oracle():
 
 
 @pytest.mark.parametrize("scale_type", ["full", "tril", "diag"])
+@pytest.mark.slow   # compiles an engine: runs in .ci/run and under mutmut (CONTRIBUTING.md)
 def test_theory_engine_matches_transcription(scale_type):
     """init (μ0 = init_to_median = 0, Σ0 = I/√L_proj projected, a given), two updates with γ = 1/(2L), N = 3 drawn
     2 at a time and λ = (0.6, 0.3) against the transcription; evaluate / get_params / stable_update agree."""
@@ -479,6 +480,7 @@ def test_theory_engine_matches_transcription(scale_type):
     _close(eng.get_params(st2)["auto_loc"], ref["avg_loc"], atol=1e-4)
 
 
+@pytest.mark.slow   # compiles an engine: runs in .ci/run and under mutmut (CONTRIBUTING.md)
 def test_theory_run_diagnostics_and_resume():
     y = _y()
     eng = _engine("diag", smoothness=4.0, num_particles=2, preconditioner="identity")
@@ -506,6 +508,7 @@ def test_theory_run_diagnostics_and_resume():
     assert st.avg_a == 0.0                            # a = 0 without a budget
 
 
+@pytest.mark.slow   # compiles an engine: runs in .ci/run and under mutmut (CONTRIBUTING.md)
 def test_theory_defaults():
     """Defaults: smoothness 'auto' (2·λ_max at the MAP, exact on a quadratic), preconditioner 'theory' (λ_Σ =
     1/(2(d−1+κ))), N = 1 drawn 1 at a time, γ = 1/(2L), Σ0 = I/√L, averaging 'tau' with a = 0, iid draws."""
@@ -529,6 +532,7 @@ def test_theory_defaults():
     assert eng._config() == (L, L, lam[0], lam[1], 1, D)
 
 
+@pytest.mark.slow   # compiles an engine: runs in .ci/run and under mutmut (CONTRIBUTING.md)
 def test_smoothness_auto_is_cached_per_input_shapes(monkeypatch):
     calls = []
     est = mp.estimate_smoothness
@@ -554,6 +558,7 @@ def _curved_model():
     numpyro.factor("keyed", -0.5 * jnp.exp(c[0]) * jnp.sum(x**2))
 
 
+@pytest.mark.slow   # compiles an engine: runs in .ci/run and under mutmut (CONTRIBUTING.md)
 def test_smoothness_auto_uses_the_setup_key():
     """L = 2 λ_max(∇²f) of the potential seeded with init's setup key split(rng_key)[0] (computed here with numpyro's
     potential_energy and jax.hessian, at x = 0: the Hessian is constant)."""
@@ -586,6 +591,7 @@ def test_preconditioner_settings():
 
 
 @pytest.mark.parametrize("pre,case", [("identity", "i"), ("theory", "ii")])
+@pytest.mark.slow   # compiles an engine: runs in .ci/run and under mutmut (CONTRIBUTING.md)
 def test_budget_sets_particles_steps_and_a(pre, case):
     y = _y()
     L, E = 4.0, 60
@@ -613,6 +619,7 @@ def test_budget_sets_particles_steps_and_a(pre, case):
 
 
 @pytest.mark.parametrize("strategy", ["S1", "S2", "S3"])
+@pytest.mark.slow   # compiles an engine: runs in .ci/run and under mutmut (CONTRIBUTING.md)
 def test_step_schedules_are_theorem7s(strategy):
     y = _y()
     eng = _engine("diag", smoothness=4.0, step_schedule=strategy, num_particles=3, step_size=0.05)
@@ -645,6 +652,7 @@ def test_step_schedule_constant_and_errors():
         assert str(e.value) == msg
 
 
+@pytest.mark.slow   # compiles an engine: runs in .ci/run and under mutmut (CONTRIBUTING.md)
 def test_callable_schedules_chunk_and_checks():
     y = _y()
     eng = _engine("diag", num_particles=lambda k: 3 + k, step_size=lambda k: 0.01 / (k + 1.0))
@@ -698,6 +706,7 @@ def test_large_step_size_warns(monkeypatch):
     assert len(calls) == 1
 
 
+@pytest.mark.slow   # compiles an engine: runs in .ci/run and under mutmut (CONTRIBUTING.md)
 def test_init_scale_and_init_params():
     y = _y()
     eng = _engine("full", init_scale=3.0)
@@ -719,6 +728,7 @@ def test_init_scale_and_init_params():
     _close(res.state.loc, eng.update(st, y)[0].loc)
 
 
+@pytest.mark.slow   # compiles an engine: runs in .ci/run and under mutmut (CONTRIBUTING.md)
 def test_averaging_none_reports_the_last_iterate():
     y = _y()
     eng = _engine("diag", num_particles=2, averaging="none")
@@ -731,6 +741,7 @@ def test_averaging_none_reports_the_last_iterate():
     assert float(eng.evaluate(st2, y, num_samples=3)) == float(eng.evaluate(st2, y, num_samples=3, which="last"))
 
 
+@pytest.mark.slow   # compiles an engine: runs in .ci/run and under mutmut (CONTRIBUTING.md)
 def test_stable_update_keeps_the_state_on_a_non_finite_step():
     """Float leaves are kept when the loss OR the new state is not finite (the step counter moves on)."""
     y = _y()
@@ -752,6 +763,7 @@ def test_stable_update_keeps_the_state_on_a_non_finite_step():
     np.testing.assert_array_equal(new.loc, st.loc), np.testing.assert_array_equal(new.scale, st.scale)
 
 
+@pytest.mark.slow   # compiles an engine: runs in .ci/run and under mutmut (CONTRIBUTING.md)
 def test_compiled_once_per_engine():
     y = _y()
     eng = _engine("diag", num_particles=2)
@@ -977,6 +989,7 @@ def test_constructor_accepts_and_stores():
     assert MPSGD(_model, g, num_particles=5, draws="iid").num_particles == 5       # odd: fine with iid draws
 
 
+@pytest.mark.slow   # compiles an engine: runs in .ci/run and under mutmut (CONTRIBUTING.md)
 def test_run_loop_options(capsys):
     """run passes its options to the run loop: the progress bar (default on, labelled MPSGD), callbacks after each
     chunk of chunk_size steps, early stopping, stable_update (default off); the compiled loop is kept by the engine
@@ -1009,6 +1022,7 @@ def test_run_loop_options(capsys):
     assert d["stop_reason"] == "completed" and d["skipped_steps"] == 3
 
 
+@pytest.mark.slow   # compiles an engine: runs in .ci/run and under mutmut (CONTRIBUTING.md)
 def test_resume_on_a_fresh_engine_sets_up_with_the_run_key():
     """run(key, ..., init_state=s) on an engine never initialised: set up with split(key)[0] (smoothness 'auto'
     of a key-dependent curvature shows which key)."""

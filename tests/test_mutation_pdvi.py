@@ -1,5 +1,5 @@
 """Fast tests of numpyro_fedvi.pdvi for mutation testing (CONTRIBUTING.md "Mutation testing"); they run in the
-normal suite too.
+normal suite too, except the ones that compile an engine (marked slow: `.ci/run` and mutmut run them).
 
 Functional core: Algorithm 1 (specs/pdvi.md §1) written out in numpy (float64) on n = 5 units with a two-leaf global
 pytree, per-coordinate η, a keyed oracle (its answer depends on ``fold_in(oracle_key, unit)``, so a wrong key
@@ -601,6 +601,7 @@ def test_front_end_update_matches_algorithm1():
     _close(p["a"], ref.a, 2e-5)
 
 
+@pytest.mark.slow   # compiles an engine: runs in .ci/run and under mutmut (CONTRIBUTING.md)
 def test_front_end_run_datum_cyclic_crn_run():
     pd = _engine(dual_granularity="datum", selection="cyclic", crn="run", partitions_per_step=1)
     res = pd.run(random.key(4), 5, _x(), 2, progress_bar=False)
@@ -614,6 +615,7 @@ def test_front_end_run_datum_cyclic_crn_run():
     _close(r.mu["m"], mu, 1e-4)
 
 
+@pytest.mark.slow   # compiles an engine: runs in .ci/run and under mutmut (CONTRIBUTING.md)
 def test_front_end_newton_and_optax_oracles():
     x = _x()
     # the default solver (Newton: 2 Hessian-vector products per step) with enough steps is the exact prox
@@ -627,6 +629,7 @@ def test_front_end_newton_and_optax_oracles():
         _check(s, ref, 1e-4)
 
 
+@pytest.mark.slow   # compiles an engine: runs in .ci/run and under mutmut (CONTRIBUTING.md)
 def test_front_end_optax_oracle_gradient_steps():
     """local_optimizer=optax.sgd: the oracle is ``local_steps`` alternating (or joint) gradient steps on the
     augmented Lagrangian from (λ_0, stored rows), in numpy below; one iteration with one block."""
@@ -705,6 +708,7 @@ def test_refresh_clips_and_keeps_old_eta():
         _engine().refresh_eta(s, x, 2)
 
 
+@pytest.mark.slow   # compiles an engine: runs in .ci/run and under mutmut (CONTRIBUTING.md)
 def test_front_end_host_table_matches_device():
     x = _x()
     pd = _engine(local_table="host")
@@ -892,6 +896,7 @@ def bad_block_solver(lam0, mu, eta, rows, block, x, batch):
     return {"m": jnp.where(first == 5, jnp.nan, jnp.where(first == 6, 1e30, lam["m"]))}, rows
 
 
+@pytest.mark.slow   # compiles an engine: runs in .ci/run and under mutmut (CONTRIBUTING.md)
 def test_front_end_non_finite_oracle():
     x = _x()
     pd = _engine(block_solver=bad_block_solver, selection="cyclic", partitions_per_step=1)
@@ -920,6 +925,7 @@ def test_front_end_non_finite_oracle():
     _close(s3.local["a"], s.local["a"], 0)
 
 
+@pytest.mark.slow   # compiles an engine: runs in .ci/run and under mutmut (CONTRIBUTING.md)
 def test_front_end_run_options(capsys):
     x = _x()
     calls = []
@@ -970,6 +976,7 @@ def _sharded_like(state, mesh, strict=True):
         assert leaf.sharding.spec == spec or not strict
 
 
+@pytest.mark.slow   # compiles an engine: runs in .ci/run and under mutmut (CONTRIBUTING.md)
 def test_front_end_mesh_matches_algorithm1():
     x = _x()
     mesh = make_mesh(1)
@@ -1040,6 +1047,7 @@ def guide_mc(x, batch=None):
         numpyro.sample("theta", dist.Normal(a, 0.4))
 
 
+@pytest.mark.slow   # compiles an engine: runs in .ci/run and under mutmut (CONTRIBUTING.md)
 def test_front_end_monte_carlo_keys():
     """A Monte-Carlo guide: the reported losses, ``evaluate`` and the refreshed duals use the documented keys
     (the block losses are evaluated with the engine's own ``_block_loss``, a function of ``objectives``)."""
@@ -1081,6 +1089,7 @@ def test_front_end_monte_carlo_keys():
     _close(r.h["m"], float(r.eta["m"]) * np.mean(mu), 1e-4)
 
 
+@pytest.mark.slow   # compiles an engine: runs in .ci/run and under mutmut (CONTRIBUTING.md)
 def test_front_end_x64_keeps_model_dtypes():
     """Under x64 the accumulators are float64; the model still sees its float32 params (get_params)."""
     def solver32(*a, **k):   # a solver that answers in float32: the engine casts its λ to λ_0's float64
