@@ -181,6 +181,11 @@ def estimate_smoothness(potential: Callable, x0, *, map_steps: int = 200, power_
     return safety * lam, x_map
 
 
+def _is_real(value) -> bool:
+    """A real scalar: Python or NumPy int/float, not a bool (as ``inputs.check_positive`` accepts)."""
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+
+
 class MPSGD:
     """Minibatch projected SGD for VI with an :class:`~numpyro_fedvi.guides.AutoLocationScale` guide.
 
@@ -276,8 +281,7 @@ class MPSGD:
             raise ValueError(f"averaging must be one of {allowed} with schedule={schedule!r}, got {averaging!r}.")
         if draws not in ("spherical", "iid") or (schedule == "theory" and draws != "iid"):
             raise ValueError(f"draws must be 'spherical' or 'iid' (schedule='theory': 'iid'), got {draws!r}.")
-        if averaging_a is not None and not (isinstance(averaging_a, (int, float)) and math.isfinite(averaging_a)
-                                            and averaging_a >= 0):
+        if averaging_a is not None and not (_is_real(averaging_a) and math.isfinite(averaging_a) and averaging_a >= 0):
             raise ValueError(f"averaging_a must be a finite float >= 0, got {averaging_a!r}.")
         if isinstance(preconditioner, str):
             if preconditioner not in ("theory", "identity"):
@@ -300,8 +304,7 @@ class MPSGD:
         if step_size is not None and not callable(step_size):
             step_size = check_positive(step_size, "step_size",
                                        expected="None, a positive finite float or a schedule k -> γ_k")
-        if init_scale is not None and not (isinstance(init_scale, (int, float)) and math.isfinite(init_scale)
-                                           and init_scale > 0):
+        if init_scale is not None and not (_is_real(init_scale) and math.isfinite(init_scale) and init_scale > 0):
             raise ValueError(f"init_scale must be a positive finite float, got {init_scale!r}.")
         self.model, self.guide, self.schedule, self.draws = model, guide, schedule, draws
         self.stage_length = int(stage_length)

@@ -941,7 +941,7 @@ def test_constructor_messages():
     assert _msg(draws="spherical", **th) == ("draws must be 'spherical' or 'iid' (schedule='theory': 'iid'), got "
                                              "'spherical'.")
     assert _msg(draws="sobol") == "draws must be 'spherical' or 'iid' (schedule='theory': 'iid'), got 'sobol'."
-    for a in (-1.0, float("nan"), float("inf"), "1"):
+    for a in (-1.0, float("nan"), float("inf"), "1", True):
         assert _msg(averaging_a=a, **th) == f"averaging_a must be a finite float >= 0, got {a!r}."
     assert _msg(preconditioner="adam", **th) == ("preconditioner must be 'theory', 'identity' or (λ_μ, λ_Σ); got "
                                                  "'adam'.")
@@ -962,7 +962,7 @@ def test_constructor_messages():
     exp = "None, a positive finite float or a schedule k -> γ_k"
     assert _msg(step_size=-0.1, **th) == positive_msg(-0.1, "step_size", exp)
     assert _msg(step_size="0.1", **th) == positive_msg("0.1", "step_size", exp)
-    for s in (0.0, -1, float("nan"), float("inf"), "1", [1.0]):
+    for s in (0.0, -1, float("nan"), float("inf"), "1", [1.0], True, np.float32(-1.0)):
         assert _msg(init_scale=s) == f"init_scale must be a positive finite float, got {s!r}."
     with pytest.raises(ValueError, match="argument 'w' holds NaN"):
         MPSGD(_model, AutoLocationScale(_model), w=np.array([np.nan]))
@@ -987,6 +987,8 @@ def test_constructor_accepts_and_stores():
     e = MPSGD(_model, g, num_particles=np.int64(4), draws="iid", averaging="none", stage_length=2)
     assert e.adaptive and e.draws == "iid" and e.averaging == "none" and e.num_particles == 4
     assert MPSGD(_model, g, num_particles=5, draws="iid").num_particles == 5       # odd: fine with iid draws
+    e = MPSGD(_model, g, schedule="theory", averaging_a=np.float32(0.5), init_scale=np.float64(0.25))  # NumPy scalars
+    assert e.averaging_a == 0.5 and e.init_scale == 0.25
 
 
 @pytest.mark.slow   # compiles an engine: runs in .ci/run and under mutmut (CONTRIBUTING.md)
