@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["InputJit", "check_positive", "check_static_kwargs", "prepare_inputs", "prepare_value", "split_inputs"]
+__all__ = ["InputJit", "check_positive", "check_static_kwargs", "is_real_number", "prepare_inputs", "prepare_value",
+           "split_inputs"]
 
 _STATIC_TYPES = (bool, int, float, complex, str, bytes, type(None))
 
@@ -94,14 +95,18 @@ def check_static_kwargs(static_kwargs: dict) -> None:
         _check_finite(v, f"argument {k!r}")
 
 
+def is_real_number(value) -> bool:
+    """A Python or NumPy int / float scalar, not a bool."""
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+
+
 def check_positive(value, name: str, *, allow_zero: bool = False, expected: str | None = None) -> float:
     """``value`` as a Python float, or a ``TypeError`` / ``ValueError`` naming ``name``, what was given and what is
     expected (``expected``, default: a finite real number > 0, or ``>= 0`` with ``allow_zero``).  Host-side, before
     anything compiles."""
     expected = expected or "a finite real number " + (">= 0" if allow_zero else "> 0")
-    if isinstance(value, bool) or not (isinstance(value, (int, float, np.integer, np.floating))
-                                       or (isinstance(value, (np.ndarray, jax.Array)) and np.ndim(value) == 0
-                                           and not isinstance(value, jax.core.Tracer))):
+    if not (is_real_number(value) or (isinstance(value, (np.ndarray, jax.Array)) and np.ndim(value) == 0
+                                      and not isinstance(value, jax.core.Tracer))):
         raise TypeError(f"{name} must be {expected}, got {value!r} ({type(value).__name__}).")
     v = float(value)
     if not math.isfinite(v) or v < 0 or (v == 0 and not allow_zero):

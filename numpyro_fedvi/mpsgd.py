@@ -32,7 +32,7 @@ from jax import lax, random
 from numpyro import handlers
 from numpyro.infer.util import potential_energy
 
-from .inputs import InputJit, check_positive, check_static_kwargs, prepare_inputs, split_inputs
+from .inputs import InputJit, check_positive, check_static_kwargs, is_real_number, prepare_inputs, split_inputs
 from .runner import EarlyStopping, RunResult, revert_non_finite, run_loop, tree_all_finite
 from .schedules import batch_growth, constant, dynamic_batching, theorem4
 from .guides import apply_scale, log_abs_det_scale
@@ -181,11 +181,6 @@ def estimate_smoothness(potential: Callable, x0, *, map_steps: int = 200, power_
     return safety * lam, x_map
 
 
-def _is_real(value) -> bool:
-    """A real scalar: Python or NumPy int/float, not a bool (as ``inputs.check_positive`` accepts)."""
-    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
-
-
 class MPSGD:
     """Minibatch projected SGD for VI with an :class:`~numpyro_fedvi.guides.AutoLocationScale` guide.
 
@@ -281,7 +276,8 @@ class MPSGD:
             raise ValueError(f"averaging must be one of {allowed} with schedule={schedule!r}, got {averaging!r}.")
         if draws not in ("spherical", "iid") or (schedule == "theory" and draws != "iid"):
             raise ValueError(f"draws must be 'spherical' or 'iid' (schedule='theory': 'iid'), got {draws!r}.")
-        if averaging_a is not None and not (_is_real(averaging_a) and math.isfinite(averaging_a) and averaging_a >= 0):
+        if averaging_a is not None and not (is_real_number(averaging_a) and math.isfinite(averaging_a)
+                                            and averaging_a >= 0):
             raise ValueError(f"averaging_a must be a finite float >= 0, got {averaging_a!r}.")
         if isinstance(preconditioner, str):
             if preconditioner not in ("theory", "identity"):
@@ -304,7 +300,7 @@ class MPSGD:
         if step_size is not None and not callable(step_size):
             step_size = check_positive(step_size, "step_size",
                                        expected="None, a positive finite float or a schedule k -> γ_k")
-        if init_scale is not None and not (_is_real(init_scale) and math.isfinite(init_scale) and init_scale > 0):
+        if init_scale is not None and not (is_real_number(init_scale) and math.isfinite(init_scale) and init_scale > 0):
             raise ValueError(f"init_scale must be a positive finite float, got {init_scale!r}.")
         self.model, self.guide, self.schedule, self.draws = model, guide, schedule, draws
         self.stage_length = int(stage_length)
