@@ -15,6 +15,7 @@ No JAX work at import: the mutmut fork server collects this module and must not 
 """
 
 import math
+import sys
 import re
 import warnings
 from pathlib import Path
@@ -1242,3 +1243,99 @@ def test_nan_lambda_of_an_unused_site_is_a_failed_answer():
     s1, loss = pd.update(s, x, 2)
     assert np.isnan(float(loss))
     _close(s1.local["a"], s.local["a"], 0)
+
+
+def model_two_plates(x, batch=None):
+    """Two subsampled plates: the data plate is found only by name (``data_plate="data"``)."""
+    mu = numpyro.sample("mu", dist.Normal(0.0, S0))
+    with numpyro.plate("groups", 3, subsample_size=2):
+        numpyro.sample("g", dist.Normal(0.0, 1.0))
+    with numpyro.plate("data", x.shape[0], subsample_size=batch) as idx:
+        theta = numpyro.sample("theta", dist.Normal(mu, TAU))
+        numpyro.sample("obs", dist.Normal(theta, SIG), obs=x[idx])
+
+
+def test_data_plate_found_by_name_only():
+    """``data_plate=`` reaches the model inspection: with two subsampled plates only the name picks the data plate
+    (without it, a ValueError asks for the name)."""
+    x = _x()
+    kw = {"partitions": BLOCKS, "eta": 0.4, "oracle_draws": None}
+    pd = P.PDVI(model_two_plates, numpyro.infer.autoguide.AutoDelta(model_two_plates), data_plate="data", **kw)
+    pd._setup(random.key(0), (x,), {"batch": 2}, None)
+    assert pd.structure.data_plate.name == "data" and pd.structure.data_plate.size == NX
+    assert pd.blocks.num_blocks == len(BLOCKS)
+    with pytest.raises(ValueError, match="several subsampled plates"):
+        P.PDVI(model_two_plates, numpyro.infer.autoguide.AutoDelta(model_two_plates), **kw)._setup(
+            random.key(0), (x,), {"batch": 2}, None)
+
+
+def model_weighted(x, w, batch=None):
+    """``w`` (3 entries) is not a data-plate argument: replicated on a mesh, never checked against the devices."""
+    mu = numpyro.sample("mu", dist.Normal(jnp.sum(w), S0))
+    with numpyro.plate("data", x.shape[0], subsample_size=batch) as idx:
+        theta = numpyro.sample("theta", dist.Normal(mu, TAU))
+        numpyro.sample("obs", dist.Normal(theta, SIG), obs=x[idx])
+
+
+def _mesh_inputs_report():
+    """Run in a subprocess with 2 CPU devices: how ``PDVI._inputs`` places blocks and arguments on a 2-device mesh,
+    and the errors for sizes that do not divide (printed as JSON)."""
+    import json
+
+    from numpyro.infer.autoguide import AutoDelta
+
+    mesh = make_mesh(2)
+    w = jnp.asarray([0.1, 0.2, 0.3])
+    out = {"devices": jax.device_count()}
+
+    def engine(n, blocks):
+        pd = P.PDVI(model_weighted, AutoDelta(model_weighted), partitions=blocks, eta=0.4, mesh=mesh)
+        x = jnp.linspace(-1.0, 1.0, n)
+        pd._setup(random.key(0), (x, w), {"batch": 2}, None)
+        return pd, x
+
+    pd, x = engine(8, [np.arange(0, 2), np.arange(2, 4), np.arange(4, 6), np.arange(6, 8)])
+    blocks, args, kwargs = pd._inputs((x, w), {"batch": 2})
+    out["specs"] = {"blocks": [list(a.sharding.spec) for a in jax.tree.leaves(blocks)],
+                    "x": list(args[0].sharding.spec), "w": list(args[1].sharding.spec), "batch": kwargs["batch"]}
+    for name, n, parts in (("odd_blocks", 8, [np.arange(0, 3), np.arange(3, 6), np.arange(6, 8)]),
+                           ("odd_rows", 7, [np.arange(0, 4), np.arange(4, 7)])):
+        pd, x = engine(n, parts)
+        try:
+            pd._inputs((x, w), {"batch": 2})
+        except ValueError as err:
+            out[name] = str(err)
+    print(json.dumps(out))
+
+
+@pytest.mark.slow   # starts a process with 2 CPU devices (XLA reads the device count at start)
+def test_inputs_on_a_two_device_mesh():
+    """On a 2-device mesh the blocks are sharded along their axis, the N-row arguments along the data axis and the
+    others replicated; a block count or an N that does not divide by the devices is refused, the message naming
+    which.  The subprocess imports the same package as this process (``PYTHONPATH``; under mutmut, the mutant)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pd = _engine()                                   # in process: _inputs without a mesh passes everything through
+    pd._setup(random.key(0), (_x(),), {"batch": 2}, None)
+    blocks, args, kwargs = pd._inputs((_x(),), {"batch": 2})
+    assert blocks is pd.blocks and kwargs == {"batch": 2}
+    package = Path(P.__file__).resolve().parents[1]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join(
+               [str(package), os.environ.get("PYTHONPATH", "")]),
+           "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2"}
+    proc = subprocess.run([sys.executable, __file__, "mesh-inputs"], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["devices"] == 2
+    axis = list(make_mesh(1).axis_names)
+    assert out["specs"] == {"blocks": [axis] * len(out["specs"]["blocks"]), "x": axis, "w": [], "batch": 2}
+    assert out["odd_blocks"].startswith("the number of blocks (3) must divide by the 2 devices")
+    assert out["odd_rows"].startswith("the size of the data plate (7) must divide by the 2 devices")
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["mesh-inputs"]:
+    _mesh_inputs_report()

@@ -1,7 +1,8 @@
 """Scale-out on a device mesh (numpyro_fedvi.sharding, issue 14), on 4 simulated CPU devices.
 
 XLA reads ``--xla_force_host_platform_device_count`` when JAX starts, so the runs happen in two subprocesses (this file
-run as a script: PD-VI, federated engines) that print their measurements as JSON; the tests check them.  Checked:
+run as a script) that print their measurements as JSON; the tests check them: "pdvi" (PD-VI, and every engine's
+refusals; the default suite) and "federated" (ten federated engine runs; the slow tests, in ``.ci/run``).  Checked:
 PD-VI with ``mesh=`` equals the single-device run for the same key (``run``) to float tolerance; the local table, the
 duals and the data stay sharded over the 4 devices (``.sharding``, bytes per device = 1/4); the compiled step's
 collectives move at most the selected blocks' rows, never the table; FedMM, FedSVI, FedLocalVI and RobustFedVI with
@@ -17,31 +18,41 @@ import sys
 
 import jax
 import numpy as np
+import numpyro
+import numpyro.distributions as dist
 import pytest
 
 N, B, M, STEPS = 1600, 16, 4, 8  # 16 blocks of 100 rows, 4 selected per iteration (a quarter of the table)
 
 
-@pytest.fixture(scope="module")
-def measured():
+def _start(part):
+    """This file run as a script (``_worker(part)``) in a subprocess with 4 CPU devices."""
     flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4"  # keeps conftest's
     env = {**os.environ, "XLA_FLAGS": flags, "OMP_NUM_THREADS": "1", "JAX_PLATFORMS": "cpu"}
     cache = jax.config.jax_compilation_cache_dir  # the suite's persistent compilation cache (conftest), if on
     if cache:
         env.update(JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.1",
                    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-    procs = [subprocess.Popen([sys.executable, __file__, part], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for part in ("pdvi", "federated")]  # two processes: one per core
-    return _collect(procs)
+    return subprocess.Popen([sys.executable, __file__, part], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
 
 
-def _collect(procs):
-    measured = {}
-    for proc in procs:
-        stdout, stderr = proc.communicate(timeout=300)
-        assert proc.returncode == 0, stderr[-4000:]
-        measured.update(json.loads(stdout.strip().splitlines()[-1]))
-    return measured
+def _collect(proc):
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-4000:]
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def measured():
+    """PD-VI on the mesh and every engine's refusals (the default suite)."""
+    return _collect(_start("pdvi"))
+
+
+@pytest.fixture(scope="module")
+def measured_federated():
+    """The federated engines on the mesh against unsharded runs (10 engine runs: the slow tests)."""
+    return _collect(_start("federated"))
 
 
 def test_pdvi_mesh_equals_single_device(measured):
@@ -69,19 +80,21 @@ def test_pdvi_step_moves_selected_rows_only(measured):
     assert moved <= M * (N // B) < N, coll
 
 
-def test_fedmm_client_axis_sharded_equals_unsharded(measured):
-    r = measured["fedmm"]
+@pytest.mark.slow   # ten engine runs in a second process
+def test_fedmm_client_axis_sharded_equals_unsharded(measured_federated):
+    r = measured_federated["fedmm"]
     np.testing.assert_allclose(r["mesh"]["theta"], r["single"]["theta"], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(r["mesh"]["losses"], r["single"]["losses"], rtol=1e-5)
     np.testing.assert_allclose(r["mesh"]["V_clients"], r["single"]["V_clients"], rtol=1e-5, atol=1e-6)
     assert r["specs"]["V_clients"] == ["units"] and r["specs"]["data"] == ["units"]
 
 
+@pytest.mark.slow   # ten engine runs in a second process
 @pytest.mark.parametrize("engine", ["fedsvi", "fedlocalvi", "fedsvi_plate", "robust_plate"])
-def test_fedsvi_fedlocalvi_client_axis_sharded_equal_unsharded(measured, engine):
+def test_fedsvi_fedlocalvi_client_axis_sharded_equal_unsharded(measured_federated, engine):
     """``mesh=`` on the engine: ClientData of rows (``fedsvi``, ``fedlocalvi``) and clients as index arrays into the
     model's own arguments (``*_plate``: FedSVI resumed half-way, RobustFedVI); per-client state and clients sharded."""
-    r = measured[engine]
+    r = measured_federated[engine]
     np.testing.assert_allclose(r["mesh"]["params"], r["single"]["params"], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(r["mesh"]["losses"], r["single"]["losses"], rtol=1e-5)
     assert r["spec"] == ["units"]
@@ -120,11 +133,62 @@ def test_large_block_counts_select_without_permuting_every_block():
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+def normal_model(rows):
+    mu = numpyro.sample("mu", dist.Normal(0.0, 10.0))
+    with numpyro.plate("data", rows.shape[0]):
+        numpyro.sample("x", dist.Normal(mu, 2.0), obs=rows)
+
+
+def site_model(x, batch_size=None):
+    mu = numpyro.sample("mu", dist.Normal(0.0, 10.0))
+    with numpyro.plate("data", x.shape[0], subsample_size=batch_size) as idx:
+        numpyro.sample("x", dist.Normal(mu, 2.0), obs=x[idx])
+
+
+def _gmm_clients(rng):
+    """8 clients of a 3-component GMM (40 rows each, 90% from their own component) and a starting statistic."""
+    import jax.numpy as jnp
+
+    means = np.array([[-4.0, 0.0], [4.0, 0.0], [0.0, 4.0]])
+    clients = [(means[np.where(rng.random(40) < 0.9, i % 3, rng.integers(0, 3, 40))]
+                + rng.standard_normal((40, 2))).astype(np.float32) for i in range(8)]
+    s0 = {"s1": jnp.asarray(rng.normal(size=(3, 2)) * 0.3, jnp.float32), "s2": jnp.full((3,), 1 / 3, jnp.float32)}
+    return clients, s0
+
+
+def _federated_refusals(mesh):
+    """Every federated engine's error for a client count that does not divide by the devices, and for a mesh that is
+    not a Mesh (raised before anything compiles)."""
+    from jax import random
+    from numpyro.infer.autoguide import AutoNormal
+
+    from numpyro_fedvi.federated import ClientData, FixedSize
+    from numpyro_fedvi.fedlocalvi import FedLocalVI
+    from numpyro_fedvi.fedmm import FedMM, FedSVI, gmm_map_em
+
+    clients, s0 = _gmm_clients(np.random.default_rng(0))
+    errors = {}
+    for what, make in (
+            ("fedmm_six_clients", lambda: FedMM(gmm_map_em(3, 2, 0.1), cv_step=0.2, participation=FixedSize(4),
+                                                mesh=mesh).init(
+                random.key(3), ClientData.from_list(clients[:6]), s0)),
+            ("fedlocalvi_six_clients", lambda: FedLocalVI(normal_model, AutoNormal(normal_model),
+                                                          ClientData.from_list([np.ones(3, np.float32)] * 6),
+                                                          local_steps=1, step_size=0.01, mesh=mesh)),
+            ("fedsvi_six_clients", lambda: FedSVI(site_model, AutoNormal(site_model), rho=0.01, num_clients=6,
+                                                  mesh=mesh)),
+            ("fedsvi_bad_mesh", lambda: FedSVI(site_model, AutoNormal(site_model), rho=0.01, num_clients=8,
+                                               mesh=jax.devices()))):
+        try:
+            make()
+        except (ValueError, TypeError) as err:
+            errors[what] = str(err)
+    return errors
+
+
 def _worker(part):  # runs in a subprocess with 4 CPU devices: part "pdvi" or "federated"
     import jax
     import jax.numpy as jnp
-    import numpyro
-    import numpyro.distributions as dist
     from jax import random
     from numpyro.infer.autoguide import AutoNormal
 
@@ -177,17 +241,15 @@ def _worker(part):  # runs in a subprocess with 4 CPU devices: part "pdvi" or "f
             nfv.PDVI(model, AutoNormal(model), num_partitions=B, mesh=jax.devices())
         except TypeError as err:
             out["pdvi_errors"]["bad_mesh"] = str(err)
+        out["errors"] = _federated_refusals(mesh)
         print(json.dumps(out))
         return
     out = {}
 
     # FedMM: 8 clients of a 3-component GMM, 4 active per round, FedMM(mesh=) places the client axis over 4 devices
-    means = np.array([[-4.0, 0.0], [4.0, 0.0], [0.0, 4.0]])
-    clients = [(means[np.where(rng.random(40) < 0.9, i % 3, rng.integers(0, 3, 40))]
-                + rng.standard_normal((40, 2))).astype(np.float32) for i in range(8)]
+    clients, s0 = _gmm_clients(rng)
     cd = ClientData.from_list(clients)
-    s0 = {"s1": jnp.asarray(rng.normal(size=(3, 2)) * 0.3, jnp.float32), "s2": jnp.full((3,), 1 / 3, jnp.float32)}
-    out["fedmm"], out["errors"] = {}, {}
+    out["fedmm"] = {}
     for name, m in (("single", None), ("mesh", mesh)):
         engine = FedMM(gmm_map_em(3, 2, 0.1), step_size=0.5, cv_step=0.2, participation=FixedSize(4), log_every=1,
                        mesh=m)
@@ -197,17 +259,8 @@ def _worker(part):  # runs in a subprocess with 4 CPU devices: part "pdvi" or "f
         if m is not None:
             out["fedmm"]["specs"] = {"V_clients": spec(jax.tree.leaves(res.state.V_clients)[0]),
                                      "data": spec(jax.tree.leaves(engine._prepare(cd).data)[0])}
-            try:
-                engine.init(random.key(3), ClientData.from_list(clients[:6]), s0)
-            except ValueError as err:
-                out["errors"]["fedmm_six_clients"] = str(err)
 
     # FedSVI and FedLocalVI on a ClientData (their lower layer): 8 clients, 20 rows each, mesh= on the engine
-    def normal_model(rows):
-        mu = numpyro.sample("mu", dist.Normal(0.0, 10.0))
-        with numpyro.plate("data", rows.shape[0]):
-            numpyro.sample("x", dist.Normal(mu, 2.0), obs=rows)
-
     cd = ClientData.from_list([rng.normal(i, 2.0, size=20).astype(np.float32) for i in range(8)])
     for name in ("fedsvi", "fedlocalvi"):
         out[name] = {}
@@ -229,11 +282,6 @@ def _worker(part):  # runs in a subprocess with 4 CPU devices: part "pdvi" or "f
 
     # the upper layer: clients = index arrays into the model's own arguments (8 sites of 25 rows of one data plate);
     # FedSVI (resumed half-way) and RobustFedVI (FedLocalVI's subclass)
-    def site_model(x, batch_size=None):
-        mu = numpyro.sample("mu", dist.Normal(0.0, 10.0))
-        with numpyro.plate("data", x.shape[0], subsample_size=batch_size) as idx:
-            numpyro.sample("x", dist.Normal(mu, 2.0), obs=x[idx])
-
     xs = rng.normal(np.repeat(np.arange(8.0), 25), 2.0).astype(np.float32)
     sites = np.repeat(np.arange(8), 25)
     for name in ("fedsvi_plate", "robust_plate"):
@@ -256,18 +304,6 @@ def _worker(part):  # runs in a subprocess with 4 CPU devices: part "pdvi" or "f
             if m is not None:
                 out[name]["spec"] = spec(jax.tree.leaves(per_client)[0])
                 out[name]["data_spec"] = spec(data)
-    for what, make in (
-            ("fedlocalvi_six_clients", lambda: FedLocalVI(normal_model, AutoNormal(normal_model),
-                                                          ClientData.from_list([np.ones(3, np.float32)] * 6),
-                                                          local_steps=1, step_size=0.01, mesh=mesh)),
-            ("fedsvi_six_clients", lambda: FedSVI(site_model, AutoNormal(site_model), rho=0.01, num_clients=6,
-                                                  mesh=mesh)),
-            ("fedsvi_bad_mesh", lambda: FedSVI(site_model, AutoNormal(site_model), rho=0.01, num_clients=8,
-                                               mesh=jax.devices()))):
-        try:
-            make()
-        except (ValueError, TypeError) as err:
-            out["errors"][what] = str(err)
     print(json.dumps(out))
 
 
