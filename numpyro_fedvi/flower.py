@@ -61,7 +61,7 @@ from .fedmm.fedsvi import FedSVI
 from .pdvi import PDVI, _accum, _check_eta, consensus_update, dual_step, pdvi_init
 from .robust import RobustFedVI, dro_objective, dro_weights
 from .structure import inspect_model
-from .inputs import prepare_inputs
+from .inputs import InputJit, prepare_inputs, split_inputs
 from .objectives import block_loss_fn
 from .runner import RunResult
 
@@ -173,31 +173,46 @@ class _FedMMClient:
     """FedMM / FedSVI client: :func:`client_message` on the client's own rows; the control variate V_{t,i} is
     committed ``(α/p) q_i`` once the server reports the reply accepted."""
 
-    def __init__(self, engine, data, num_total: int, num_clients: int, stat_template):
+    def __init__(self, engine, data, num_total: int, num_clients: int, stat_template, *, app_token):
         if isinstance(engine, FedSVI):
             args, kwargs = _model_inputs(data)
             structure = engine.inspect(random.key(0), args, kwargs)
             plate = structure.data_plate
             block_loss = block_loss_fn(engine.elbo, engine.model, engine.guide, structure, engine.static_kwargs)
-            self.family = engine.plate_family(block_loss, num_total, plate.subsampled, args, kwargs)
+
+            def family_of(inputs):   # the client's family on ITS model arguments (traced: an argument of the step)
+                return engine.plate_family(block_loss, num_total, plate.subsampled, *inputs)
+
+            self.inputs = (args, kwargs)
             self.rows = jnp.arange(plate.size, dtype=jnp.int32)   # the client's own plate: all its rows
             batch_size = engine.batch_size if plate.subsampled else None  # else drawn inside the oracle
             template = structure.init_global
         else:
             (rows,), _ = prepare_inputs((data,), {})
-            self.family, self.rows, batch_size = engine.family, rows, engine.batch_size
+
+            def family_of(inputs):   # FedMM's family is the engine's; the rows are an argument of the step
+                return engine.family
+
+            self.inputs, self.rows, batch_size = ((), {}), rows, engine.batch_size
             if stat_template is None:
                 raise ValueError("a FedMM client app needs stat_template= (a statistic with the structure of Ŝ, "
                                  "e.g. the init_stat the server starts from).")
             template = strong_types(stat_template)
+        self.family = family_of(self.inputs)
         self.num_rows = int(jax.tree.leaves(self.rows)[0].shape[0])
         self.mask = jnp.ones((self.num_rows,), bool)
         theta = jax.eval_shape(self.family.T, template)
         self.x_template = template if engine.aggregate == "surrogate" else theta
         self.broadcast_template = {"theta": theta, "x": self.x_template, "round_key": random.key(0)}
-        self.message = jax.jit(partial(client_message, self.family, compressor=engine.compressor,
-                                       batch_size=batch_size, aggregate=engine.aggregate))
-        self.objective = None if self.family.objective is None else jax.jit(self.family.objective)
+
+        def programs():
+            message = InputJit(lambda s, inputs: client_message(family_of(inputs), *s, compressor=engine.compressor,
+                                                                batch_size=batch_size, aggregate=engine.aggregate))
+            objective = InputJit(lambda s, inputs: family_of(inputs).objective(*s))
+            return message, (None if self.family.objective is None else objective)
+
+        self.message, self.objective = _shared_programs(
+            (app_token, num_total, num_clients, _shapes(self.inputs), _shapes(template)), programs)
 
     def train(self, i, b, cfg, state):
         """``(reply arrays, metrics)``; ``state`` is the client's ``Context.state``."""
@@ -206,12 +221,12 @@ class _FedMMClient:
         V = saved["V"]
         if "pending" in saved and int(state[_META]["pending-round"]) == int(cfg["accepted-round"]):
             V = jax.tree.map(jnp.add, V, saved["pending"])   # the server accepted the last reply: commit its step
-        q = self.message(b["theta"], b["x"], V, self.rows, self.mask, b["round_key"], i)
+        q = self.message((b["theta"], b["x"], V, self.rows, self.mask, b["round_key"], i), self.inputs)
         pending = jax.tree.map(lambda x: float(cfg["cv-scale"]) * x, q)
         _save(state, {"V": V, "pending": pending}, {"pending-round": int(cfg["round"])})
         metrics = {}
         if bool(cfg["log"]) and self.objective is not None:
-            metrics["objective"] = float(self.objective(b["theta"], self.rows, self.mask))
+            metrics["objective"] = float(self.objective((b["theta"], self.rows, self.mask), self.inputs))
         return q, metrics
 
 
@@ -223,7 +238,7 @@ class _FedLocalVIClient:
     with the x of the last step (averaged by the server), phase 1 resumes from the carry kept in
     ``Context.state`` with the server's x̄."""
 
-    def __init__(self, engine, data, num_total: int, num_clients: int, stat_template):
+    def __init__(self, engine, data, num_total: int, num_clients: int, stat_template, *, app_token):
         if not engine._plate_mode:
             raise ValueError("over Flower, FedLocalVI clients are blocks of the model's data plate (clients= ids or "
                              "index arrays, or num_clients=); data_fn returns the model's arguments for its rows.")
@@ -242,17 +257,19 @@ class _FedLocalVIClient:
         self.z_template = z0
         self.base = engine.base_solver()
         self.broadcast_template = _local_broadcast_template(z0, self.base)
-        self.round = jax.jit(self._round)
-        if self.base.halves is not None:
-            self.first_half, self.second_half = jax.jit(self._first_half), jax.jit(self._second_half)
-            self.carry_template = {"z": z0, "out_sum": z0}
+        self.carry_template = {"z": z0, "out_sum": z0}
+        self.round, self.first_half, self.second_half = _shared_programs(
+            (app_token, num_total, num_clients, _shapes(self.inputs), _shapes(z0)), lambda: (
+                InputJit(lambda s, inputs: self._round(*s, inputs)),
+                InputJit(lambda s, inputs: self._first_half(*s, inputs)),
+                InputJit(lambda s, inputs: self._second_half(*s, inputs))))
 
-    def _setup(self, b, h, m):
+    def _setup(self, b, h, m, inputs):
         """The one-client solver state of the broadcast ``b``, the client loss and its (corrected) operator."""
         e = self.engine
         st = vs.VIState(z=jax.tree.map(lambda a: a[None], b["z"]), output=b["output"], anchor=b.get("anchor"),
                         step=b["step"], round=b["round"], key=b["key"], clients=jnp.reshape(m, (1,)))
-        loss = e._client_loss(self.inputs)
+        loss = e._client_loss(inputs)
         op = e._operator(loss, e._mc_key(st), self.rows, self.weight, row=lambda _: 0)
         if h is not None:
             op = vs.corrected_operator(op, jax.tree.map(lambda a: a[None], h), row=lambda _: 0)
@@ -263,21 +280,21 @@ class _FedLocalVIClient:
         e = self.engine
         return loss(e._eval_key(st), e._theta(e._iterate(st, "last")), self.rows.data[0], self.rows.mask[0])
 
-    def _round(self, b, h, m):
+    def _round(self, b, h, m, inputs):
         """The round's K local steps of client m from the broadcast ``b``, and its objective at ``b["z"]``."""
-        st, loss, op = self._setup(b, h, m)
+        st, loss, op = self._setup(b, h, m, inputs)
         new, _ = self.base.round(st, op)
         return jax.tree.map(lambda a: a[0], new.z), new.output, self._objective(st, loss)
 
-    def _first_half(self, b, h, m):
+    def _first_half(self, b, h, m, inputs):
         """Phase 0 of a two-sync round: ``(carry, x)``, x this client's first call of the last step."""
-        st, _, op = self._setup(b, h, m)
+        st, _, op = self._setup(b, h, m, inputs)
         (z, out_sum), x = self.base.halves[0](st, op)
         return {"z": jax.tree.map(lambda a: a[0], z), "out_sum": out_sum}, jax.tree.map(lambda a: a[0], x)
 
-    def _second_half(self, b, h, m, carry):
+    def _second_half(self, b, h, m, carry, inputs):
         """Phase 1: the second call of the last step from the server's x̄; pre-sync z, output and objective."""
-        st, loss, op = self._setup(b, h, m)
+        st, loss, op = self._setup(b, h, m, inputs)
         carry = (jax.tree.map(lambda a: a[None], carry["z"]), carry["out_sum"])
         new = self.base.halves[1](st, op, carry, jax.tree.map(lambda a: a[None], b["x"]))
         return jax.tree.map(lambda a: a[0], new.z), new.output, self._objective(st, loss)
@@ -295,7 +312,7 @@ class _FedLocalVIClient:
             presync_round = -1   # taken: a repeated phase 0 (a skipped round) does not take it twice
         h_used = h if e.drift_correction else None
         if phase == 0 and self.base.halves is not None:
-            carry, x = self.first_half(b, h_used, i)
+            carry, x = self.first_half((b, h_used, i), self.inputs)
             state[_CARRY] = to_record(carry)
             _save(state, {"h": h, "presync": _zeros(self.z_template) if presync is None else presync},
                   {"round": presync_round, "carry-round": int(b["round"])})
@@ -303,9 +320,10 @@ class _FedLocalVIClient:
         if phase == 1:
             if _CARRY not in state or int(state[_META]["carry-round"]) != int(b["round"]):
                 raise ValueError(f"phase 1 of round {int(b['round'])} without this client's phase 0.")
-            z, output, objective = self.second_half(b, h_used, i, from_record(state[_CARRY], self.carry_template))
+            carry = from_record(state[_CARRY], self.carry_template)
+            z, output, objective = self.second_half((b, h_used, i, carry), self.inputs)
         else:
-            z, output, objective = self.round(b, h_used, i)
+            z, output, objective = self.round((b, h_used, i), self.inputs)
         _save(state, {"h": h, "presync": z}, {"round": int(b["round"]), "carry-round": -1})
         return {"z": z, "output": output}, {"objective": float(objective)}
 
@@ -317,7 +335,7 @@ class _PDVIClient:
     λ_0)/η)`` is committed when the server reports the reply accepted, as a unit whose reply was dropped is one
     the round did not select."""
 
-    def __init__(self, engine, data, num_total: int, num_clients: int, stat_template):
+    def __init__(self, engine, data, num_total: int, num_clients: int, stat_template, *, app_token):
         args, kwargs = _model_inputs(data)
         local = copy.copy(engine)   # this client's view: its rows as block 0, the federation's N for the weights
         local.structure, local.blocks, local.mesh = None, None, None
@@ -332,15 +350,20 @@ class _PDVIClient:
         self.broadcast_template = {"lam0": lam0, "eta": _eta_template(engine, local.structure.init_global),
                                    "rng_key": random.key(0), "step": jnp.zeros((), jnp.int32)}
         self.keep_template = {"mu": lam0, "rows": self.rows0, "pending_mu": lam0, "pending_rows": self.rows0}
-        self.solve = jax.jit(self._solve)
-        self.curvature = jax.jit(lambda lam0, rows, key, unit: jax.tree.map(lambda c: c[0], local._curvatures(
-            (lam0, rows, key, jnp.reshape(unit, (1,))), self.inputs)))
+        self.solve, self.curvature = _shared_programs(
+            (app_token, num_total, num_clients, _shapes(self.inputs), _shapes(self.keep_template)), lambda: (
+                InputJit(lambda s, inputs: self._solve(*s, inputs)),
+                InputJit(lambda s, inputs: self._curvature(*s, inputs))))
 
-    def _solve(self, b, mu, rows, unit):
+    def _curvature(self, lam0, rows, key, unit, inputs):
+        return jax.tree.map(lambda c: c[0], self.engine._curvatures((lam0, rows, key, jnp.reshape(unit, (1,))),
+                                                                    inputs))
+
+    def _solve(self, b, mu, rows, unit, inputs):
         """Unit ``unit``'s oracle call of iteration ``b["step"]`` (keys as :func:`~numpyro_fedvi.pdvi.pdvi_step`)."""
         e = self.engine
         _, oracle_key = random.split(random.fold_in(b["rng_key"], b["step"]))
-        oracle = e._oracle(self.inputs[0], self.inputs[1], self.inputs[2], b["rng_key"])
+        oracle = e._oracle(*inputs, b["rng_key"])
         mu_sel = jax.tree.map(lambda m: m[None], mu)
         lam, rows, values = oracle(jnp.reshape(unit, (1,)), jnp.ones((1,), bool), b["lam0"], mu_sel, b["eta"], rows,
                                    oracle_key)
@@ -360,7 +383,7 @@ class _PDVIClient:
 
     def train(self, i, b, cfg, state):
         mu, rows = self._saved(state, int(cfg["accepted-round"]))
-        lam, new_rows, new_mu, value = self.solve(b, mu, rows, i)
+        lam, new_rows, new_mu, value = self.solve((b, mu, rows, i), self.inputs)
         _save(state, {"mu": mu, "rows": rows, "pending_mu": new_mu, "pending_rows": new_rows},
               {"pending-round": int(cfg["round"])})
         return {"lam": lam}, {"objective": float(value)}
@@ -368,7 +391,7 @@ class _PDVIClient:
     def query(self, i, b, cfg, state):
         """η="auto" before round 1: this unit's max |diagonal Hessian| per global site at λ_0 (``_curvatures``)."""
         mu, rows = self._saved(state, -2)
-        return self.curvature(b["lam0"], rows, b["rng_key"], i)
+        return self.curvature((b["lam0"], rows, b["rng_key"], i), self.inputs)
 
 
 def _eta_template(engine, init_global):
@@ -427,15 +450,37 @@ def _client_type(engine):
 
 
 _CLIENTS: dict = {}  # per process: (app token, partition id, N, M) -> client protocol (its compiled steps)
+_PROGRAMS: dict = {}  # per process: (app token, N, M, shapes) -> compiled client steps shared by same-shape clients
+
+
+def _shapes(tree):
+    """What a client's compiled steps depend on besides array values: the pytree structure, the non-array leaves
+    and the arrays' shapes and dtypes."""
+    arrays, static = split_inputs(tree)
+    return static, tuple((np.shape(a), np.dtype(a.dtype).str) for a in arrays)
+
+
+def _shared_programs(key, build):
+    """The compiled steps for ``key`` (built once per process by the first client with these shapes).  The steps
+    take a client's data as an argument (``InputJit``), so the clients one process hosts (a simulation runs many
+    per worker) compile once per shape, not once each: the programs of a client depend on its data only through
+    their shapes (its plate size, the federation's N and M: the key)."""
+    return _built_once(_PROGRAMS, key, build)
+
+
+def _built_once(cache: dict, key, build):
+    """``cache[key]``, built by ``build()`` the first time."""
+    if key not in cache:
+        cache[key] = build()
+    return cache[key]
 
 
 def _cached_client(key, build):
     """The process's client object for ``key`` (built once).  A module-level function on purpose: Flower ships the
     ClientApp to its workers by value (cloudpickle) for every message, which would copy a dict the app's closures
-    referenced — and recompile the client step every round; this function, and ``_CLIENTS``, are imported."""
-    if key not in _CLIENTS:
-        _CLIENTS[key] = build()
-    return _CLIENTS[key]
+    referenced — and recompile the client step every round; this function, and ``_CLIENTS``, are imported (so are
+    ``_PROGRAMS`` and the functions that read it)."""
+    return _built_once(_CLIENTS, key, build)
 
 
 def make_client_app(engine, data_fn: Callable, *, stat_template=None):
@@ -459,7 +504,8 @@ def make_client_app(engine, data_fn: Callable, *, stat_template=None):
     def setup(context, num_total=1, num_clients=1):
         i = int(context.node_config["partition-id"])
         return i, _cached_client((token, i, num_total, num_clients),
-                                 lambda: protocol(engine, data_fn(context), num_total, num_clients, stat_template))
+                                 lambda: protocol(engine, data_fn(context), num_total, num_clients, stat_template,
+                                                  app_token=token))
 
     @app.query()
     def query(msg, context):

@@ -220,12 +220,13 @@ def test_strategy_rejects_what_it_cannot_run():
 
 
 def _sorted_sites():
-    """Logistic regression rows sorted by the first covariate and cut into 3 sites (heterogeneous clients)."""
+    """Logistic regression rows sorted by the first covariate and cut into 3 sites of 15, 15 and 20 rows
+    (heterogeneous clients; two of one size)."""
     rng = np.random.default_rng(1)
-    X = rng.normal(size=(45, 2)).astype(np.float32)
+    X = rng.normal(size=(50, 2)).astype(np.float32)
     X = X[np.argsort(X[:, 0])]
-    y = (rng.uniform(size=45) < 1 / (1 + np.exp(-X @ np.array([1.5, -1.0])))).astype(np.float32)
-    return X, y, np.repeat(np.arange(3), 15)
+    y = (rng.uniform(size=50) < 1 / (1 + np.exp(-X @ np.array([1.5, -1.0])))).astype(np.float32)
+    return X, y, np.repeat(np.arange(3), [15, 15, 20])
 
 
 _SLOW = pytest.mark.slow   # the default suite keeps one single-sync and one two-sync (dual averaging) method
@@ -260,12 +261,18 @@ def test_fedlocalvi_rounds_equal_the_in_process_engine(method, drift):
     strategy = flower.FedLocalVIStrategy(engine, random.key(5), X[:1], y[:1], num_clients=3)
     grid = _Grid(flower.make_client_app(engine, lambda ctx: (X[site == ctx.node_config["partition-id"]],
                                                              y[site == ctx.node_config["partition-id"]])), 3)
+    before = set(flower._CLIENTS)
     strategy.handshake(grid)
     assert strategy.phases == (2 if method in ("lesgd", "local_dual_averaging", "robust") else 1)
     for r in range(1, 4 * strategy.phases + 1):
         strategy.aggregate_train(r, grid.send_and_receive(strategy.configure_train(r, None, None, grid)))
     assert strategy.dropped == [] and int(strategy.state.round) == 4 and int(strategy.state.step) == 12
     assert len(strategy.losses) == 4 and np.all(np.isfinite(strategy.losses))
+    clients = [flower._CLIENTS[k] for k in sorted(set(flower._CLIENTS) - before, key=lambda k: k[1])
+               if k[2:] == (50, 3)]
+    step = "first_half" if strategy.phases == 2 else "round"   # the two same-size clients share one program
+    assert [getattr(c, step) is getattr(clients[0], step) for c in clients] == [True, True, False]
+    assert getattr(clients[0], step)._jit._cache_size() == 1 and getattr(clients[2], step)._jit._cache_size() == 1
     for a, b in zip(jax.tree.leaves((strategy.state.z, strategy.state.output)),
                     jax.tree.leaves((state.z, state.output))):
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
@@ -320,8 +327,12 @@ def test_pdvi_rounds_equal_the_in_process_engine(eta):
     state = expected.init(random.key(2), x)
     for _ in range(4):
         state, _ = expected.update(state, x)
+    before = set(flower._CLIENTS)
     strategy, grid = _pdvi_federation(make(), x, site, rounds=4)
     assert strategy.dropped == [] and int(strategy.state.step) == 4 and len(strategy.losses) == 4
+    clients = [flower._CLIENTS[k] for k in set(flower._CLIENTS) - before if k[2:] == (30, 3)]   # 3 x 10 rows
+    assert len(clients) == 3 and all(c.solve is clients[0].solve for c in clients)   # one program
+    assert clients[0].solve._jit._cache_size() == 1
     tol = {"rtol": 2e-5, "atol": 2e-6}
     for k in state.lam0:
         np.testing.assert_allclose(strategy.state.eta[k], state.eta[k], **tol)
