@@ -320,8 +320,20 @@ def _two_sync_solver(name, K, init, half_step, mean_iterate) -> Solver:
         return new
 
     def round_(state, operator):
-        carry, x = first_half(state, operator)
-        new = second_half(state, operator, carry, _broadcast_mean(x))
+        """The halves' steps in ONE scan over the K steps (the operator traced twice, not four times: half the
+        program to compile); at k = K − 1 the first call's x is replaced by the client mean x̄, as between the
+        halves."""
+        idx, rkey = _round_context(state)
+
+        def body(carry, k):
+            z, out_sum = carry
+            x = half_step(state, operator, z, None, k, idx, rkey)
+            x = _where(k == K - 1, _broadcast_mean(x), x)
+            z, out = half_step(state, operator, z, x, k, idx, rkey)
+            return (z, _tmap(jnp.add, out_sum, _client_mean(out))), None
+
+        (z, out_sum), _ = lax.scan(body, (state.z, _tmap(jnp.zeros_like, state.output)), jnp.arange(K))
+        new, _ = _finish_round(state, z, out_sum, K, None, (None, None), 2)
         z, (drift, presync) = _sync(new.z, True, (jnp.zeros((), jnp.float32), new.z))
         info = RoundInfo(output=new.output, mean_iterate=mean_iterate(state, z), drift=drift,
                          oracle_calls=jnp.asarray(2 * K, jnp.int32), presync=presync)
