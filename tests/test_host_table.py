@@ -169,3 +169,19 @@ def test_failed_step_writes_nothing_into_the_host_table():
         init = np.asarray(eng.structure.init_local["u_auto_loc"])
         np.testing.assert_allclose(u[:400], init[:400] + 1.0, rtol=1e-6)  # step 0 wrote blocks 0..3
         np.testing.assert_array_equal(u[400:], init[400:])  # step 1 wrote nothing
+
+
+def test_host_memory_context_is_a_no_op_on_a_cpu_backend(monkeypatch):
+    """On a CPU backend the host table's arrays are in host memory already: no ``jax.default_device`` context (it
+    is part of JAX's cache key: every eager op of the model trace would compile again); on an accelerator
+    backend the context places them on the CPU device."""
+    import contextlib
+
+    from numpyro_fedvi import pdvi
+
+    assert jax.default_backend() == "cpu" and isinstance(pdvi._in_host_memory(), contextlib.nullcontext)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    ctx = pdvi._in_host_memory()
+    assert not isinstance(ctx, contextlib.nullcontext)
+    with ctx:
+        assert jnp.zeros(3).devices() == {jax.devices("cpu")[0]}
