@@ -214,14 +214,15 @@ ETA_WARN_RATIO = 1e3
 
 
 def _check_eta_spec(eta):
-    """Construction-time check of the TYPE of ``eta`` (values and shapes are checked against the sites at ``init``)."""
+    """Construction-time check of ``eta``: its type and values (positive, finite); shapes are checked against the
+    sites at ``init``."""
     if isinstance(eta, str):
         if eta != "auto":
             raise ValueError(f"eta must be {_ETA_EXPECTED}; got the string {eta!r}.")
         return
     if isinstance(eta, dict):
         for k, v in eta.items():
-            _eta_array(v, f"eta[{k!r}]", check_values=False)
+            _eta_array(v, f"eta[{k!r}]")
         return
     if isinstance(eta, (list, tuple)):
         raise TypeError(f"eta must be {_ETA_EXPECTED}; got a {type(eta).__name__} {eta!r} (per-site values go in a "
@@ -229,12 +230,11 @@ def _check_eta_spec(eta):
     if np.ndim(eta) != 0:
         raise ValueError(f"eta must be {_ETA_EXPECTED}; got an array of shape {np.shape(eta)} (per-coordinate values "
                          "go in a dict {site: array shaped like the site}).")
-    _eta_array(eta, "eta", check_values=False)
+    _eta_array(eta, "eta")
 
 
-def _eta_array(value, name, check_values: bool = True):
-    """``value`` as a host float array, checked numeric (and positive and finite: ``check_values``; ``name`` in the
-    messages)."""
+def _eta_array(value, name):
+    """``value`` as a host float array, checked numeric, positive and finite (``name`` in the messages)."""
     if isinstance(value, (str, bytes, dict)) or value is None:
         raise TypeError(f"{name} must be a positive float or an array of them, got {value!r}.")
     try:
@@ -243,7 +243,7 @@ def _eta_array(value, name, check_values: bool = True):
         raise TypeError(f"{name} must be a positive float or a rectangular array of them, got {value!r}.") from err
     if arr.dtype.kind not in "iuf":
         raise TypeError(f"{name} must be a positive float or an array of them, got {value!r} (dtype {arr.dtype}).")
-    if check_values and not (np.all(np.isfinite(arr)) and np.all(arr > 0)):
+    if not (np.all(np.isfinite(arr)) and np.all(arr > 0)):
         raise ValueError(f"{name} must be positive and finite, got {value!r}.")
     return arr
 

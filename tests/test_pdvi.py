@@ -311,9 +311,6 @@ def test_error_without_partitions():
     [
         ({"eta": {"m": 1.0}}, "v"),  # missing site
         ({"eta": {"m": 1.0, "v": 1.0, "zz": 1.0}}, "zz"),  # unknown site
-        ({"eta": {"m": 1.0, "v": -1.0}}, "'v'"),
-        ({"eta": 0.0}, "eta"),
-        ({"eta": float("nan")}, "eta"),
         ({"partitions_per_step": 0}, "partitions_per_step"),
         ({"partitions_per_step": 5}, "partitions_per_step"),
         ({"num_partitions": G + 1}, "num_partitions"),
@@ -324,6 +321,12 @@ def test_init_errors(kwargs, match):
     pd = PDVI(model, guide, TraceMeanField_ELBO(), **kw)
     with pytest.raises(ValueError, match=match):
         pd.init(random.key(0), Y, MASK)
+
+
+@pytest.mark.parametrize("eta,match", [({"m": 1.0, "v": -1.0}, "'v'"), (0.0, "eta"), (float("nan"), "eta")])
+def test_eta_values_refused_at_construction(eta, match):
+    with pytest.raises(ValueError, match=match + ".* must be positive and finite"):
+        PDVI(model, guide, TraceMeanField_ELBO(), num_partitions=4, eta=eta)
 
 
 @pytest.mark.parametrize(
