@@ -300,16 +300,23 @@ def _two_sync_solver(name, K, init, half_step, mean_iterate) -> Solver:
     ``first_half(state, operator) -> (carry, x)``, the K − 1 plain steps and the first call of the last one;
     ``second_half(state, operator, carry, x̄) -> state`` with every client's PRE-sync z and the output updated."""
 
-    def first_half(state, operator):
-        idx, rkey = _round_context(state)
-
+    def local_steps(state, operator, idx, rkey, num_steps, average_last_x):
+        """``(z, out_sum)`` after ``num_steps`` two-call local steps in one scan; with ``average_last_x`` the first
+        call's x of step K − 1 is replaced by the client mean x̄ (the in-process round: no split)."""
         def body(carry, k):
             z, out_sum = carry
             x = half_step(state, operator, z, None, k, idx, rkey)
+            if average_last_x:
+                x = _where(k == K - 1, _broadcast_mean(x), x)
             z, out = half_step(state, operator, z, x, k, idx, rkey)
             return (z, _tmap(jnp.add, out_sum, _client_mean(out))), None
 
-        (z, out_sum), _ = lax.scan(body, (state.z, _tmap(jnp.zeros_like, state.output)), jnp.arange(K - 1))
+        carry, _ = lax.scan(body, (state.z, _tmap(jnp.zeros_like, state.output)), jnp.arange(num_steps))
+        return carry
+
+    def first_half(state, operator):
+        idx, rkey = _round_context(state)
+        z, out_sum = local_steps(state, operator, idx, rkey, K - 1, False)
         return (z, out_sum), half_step(state, operator, z, None, K - 1, idx, rkey)
 
     def second_half(state, operator, carry, x_mean):
@@ -323,16 +330,7 @@ def _two_sync_solver(name, K, init, half_step, mean_iterate) -> Solver:
         """The halves' steps in ONE scan over the K steps (the operator traced twice, not four times: half the
         program to compile); at k = K − 1 the first call's x is replaced by the client mean x̄, as between the
         halves."""
-        idx, rkey = _round_context(state)
-
-        def body(carry, k):
-            z, out_sum = carry
-            x = half_step(state, operator, z, None, k, idx, rkey)
-            x = _where(k == K - 1, _broadcast_mean(x), x)
-            z, out = half_step(state, operator, z, x, k, idx, rkey)
-            return (z, _tmap(jnp.add, out_sum, _client_mean(out))), None
-
-        (z, out_sum), _ = lax.scan(body, (state.z, _tmap(jnp.zeros_like, state.output)), jnp.arange(K))
+        z, out_sum = local_steps(state, operator, *_round_context(state), K, True)
         new, _ = _finish_round(state, z, out_sum, K, None, (None, None), 2)
         z, (drift, presync) = _sync(new.z, True, (jnp.zeros((), jnp.float32), new.z))
         info = RoundInfo(output=new.output, mean_iterate=mean_iterate(state, z), drift=drift,
