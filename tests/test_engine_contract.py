@@ -295,9 +295,14 @@ CHECKS = [check_run_result_is_finite_and_deterministic, check_second_run_does_no
           check_nan_input_refused_before_compilation, check_zero_steps_refused]
 
 
+SLOW_CASES = ("robustfedvi", "mpsgd_tril", "mpsgd_theory")
+
+
 def _engine_params():
-    """Every engine; RobustFedVI (FedLocalVI's machinery with dual averaging, its own contract) with the slow tests."""
-    return [pytest.param(name, marks=[pytest.mark.slow] if name == "robustfedvi" else []) for name in CASES]
+    """Every engine; with the slow tests: RobustFedVI (FedLocalVI's machinery with dual averaging, its own contract)
+    and MPSGD's triangular scale and theory schedule (options of the MPSGD engine the default run checks; resumes
+    of the averaged iterate: tests/test_mpsgd.py)."""
+    return [pytest.param(name, marks=[pytest.mark.slow] if name in SLOW_CASES else []) for name in CASES]
 
 
 @pytest.mark.parametrize("engine_name", _engine_params())

@@ -121,10 +121,12 @@ def test_one_client_round_is_full_batch_svi_gradient_step(variant):
 
 
 @pytest.mark.parametrize("name,variant", [("fedsvi", "plate"), ("fedsvi", "subsampled"), ("local_sgd", "plate"),
-                                          ("local_sgd", "subsampled"), ("lesgd", "plate"), ("robust", "subsampled")])
+                                          ("local_sgd", "subsampled"), ("lesgd", "plate"),
+                                          pytest.param("robust", "subsampled", marks=pytest.mark.slow)])
 def test_user_model_unchanged(name, variant):
     """(b)-(e) and Predictive; every engine/variant pair is one compilation (the file's cost), so RobustFedVI (two
-    oracle calls per local step) runs the subsampled model only — its client losses are the same code as above."""
+    oracle calls per local step) runs the subsampled model only, with the slow tests — its client losses are the
+    same code as above."""
     cls, kw, ids = CONFIGS[name]
     m = MODELS[variant]
     guide = guide_for(m)

@@ -8,6 +8,9 @@ is O(η): it halves with η, and vanishes at K = 1); one client = centralised gr
 identical clients = one client with the pooled rows; determinism; resume = uninterrupted; errors.
 """
 
+import functools
+from types import SimpleNamespace
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,9 +35,7 @@ D, M, N = 3, 4, 200
 _rng = np.random.default_rng(0)
 X = _rng.normal(size=(N, D)).astype(np.float32)
 Y = (_rng.random(N) < 1 / (1 + np.exp(-X @ np.array([1.0, -2.0, 0.5])))).astype(np.float32)
-POOLED = {"x": jnp.asarray(X), "y": jnp.asarray(Y)}
 ELBO = Trace_ELBO(num_particles=8)
-KEY = random.key(7)
 SOFTPLUS = biject_to(constraints.softplus_positive)  # AutoNormal's scale constraint
 
 
@@ -44,10 +45,17 @@ def model(rows):
         numpyro.sample("y", dist.Bernoulli(logits=rows["x"] @ w), obs=rows["y"])
 
 
-INIT = init_to_value(values={"w": jnp.zeros(D)})
-GUIDE = AutoNormal(model, init_loc_fn=INIT, init_scale=0.1)
-REF_GUIDE = AutoNormal(model, init_loc_fn=INIT, init_scale=0.1)
-numpyro.handlers.seed(REF_GUIDE, 0)(POOLED)  # build its prototype outside any transform
+@functools.cache
+def constants():
+    """The file's JAX constants, built on first use, not at import (~100 small XLA compiles in every xdist worker)."""
+    with jax.ensure_compile_time_eval():  # concrete even if first asked for inside a jit trace
+        pooled = {"x": jnp.asarray(X), "y": jnp.asarray(Y)}
+        init = init_to_value(values={"w": jnp.zeros(D)})
+        ref_guide = AutoNormal(model, init_loc_fn=init, init_scale=0.1)
+        numpyro.handlers.seed(ref_guide, 0)(pooled)  # build its prototype outside any transform
+        u0 = to_u({"w_auto_loc": jnp.zeros(D), "w_auto_scale": jnp.full(D, 0.1)})  # the guides' init
+        guide = AutoNormal(model, init_loc_fn=init, init_scale=0.1)  # the engines' guide
+        return SimpleNamespace(POOLED=pooled, KEY=random.key(7), GUIDE=guide, REF_GUIDE=ref_guide, U0=u0)
 
 
 def iid_clients(num_clients=M):
@@ -62,24 +70,23 @@ def to_u(params):
     return jnp.concatenate([params["w_auto_loc"], SOFTPLUS.inv(params["w_auto_scale"])])
 
 
-def F(u, rows=POOLED):
+def F(u):
     """The fixed-draw full-data negative ELBO, straight from NumPyro."""
-    return ELBO.loss(KEY, to_params(u), model, REF_GUIDE, rows)
+    return ELBO.loss(constants().KEY, to_params(u), model, constants().REF_GUIDE, constants().POOLED)
 
 
-U0 = to_u({"w_auto_loc": jnp.zeros(D), "w_auto_scale": jnp.full(D, 0.1)})  # the guides' init
+F_VALUE_AND_GRAD = jax.jit(jax.value_and_grad(F))  # one compiled reference for every test (F's value: [0])
 
 
 @pytest.fixture(scope="module")
 def optimum():
-    value_and_grad = jax.jit(jax.value_and_grad(F))
-    fun = lambda u: tuple(np.asarray(a, np.float64) for a in value_and_grad(jnp.asarray(u, jnp.float32)))
-    opt = minimize(fun, np.asarray(U0, np.float64), jac=True, method="BFGS", options={"gtol": 1e-5})
+    fun = lambda u: tuple(np.asarray(a, np.float64) for a in F_VALUE_AND_GRAD(jnp.asarray(u, jnp.float32)))
+    opt = minimize(fun, np.asarray(constants().U0, np.float64), jac=True, method="BFGS", options={"gtol": 1e-5})
     u = jnp.asarray(opt.x, jnp.float32)
     hessian = jax.jit(jax.hessian(F))
     for _ in range(2):  # Newton polish (float32 values stall BFGS's line search near the optimum)
-        u = u - jnp.linalg.solve(hessian(u), value_and_grad(u)[1])
-    value, grad = value_and_grad(u)
+        u = u - jnp.linalg.solve(hessian(u), F_VALUE_AND_GRAD(u)[1])
+    value, grad = F_VALUE_AND_GRAD(u)
     assert float(jnp.linalg.norm(grad)) < 1e-4
     return u, float(value)
 
@@ -97,10 +104,10 @@ def run_cached(method, num_rounds, **kw):
 
 
 def engine(method, clients=None, **kw):
-    defaults = {"local_steps": 5, "step_size": 0.005, "crn": KEY}
+    defaults = {"local_steps": 5, "step_size": 0.005, "crn": constants().KEY}
     if method == "slippax":
         defaults["sigma"] = 0.0
-    return FedLocalVI(model, GUIDE, iid_clients() if clients is None else clients, ELBO, method=method,
+    return FedLocalVI(model, constants().GUIDE, iid_clients() if clients is None else clients, ELBO, method=method,
                       **{**defaults, **kw})
 
 
@@ -110,15 +117,15 @@ def test_every_method_reaches_the_centralised_optimum(optimum, method):
     u_star, f_star = optimum
     eng, res = run_cached(method, 300)
     u = to_u(res.params)
-    f0 = float(F(U0))
-    gap = float(F(u)) - f_star
+    f0, f_u = float(F_VALUE_AND_GRAD(constants().U0)[0]), float(F_VALUE_AND_GRAD(u)[0])
+    gap = f_u - f_star
     assert -1e-4 < gap < 1e-2 < 1e-3 * (f0 - f_star), (method, gap)  # the drift of K = 5 local steps costs < 0.01 nat
     sd = np.asarray(SOFTPLUS(u_star[D:]))
     loc_err = np.abs(np.asarray(u[:D] - u_star[:D])) / sd
     assert loc_err.max() < 0.15, (method, loc_err)  # posterior means within 0.15 posterior sd
     np.testing.assert_allclose(res.params["w_auto_scale"], sd, rtol=0.05)
     # the reported loss is the run's objective at the returned params, and it went down
-    assert float(res.losses[-1]) == pytest.approx(float(F(u)), rel=1e-5)
+    assert float(res.losses[-1]) == pytest.approx(f_u, rel=1e-5)
     assert float(res.losses[-1]) < float(res.losses[0])
     calls = {"local_sgd": 1, "lesgd": 2, "local_dual_averaging": 2}.get(method) or eng.inner_steps + 1
     assert res.diagnostics["oracle_calls_per_client"] == 300 * 5 * calls
@@ -138,11 +145,11 @@ def test_client_drift_is_order_eta_and_vanishes_without_local_steps(optimum):
 
 def test_one_client_is_centralised_gd_and_extragradient():
     one = ClientData.from_list([{"x": X, "y": Y}])
-    K, R, eta = 5, 4, 0.005
-    eng = engine("local_sgd", one)
+    K, R, eta, U0 = 5, 4, 0.005, constants().U0
+    eng = engine("local_sgd", one, step_size=eta, local_steps=K)  # also runs local_sgd below (one compiled engine)
     u = to_u(eng.get_params(eng.init(random.key(0))))
     np.testing.assert_allclose(u, U0, rtol=1e-6)
-    grad = jax.jit(jax.grad(F))
+    grad = lambda u: F_VALUE_AND_GRAD(u)[1]
     opt = optax.sgd(eta)
     u_gd, s = U0, opt.init(U0)
     u_eg = U0
@@ -150,8 +157,8 @@ def test_one_client_is_centralised_gd_and_extragradient():
         upd, s = opt.update(grad(u_gd), s)
         u_gd = optax.apply_updates(u_gd, upd)
         u_eg = u_eg - eta * grad(u_eg - eta * grad(u_eg))  # extragradient, eq. (4) with M = 1
-    for method, ref in (("local_sgd", u_gd), ("lesgd", u_eg)):
-        res = engine(method, one, step_size=eta, local_steps=K).run(random.key(0), R, progress_bar=False)
+    for method_engine, ref in ((eng, u_gd), (engine("lesgd", one, step_size=eta, local_steps=K), u_eg)):
+        res = method_engine.run(random.key(0), R, progress_bar=False)
         np.testing.assert_allclose(to_u(res.params), ref, rtol=2e-5, atol=2e-6)
 
 
@@ -184,14 +191,14 @@ def test_determinism_resume_and_predictive():
         np.testing.assert_array_equal(same[k], again[k])
         np.testing.assert_allclose(same[k], first.params[k], rtol=1e-5, atol=1e-6)
         assert np.max(np.abs(np.asarray(same[k] - other[k]))) > 1e-4  # another key: other rows and draws
-    draws = Predictive(model, guide=GUIDE, params=full.params, num_samples=200, return_sites=["w"])(
-        random.key(1), POOLED)["w"]
+    draws = Predictive(model, guide=constants().GUIDE, params=full.params, num_samples=200, return_sites=["w"])(
+        random.key(1), constants().POOLED)["w"]
     assert draws.shape == (200, D)
     assert float(eng.evaluate(full.state)) == pytest.approx(float(full.losses[-1]), rel=1e-5)
 
 
 def test_bad_inputs():
-    cd = iid_clients()
+    cd, GUIDE = iid_clients(), constants().GUIDE
     ok = {"local_steps": 5, "step_size": 0.01}
     with pytest.raises(TypeError, match="clients"):
         FedLocalVI(model, GUIDE, [X, Y], **ok)

@@ -379,17 +379,21 @@ def _model(y):
     numpyro.factor("keyed", SIG * c @ x)
 
 
-def _model_fg(y):
-    """The model's potential (numpyro's, float32) and its gradient at the rows of X with the key ``key``."""
+def _model_potential(x, key, y):
+    """numpyro's potential of ``_model`` at x, seeded with ``key``."""
     from numpyro.infer.util import potential_energy
 
-    def one(x, key):
-        return potential_energy(numpyro.handlers.seed(_model, key), (y,), {}, {"x": x})
+    return potential_energy(numpyro.handlers.seed(_model, key), (y,), {}, {"x": x})
 
-    vg = jax.jit(jax.vmap(jax.value_and_grad(one), in_axes=(0, None)))
 
+# one jitted oracle for the module, y an argument: tests that evaluate rows of the same shape share its compile
+_model_vg = jax.jit(jax.vmap(jax.value_and_grad(_model_potential), in_axes=(0, None, None)))
+
+
+def _model_fg(y):
+    """The model's potential (numpyro's, float32) and its gradient at the rows of X with the key ``key``."""
     def fg(X, key):
-        f, G = vg(jnp.asarray(X, jnp.float32), key)
+        f, G = _model_vg(jnp.asarray(X, jnp.float32), key, jnp.asarray(y, jnp.float32))
         return np.asarray(f, np.float64), np.asarray(G, np.float64)
 
     return fg
@@ -558,15 +562,22 @@ def _curved_model():
     numpyro.factor("keyed", -0.5 * jnp.exp(c[0]) * jnp.sum(x**2))
 
 
+@jax.jit
+def _curved_hessian(key):
+    """∇²f at x = 0 of ``_curved_model``'s potential (numpyro's potential_energy) seeded with ``key``: jitted with
+    the key as an argument, so every key reuses one compile (eager, each op compiled on its own)."""
+    from numpyro.infer.util import potential_energy
+
+    f = lambda x: potential_energy(numpyro.handlers.seed(_curved_model, key), (), {}, {"x": x})  # noqa: E731
+    return jax.hessian(f)(jnp.zeros(D))
+
+
 @pytest.mark.slow   # compiles an engine: runs in .ci/run and under mutmut (CONTRIBUTING.md)
 def test_smoothness_auto_uses_the_setup_key():
     """L = 2 λ_max(∇²f) of the potential seeded with init's setup key split(rng_key)[0] (computed here with numpyro's
     potential_energy and jax.hessian, at x = 0: the Hessian is constant)."""
-    from numpyro.infer.util import potential_energy
-
     def lam_max(key):
-        f = lambda x: potential_energy(numpyro.handlers.seed(_curved_model, key), (), {}, {"x": x})  # noqa: E731
-        return float(np.linalg.eigvalsh(np.asarray(jax.hessian(f)(jnp.zeros(D)), np.float64)).max())
+        return float(np.linalg.eigvalsh(np.asarray(_curved_hessian(key), np.float64)).max())
 
     key = random.key(17)
     eng = MPSGD(_curved_model, AutoLocationScale(_curved_model, scale="diag"), schedule="theory")
@@ -823,7 +834,8 @@ def test_adaptive_engine_is_the_whitened_step():
     st = eng.init(key, y)
     assert eng._num_particles == 2 * D and eng.L is None and eng.L_proj is None
     pot = eng._potential((y,), {})
-    ref = whitened_init(pot, st.frame_loc, "full", random.split(key)[1], frame_scale=0.7 * jnp.eye(D), stage_length=3)
+    ref = jax.jit(lambda loc, k: whitened_init(pot, loc, "full", k, frame_scale=0.7 * jnp.eye(D), stage_length=3))(
+        st.frame_loc, random.split(key)[1])          # jitted: one compile instead of one per eager op
     for f in ref._fields:
         _close(getattr(st, f), getattr(ref, f), f) if f != "rng_key" else None
     np.testing.assert_array_equal(random.key_data(st.rng_key), random.key_data(ref.rng_key))
@@ -849,7 +861,8 @@ def test_adaptive_engine_is_the_whitened_step():
     # the Hessian frame without init_scale: whitened_init with frame_scale=None
     eng = _adaptive("diag", num_particles=6)
     st = eng.init(key, y)
-    ref = whitened_init(eng._potential((y,), {}), st.frame_loc, "diag", random.split(key)[1])
+    pot = eng._potential((y,), {})
+    ref = jax.jit(lambda loc, k: whitened_init(pot, loc, "diag", k))(st.frame_loc, random.split(key)[1])
     _close(st.frame_scale, ref.frame_scale), _close(st.smoothness, ref.smoothness)
     assert int(st.stage_length) == 25 and eng._num_particles == 6
 
@@ -882,7 +895,7 @@ def test_adaptive_run_diagnostics_and_convergence_flag(monkeypatch):
         f"MPSGD has not converged after 3 steps: the last stage moved the mean by {m0:.3g} posterior sd and the "
         f"scale by {m1:.3g} (1 stages completed; converged means >= 3 stages, the last moving the mean and the "
         "scale by <= 0.1). Continue with run(key, num_steps, ..., init_state=result.state).", RuntimeWarning, 2)]
-    eng = _adaptive("diag", stage_length=50)
+    # the same engine (its compiled init and loop): a 1-step run from step 0 never ends the first stage (2 steps)
     st = eng.init(random.key(0), y)
     f32 = jnp.float32
     for moves, stages, conv in (([0.1, 0.1], 3, True), ([0.02, 0.0], 4, True), ([0.5, 0.05], 3, False),
@@ -1028,15 +1041,11 @@ def test_run_loop_options(capsys):
 def test_resume_on_a_fresh_engine_sets_up_with_the_run_key():
     """run(key, ..., init_state=s) on an engine never initialised: set up with split(key)[0] (smoothness 'auto'
     of a key-dependent curvature shows which key)."""
-    from numpyro.infer.util import potential_energy
-
     first = MPSGD(_curved_model, AutoLocationScale(_curved_model, scale="diag"), schedule="theory", smoothness=4.0)
     st = first.init(random.key(0))
     eng = MPSGD(_curved_model, AutoLocationScale(_curved_model, scale="diag"), schedule="theory")
     key = random.key(23)
     res = eng.run(key, 1, progress_bar=False, init_state=st)
     assert int(res.state.step) == 1
-    f = lambda x: potential_energy(numpyro.handlers.seed(_curved_model, random.split(key)[0]), (), {},  # noqa: E731
-                                   {"x": x})
-    lam = float(np.linalg.eigvalsh(np.asarray(jax.hessian(f)(jnp.zeros(D)), np.float64)).max())
+    lam = float(np.linalg.eigvalsh(np.asarray(_curved_hessian(random.split(key)[0]), np.float64)).max())
     assert eng.L == pytest.approx(2 * lam, rel=1e-3)

@@ -21,6 +21,12 @@ def data():
     return random_effects.make_data(N, 0)
 
 
+@pytest.fixture(scope="module")
+def default_engine():
+    """The all-defaults PDVI (20 blocks, 2 per step), shared: its curvature, run loop and dual table compile once."""
+    return nfv.PDVI(model, AutoNormal(model), num_partitions=20, partitions_per_step=2)
+
+
 def optimum(x):
     p = random_effects.mean_field_optimum(x, sigma=0.5, tau=1.0, prior_sd=10.0)
     return p["m"], p["s"], p["a"], p["b"][0]
@@ -41,9 +47,9 @@ def test_defaults_reach_mean_field_optimum_in_60_epochs(elbo):
     assert np.median(np.abs(np.asarray(p["u_auto_scale"]) / b - 1)) < 0.1            # local scales
 
 
-def test_eta_refresh_keeps_invariant_and_resumes_bitwise():
+def test_eta_refresh_keeps_invariant_and_resumes_bitwise(default_engine):
     x = data()
-    pd = nfv.PDVI(model, AutoNormal(model), num_partitions=20, partitions_per_step=2)
+    pd = default_engine
     assert nfv.PDVI(model, AutoNormal(model), num_partitions=4, eta=0.1).refresh_steps() == []
     full = pd.run(random.key(0), 25, x, N // 10, progress_bar=False)
     assert pd.refresh_steps()[:3] == [10, 20, 40]
@@ -57,7 +63,8 @@ def test_eta_refresh_keeps_invariant_and_resumes_bitwise():
     rest = pd.run(random.key(0), 13, x, N // 10, progress_bar=False, init_state=part.state)
     for k in full.state.lam0:
         np.testing.assert_array_equal(np.asarray(rest.state.lam0[k]), np.asarray(full.state.lam0[k]))
-    np.testing.assert_array_equal(np.asarray(rest.state.local["u_auto_loc"]), np.asarray(full.state.local["u_auto_loc"]))
+    np.testing.assert_array_equal(np.asarray(rest.state.local["u_auto_loc"]),
+                                  np.asarray(full.state.local["u_auto_loc"]))
     np.testing.assert_array_equal(np.asarray(rest.state.eta["beta_auto_scale"]),
                                   np.asarray(full.state.eta["beta_auto_scale"]))
     # an eager update loop applies the refreshes at the same iterations as run (its iterates differ from the
@@ -76,7 +83,7 @@ def test_eta_refresh_keeps_invariant_and_resumes_bitwise():
 def test_refresh_keeps_old_eta_when_the_estimate_is_degenerate():
     """A refresh at a point whose curvature estimate is 0 / inf / NaN keeps the old η; growth is capped at 100×."""
     x = data()
-    pd = nfv.PDVI(model, AutoNormal(model), num_partitions=20, partitions_per_step=2)
+    pd = nfv.PDVI(model, AutoNormal(model), num_partitions=20, partitions_per_step=2)  # own engine: _auto_eta patched
     st = pd.init(random.key(0), x, N // 10)
     pd._auto_eta = lambda *a: {"beta_auto_loc": jnp.nan, "beta_auto_scale": jnp.inf}
     new = pd.refresh_eta(st, x, N // 10)
@@ -87,13 +94,14 @@ def test_refresh_keeps_old_eta_when_the_estimate_is_degenerate():
     assert np.isclose(float(new.eta["beta_auto_scale"]), 100 * float(st.eta["beta_auto_scale"]), rtol=1e-6)
 
 
-def test_refresh_recomputes_the_dual_table_at_the_current_point():
+def test_refresh_recomputes_the_dual_table_at_the_current_point(default_engine):
     """After a refresh every dual is the gradient table of an exact oracle at λ_0, μ_i = −∇_λ f_i(λ_0, φ_i) (kept
     stale, entries from steep early iterates times the new η threw λ_0 off by 60 units at N = 1e5), and Remark 3.1's
     h = D_η^{-1} mean(μ) holds.  With orthogonal draws this model's block losses are exact (key-free)."""
     x = data()
-    pd = nfv.PDVI(model, AutoNormal(model), num_partitions=20, partitions_per_step=2, eta_refresh=False)
+    pd = default_engine  # its first refresh is after step 10: the 7 steps below run without one
     st = pd.run(random.key(0), 7, x, N // 10, progress_bar=False).state
+    assert min(pd.refresh_steps()) > 7
     new = pd.refresh_eta(st, x, N // 10)
     lam0 = pd._global_params(new)
 

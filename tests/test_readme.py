@@ -38,10 +38,20 @@ def test_readme_has_python_blocks():
     assert PYTHON_BLOCKS, "no ```python block found in README.md"
 
 
+SLOW_MARK = "<!-- test: slow"  # on the line above a block's opening fence: the block runs with the slow tests
+
+
+def runs_with_the_slow_tests(line: int, code: str) -> bool:
+    """A block that starts Flower's simulation engine (Ray), or whose fence is preceded by ``<!-- test: slow ... -->``
+    (heavy demos whose engines and options the default run tests by name; `.ci/run` runs them)."""
+    above = README.read_text(encoding="utf-8").splitlines()[line - 2] if line >= 2 else ""
+    return "flower.simulate(" in code or above.strip().startswith(SLOW_MARK)
+
+
 def _block_params():
-    """One param per block; a block that starts Flower's simulation engine (Ray) runs with the slow tests."""
-    return [pytest.param(line, code, id=f"line{line}", marks=[pytest.mark.slow] if "flower.simulate(" in code else [])
-            for line, code in PYTHON_BLOCKS]
+    """One param per block, marked slow where :func:`runs_with_the_slow_tests` says so."""
+    return [pytest.param(line, code, id=f"line{line}", marks=[pytest.mark.slow] if runs_with_the_slow_tests(line, code)
+                         else []) for line, code in PYTHON_BLOCKS]
 
 
 @pytest.mark.parametrize("line, code", _block_params())

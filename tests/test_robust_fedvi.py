@@ -12,6 +12,8 @@ average loss); w stays on the simplex; τ → ∞ gives uniform weights and the 
 max; errors.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -52,8 +54,18 @@ def model(rows, scale=1.0):
 
 
 GUIDE = AutoNormal(model, init_loc_fn=INIT, init_scale=0.1)
-REF_GUIDE = AutoNormal(model, init_loc_fn=INIT, init_scale=0.1)
-numpyro.handlers.seed(REF_GUIDE, 0)(GROUPS[0])
+
+
+@functools.cache
+def ref_guide():
+    """The reference guide, its prototype built with concrete values (also when first called under ``jax.jit``):
+    once, on first use, not at import (where every pytest-xdist worker would compile its eager ops)."""
+    guide = AutoNormal(model, init_loc_fn=INIT, init_scale=0.1)
+    with jax.ensure_compile_time_eval():
+        numpyro.handlers.seed(guide, 0)(GROUPS[0])
+    return guide
+
+
 CLIENTS = ClientData.from_list(GROUPS)
 
 
@@ -67,7 +79,7 @@ def to_u(params):
 
 def group_losses(u):
     """L_g(u): group g's likelihood scaled to N rows + KL once, per datum — written directly with NumPyro."""
-    return jnp.stack([ELBO.loss(KEY, to_params(u), model, REF_GUIDE, rows, N / n) / N for rows in GROUPS])
+    return jnp.stack([ELBO.loss(KEY, to_params(u), model, ref_guide(), rows, N / n) / N for rows in GROUPS])
 
 
 def psi(u, tau):

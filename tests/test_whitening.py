@@ -28,14 +28,17 @@ from shared_models import linear_gaussian as model
 
 
 # --- draws -------------------------------------------------------------------------------------------------------
+_draws = jax.jit(spherical_radial_draws, static_argnums=(0, 2, 3))   # (base, key, n, d): one compile, not per op
+
+
 @pytest.mark.parametrize("base_name", ["gaussian", "laplace"])
 def test_spherical_draws_full_frame_has_exact_second_moments(base_name):
     d = 5
     base = make_base(base_name, d)
-    Z = spherical_radial_draws(base, random.key(0), 2 * d, d)
+    Z = np.asarray(_draws(base, random.key(0), 2 * d, d), np.float64)               # test-side arithmetic in numpy
     np.testing.assert_allclose(Z[:d], -Z[d:])                                       # ± pairs
-    r2 = float(jnp.sum(Z[0] ** 2))
-    np.testing.assert_allclose(jnp.linalg.norm(Z, axis=1), np.sqrt(r2), rtol=1e-5)  # one radius per frame
+    r2 = float(np.sum(Z[0] ** 2))
+    np.testing.assert_allclose(np.linalg.norm(Z, axis=1), np.sqrt(r2), rtol=1e-5)   # one radius per frame
     np.testing.assert_allclose(Z.T @ Z / (2 * d), r2 / d * np.eye(d), atol=1e-5)    # orthogonal directions
 
 
@@ -44,13 +47,18 @@ def test_spherical_draws_have_the_base_law(base_name):
     """Each draw is distributed as the base: mean 0, E zzᵀ = I, and the law of ‖z‖ matches plain draws."""
     d, reps = 4, 20_000
     base = make_base(base_name, d)
-    Z = jax.vmap(lambda k: spherical_radial_draws(base, k, 4, d))(random.split(random.key(1), reps))
-    first = Z[:, 0]                                                    # the first draw of every step
-    np.testing.assert_allclose(jnp.mean(first, 0), 0.0, atol=0.04)
+
+    @jax.jit  # one program per base instead of one per eager op
+    def draws():
+        Z = jax.vmap(lambda k: spherical_radial_draws(base, k, 4, d))(random.split(random.key(1), reps))
+        return Z[:, 0], base.sample(random.key(2), (reps,))          # the first draw of every step; plain draws
+
+    first, plain = (np.asarray(a, np.float64) for a in draws())     # test-side arithmetic in numpy
+    np.testing.assert_allclose(np.mean(first, 0), 0.0, atol=0.04)
     np.testing.assert_allclose(first.T @ first / reps, np.eye(d), atol=0.05)
-    plain = jnp.linalg.norm(base.sample(random.key(2), (reps,)), axis=1)
+    plain = np.linalg.norm(plain, axis=1)
     qs = np.linspace(0.1, 0.9, 5)
-    np.testing.assert_allclose(np.quantile(jnp.linalg.norm(first, axis=1), qs), np.quantile(plain, qs), rtol=0.03)
+    np.testing.assert_allclose(np.quantile(np.linalg.norm(first, axis=1), qs), np.quantile(plain, qs), rtol=0.03)
 
 
 # --- one step, transcribed ---------------------------------------------------------------------------------------
@@ -72,9 +80,9 @@ def test_one_step_matches_the_equations():
     s = whitened_init(f, m0, "full", key, frame_scale=A, stage_length=100)
     L = SAFETY
     np.testing.assert_allclose(s.scale, np.eye(d) / np.sqrt(L), rtol=1e-6)        # Σ′_0 = I/√L′
-    new, loss = make_whitened_step(f, base, "full", n)(s)
+    new, loss = jax.jit(make_whitened_step(f, base, "full", n))(s)   # one compile, not one per eager op
     z_key, _ = random.split(random.fold_in(key, 0))
-    Z = np.asarray(spherical_radial_draws(base, z_key, n, d), np.float64)
+    Z = np.asarray(_draws(base, z_key, n, d), np.float64)
     S = np.eye(d) / np.sqrt(L)
     X = m0 + (Z @ S.T) @ A.T
     G = (X - b) @ H.T @ A                                                       # rows Aᵀ∇f
@@ -102,7 +110,7 @@ def test_trust_region_caps_a_long_step():
     d = 2
     f = _quadratic(jnp.eye(d) * 100.0, jnp.full(d, 50.0))
     s = whitened_init(f, jnp.zeros(d), "diag", random.key(0), frame_scale=jnp.ones(d))
-    new, _ = make_whitened_step(f, make_base("gaussian", d), "diag", 4)(s)
+    new, _ = jax.jit(make_whitened_step(f, make_base("gaussian", d), "diag", 4))(s)
     assert float(jnp.max(jnp.abs(new.loc))) == pytest.approx(TRUST_LOC, rel=1e-5)
 
 
@@ -110,7 +118,7 @@ def test_a_non_finite_step_is_dropped_and_the_step_shrinks():
     d = 2
     f = lambda x, key: jnp.where(x[0] > 3.0, jnp.nan, 0.5 * x @ x)  # noqa: E731
     s = whitened_init(f, jnp.zeros(d), "diag", random.key(0), frame_scale=jnp.full(d, 30.0))
-    new, loss = make_whitened_step(f, make_base("gaussian", d), "diag", 2 * d)(s)
+    new, loss = jax.jit(make_whitened_step(f, make_base("gaussian", d), "diag", 2 * d))(s)
     assert not np.isfinite(float(loss))
     np.testing.assert_array_equal(new.loc, s.loc)
     np.testing.assert_array_equal(new.scale, s.scale)
@@ -125,11 +133,12 @@ def test_initial_frame_is_the_floored_abs_hessian():
     w = np.array([0.01, -0.5, 9.0])
     H = jnp.asarray((V * w) @ V.T, jnp.float32)
     f = lambda x, key: 0.5 * x @ H @ x  # noqa: E731
-    A, L = initial_frame(f, jnp.zeros(3), "full", random.key(0))
+    frame = jax.jit(initial_frame, static_argnums=(0, 2))             # one program per scale type, not per op
+    A, L = frame(f, jnp.zeros(3), "full", random.key(0))
     expected = (V / np.sqrt(np.maximum(np.abs(w), CURVATURE_FLOOR))) @ V.T
     np.testing.assert_allclose(A, expected, atol=1e-5)
     assert float(L) == pytest.approx(SAFETY * 1.0, rel=1e-5)
-    A_diag, _ = initial_frame(f, jnp.zeros(3), "diag", random.key(0))
+    A_diag, _ = frame(f, jnp.zeros(3), "diag", random.key(0))
     np.testing.assert_allclose(A_diag, 1 / np.sqrt(np.maximum(np.abs(np.diag(np.asarray(H))), CURVATURE_FLOOR)),
                                rtol=1e-5)
 
@@ -180,12 +189,26 @@ def test_stage_tail_average_and_rewhitening():
 
 
 # --- the engine's defaults ---------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def default_engine():
+    """``MPSGD(model, AutoLocationScale(model, scale=scale))``, every default, one engine per scale for the module:
+    the tests below share its compiled init and run loop (compiled once, not once per test)."""
+    engines = {}
+
+    def get(scale="full"):
+        if scale not in engines:
+            engines[scale] = MPSGD(model, AutoLocationScale(model, scale=scale))
+        return engines[scale]
+
+    return get
+
+
 @pytest.mark.parametrize("scale", ["full", pytest.param("tril", marks=pytest.mark.slow),   # one scale by default
                                    pytest.param("diag", marks=pytest.mark.slow)])
-def test_defaults_reach_the_exact_posterior(scale):
+def test_defaults_reach_the_exact_posterior(scale, default_engine):
     """Linear-Gaussian model, every default: full/tril reach the exact posterior (means within 0.05 sd, covariance
     within 5% Frobenius); diag the mean-field optimum s_i = 1/√P_ii."""
-    engine = MPSGD(model, AutoLocationScale(model, scale=scale))
+    engine = default_engine(scale)
     res = engine.run(random.key(0), 400, A_DATA, Y, progress_bar=False)
     loc, S = np.asarray(res.params["auto_loc"]), np.asarray(res.params["auto_scale"])
     sd = np.sqrt(np.diag(COV))
@@ -202,8 +225,8 @@ def test_defaults_reach_the_exact_posterior(scale):
                                rtol=1e-5)
 
 
-def test_warns_until_converged():
-    engine = MPSGD(model, AutoLocationScale(model))
+def test_warns_until_converged(default_engine):
+    engine = default_engine()                                       # MPSGD(model, AutoLocationScale(model))
     with pytest.warns(RuntimeWarning, match="has not converged after 30 steps"):
         res = engine.run(random.key(0), 30, A_DATA, Y, progress_bar=False)
     assert not res.diagnostics["converged"] and res.diagnostics["stages_completed"] == 1
