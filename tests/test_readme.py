@@ -1,8 +1,9 @@
 """The README's code is documentation that runs.
 
 Every fenced ```python block of README.md is self-contained (its own imports, model and synthetic data) and runs as-is
-in a fresh namespace, in README order; a traceback points at README.md's own line numbers.  The set-up commands are
-the two ```bash blocks, the test command being exactly the one `.ci/run` runs.
+in a fresh namespace, in README order; a traceback points at README.md's own line numbers.  A block whose fence is
+preceded by ``<!-- test: slow (...) -->`` runs with the slow tests (`.ci/run`), as does one that starts Ray.  The
+set-up commands are the two ```bash blocks, the test command being exactly the one `.ci/run` runs.
 """
 
 import linecache
