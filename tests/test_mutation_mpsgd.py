@@ -1049,3 +1049,15 @@ def test_resume_on_a_fresh_engine_sets_up_with_the_run_key():
     assert int(res.state.step) == 1
     lam = float(np.linalg.eigvalsh(np.asarray(_curved_hessian(random.split(key)[0]), np.float64)).max())
     assert eng.L == pytest.approx(2 * lam, rel=1e-3)
+
+
+def _sized_model(*, w):
+    numpyro.sample("z", dist.Normal(0.0, 1.0).expand([w]).to_event(1))
+
+
+def test_setup_traces_the_guide_with_the_static_kwargs():
+    """The engine's static keywords (``MPSGD(..., w=3)``) reach the guide's set-up trace: here they size the latent
+    (without them the model cannot even run)."""
+    e = MPSGD(_sized_model, AutoLocationScale(_sized_model), w=3)
+    e._setup(random.key(0), (), {})
+    assert e.dim == 3 and e._init_loc.shape == (3,) and e._num_particles == 6
