@@ -13,11 +13,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+README_LINES = README.read_text(encoding="utf-8").splitlines()
 
 
 def fenced_blocks(lang: str) -> list[tuple[int, str]]:
     """``(line of the opening fence, code)`` of every ```lang block of README.md, in order (lines 1-based)."""
-    lines = README.read_text(encoding="utf-8").splitlines()
+    lines = README_LINES
     blocks, i = [], 0
     while i < len(lines):
         if lines[i].strip() == f"```{lang}":
@@ -45,7 +46,7 @@ SLOW_MARK = "<!-- test: slow"  # on the line above a block's opening fence: the 
 def runs_with_the_slow_tests(line: int, code: str) -> bool:
     """A block that starts Flower's simulation engine (Ray), or whose fence is preceded by ``<!-- test: slow ... -->``
     (heavy demos whose engines and options the default run tests by name; `.ci/run` runs them)."""
-    above = README.read_text(encoding="utf-8").splitlines()[line - 2] if line >= 2 else ""
+    above = README_LINES[line - 2] if line >= 2 else ""
     return "flower.simulate(" in code or above.strip().startswith(SLOW_MARK)
 
 
