@@ -1,5 +1,6 @@
 """Models shared by several test modules (each written once, in ``numpyro_fedvi.models`` or here)."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import numpyro
@@ -9,6 +10,14 @@ from numpyro_fedvi.models.eight_schools import SIGMA as SCHOOLS_SIGMA  # noqa: F
 from numpyro_fedvi.models.eight_schools import Y as SCHOOLS_Y  # noqa: F401
 from numpyro_fedvi.models.eight_schools import centred as eight_schools  # noqa: F401
 from numpyro_fedvi.models.eight_schools import noncentred as eight_schools_noncentred  # noqa: F401
+
+def built_guide(guide, *args, **kwargs):
+    """``guide`` with its prototype built from ``model(*args, **kwargs)`` with concrete values, also when first
+    called inside a jit trace (for reference guides built on first use, not at import)."""
+    with jax.ensure_compile_time_eval():
+        numpyro.handlers.seed(guide, 0)(*args, **kwargs)
+    return guide
+
 
 # --- a linear-Gaussian model with a closed-form posterior (MPSGD tests) --------------------------------------------
 

@@ -30,6 +30,7 @@ import numpyro_fedvi as nfv
 from numpyro_fedvi.federated import ClientData
 from numpyro_fedvi.fedlocalvi import METHODS, FedLocalVI
 from numpyro_fedvi.prox import l1_prox
+from shared_models import built_guide
 
 D, M, N = 3, 4, 200
 _rng = np.random.default_rng(0)
@@ -51,8 +52,7 @@ def constants():
     with jax.ensure_compile_time_eval():  # concrete even if first asked for inside a jit trace
         pooled = {"x": jnp.asarray(X), "y": jnp.asarray(Y)}
         init = init_to_value(values={"w": jnp.zeros(D)})
-        ref_guide = AutoNormal(model, init_loc_fn=init, init_scale=0.1)
-        numpyro.handlers.seed(ref_guide, 0)(pooled)  # build its prototype outside any transform
+        ref_guide = built_guide(AutoNormal(model, init_loc_fn=init, init_scale=0.1), pooled)
         u0 = to_u({"w_auto_loc": jnp.zeros(D), "w_auto_scale": jnp.full(D, 0.1)})  # the guides' init
         guide = AutoNormal(model, init_loc_fn=init, init_scale=0.1)  # the engines' guide
         return SimpleNamespace(POOLED=pooled, KEY=random.key(7), GUIDE=guide, REF_GUIDE=ref_guide, U0=u0)

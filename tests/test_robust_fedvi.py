@@ -31,6 +31,7 @@ from scipy.optimize import minimize
 import numpyro_fedvi as nfv
 from numpyro_fedvi.federated import ClientData
 from numpyro_fedvi.robust import RobustFedVI, dro_objective, dro_weights
+from shared_models import built_guide
 
 D, G, n = 3, 4, 60
 N = G * n
@@ -58,12 +59,9 @@ GUIDE = AutoNormal(model, init_loc_fn=INIT, init_scale=0.1)
 
 @functools.cache
 def ref_guide():
-    """The reference guide, its prototype built with concrete values (also when first called under ``jax.jit``):
-    once, on first use, not at import (where every pytest-xdist worker would compile its eager ops)."""
-    guide = AutoNormal(model, init_loc_fn=INIT, init_scale=0.1)
-    with jax.ensure_compile_time_eval():
-        numpyro.handlers.seed(guide, 0)(GROUPS[0])
-    return guide
+    """The reference guide, built once on first use, not at import (where every pytest-xdist worker would compile
+    its eager ops)."""
+    return built_guide(AutoNormal(model, init_loc_fn=INIT, init_scale=0.1), GROUPS[0])
 
 
 CLIENTS = ClientData.from_list(GROUPS)
