@@ -42,6 +42,10 @@ CPU version is a sequential Fisher–Yates scan compiled on every call).  Both a
 process, where whichever method runs second finds JAX's compiled eager kernels of the first (the guide's set-up runs
 hundreds of small eager ops): the fair one-time cost is therefore measured again in a FRESH Python process per method
 (``one_time_fresh``): from building the guide and engine to the end of the first epoch, minus a steady epoch.
+Compile time per ``run()`` (issue 10, item 5), also in a fresh process per method (``run_calls_here``): three
+consecutive one-epoch ``run()`` calls through the public APIs (``SVI(...).run`` with NumPyro's own subsampler, as a
+user calls it, and ``PDVI.run``), each call's tracing + lowering + XLA compile time as JAX reports it
+(``jax.monitoring``): NumPyro's ``SVI.run`` jits a new step function at every call, PD-VI keeps its compiled loop.
 The PD-VI curve is recorded by running ``engine.run(..., init_state=previous.state, progress_bar=False)`` epoch by
 epoch (the engine caches its compiled loop, so only the warm-up compiles); SVI by a jitted ``lax.scan`` of
 ``svi.update`` over one epoch.
@@ -52,6 +56,9 @@ Claims (per N, computed from the numbers):
   time; ``..._incl_setup_N{n}``: the same with each method's steady setup time added;
 - ``pdvi_one_time_cost_at_most_svi_N{n}``: PD-VI's one-time cost (fresh process: guide set-up, tracing, compilation)
   is at most SVI-Adam's (issue 10, item 5);
+- ``pdvi_first_run_compile_at_most_svi_N{n}``, ``pdvi_later_runs_compile_at_most_svi_N{n}``,
+  ``pdvi_compile_over_run_calls_at_most_svi_N{n}``: compile time of PD-VI's first ``run()`` call, of each later call,
+  and of the three calls together, at most ``SVI.run``'s;
 - ``pdvi_ends_more_accurate_N{n}``: PD-VI's final rms local-mean error is below the best SVI-Adam run's;
 - ``pdvi_meets_targets_N{n}`` (issue 10 targets, at the last epoch): global mean within 1 posterior sd, global scale
   within 10 %, rms local-mean error < 0.05, median local-scale error < 10 %.
@@ -284,11 +291,40 @@ def one_time_here(method, n, seed, lr):
             "one_time_s": first.seconds - steady.seconds}
 
 
-def one_time_fresh(method, n, seed, lr):
-    """``one_time_here`` in a fresh Python process (no compile cache of another method's eager ops or programs), BLAS
-    threads pinned as in this one."""
-    code = (f"import json; from benchmarks.random_effects import one_time_here; "
-            f"print(json.dumps(one_time_here({method!r}, {n}, {seed}, {lr})))")
+COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                  "/jax/core/compile/backend_compile_duration")
+
+
+def run_calls_here(method, n, seed, lr, calls=3):
+    """Compile time per ``run()`` through the public APIs, measured in THIS process (run it fresh): ``calls``
+    consecutive one-epoch ``run()`` calls, each resuming the last (``SVI(model, guide, optax.adam(lr),
+    Trace_ELBO()).run(..., batch_size=N/10)`` with NumPyro's own subsampler, as a user calls it; ``PDVI.run``), and
+    per call its wall time and its compile time: the time JAX reports tracing, lowering and compiling
+    (``jax.monitoring`` duration events) inside the call, guide set-up included."""
+    x = jnp.asarray(make_data(n, seed))
+    spent = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, secs, **_: spent.append(secs) if event in COMPILE_EVENTS else None)
+    guide = AutoNormal(model)
+    engine = (nfv.PDVI(model, guide, num_partitions=NUM_PARTITIONS, partitions_per_step=PARTITIONS_PER_STEP)
+              if method == "pdvi" else SVI(model, guide, optax.adam(lr), Trace_ELBO()))
+    state, wall, compile_s = None, [], []
+    for call in range(calls):
+        spent.clear()
+        with Timer() as t:
+            state = engine.run(random.key(seed + call), STEPS_PER_EPOCH, x, batch_size=n // STEPS_PER_EPOCH,
+                               progress_bar=False, init_state=state).state
+            block(state)
+        wall.append(t.seconds)
+        compile_s.append(float(sum(spent)))
+    return {"run_call_wall_s": wall, "run_call_compile_s": compile_s}
+
+
+def one_time_fresh(method, n, seed, lr, measure="one_time_here"):
+    """``measure`` (``one_time_here`` or ``run_calls_here``) in a fresh Python process (no compile cache of another
+    method's eager ops or programs), BLAS threads pinned as in this one."""
+    code = (f"import json; from benchmarks.random_effects import {measure}; "
+            f"print(json.dumps({measure}({method!r}, {n}, {seed}, {lr})))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parent.parent, env={**os.environ, "PYTHONHASHSEED": "0"})
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -330,9 +366,16 @@ def bench_n(n, epochs, lrs, seed):
     meets = {k: pd_final[k] < v if k == "rms_local_mean_err" else pd_final[k] <= v for k, v in TARGETS.items()}
     pd_setup, svi_setup = pd_timing["init_s"], svi_timings[best]["init_s"]
     best_lr = float(best.split("=")[1])
-    fresh = {"pdvi": one_time_fresh("pdvi", n, seed, best_lr), "svi_adam": one_time_fresh("svi_adam", n, seed, best_lr)}
+    fresh = {m: {**one_time_fresh(m, n, seed, best_lr), **one_time_fresh(m, n, seed, best_lr, "run_calls_here")}
+             for m in ("pdvi", "svi_adam")}
+    compile_calls = {m: fresh[m]["run_call_compile_s"] for m in fresh}
     claims = {f"pdvi_reaches_svi_final_error_faster_N{n}": t_hit is not None and t_hit <= svi_total,
               f"pdvi_one_time_cost_at_most_svi_N{n}": fresh["pdvi"]["one_time_s"] <= fresh["svi_adam"]["one_time_s"],
+              f"pdvi_first_run_compile_at_most_svi_N{n}": compile_calls["pdvi"][0] <= compile_calls["svi_adam"][0],
+              f"pdvi_later_runs_compile_at_most_svi_N{n}":
+                  all(p <= s for p, s in zip(compile_calls["pdvi"][1:], compile_calls["svi_adam"][1:])),
+              f"pdvi_compile_over_run_calls_at_most_svi_N{n}":
+                  sum(compile_calls["pdvi"]) <= sum(compile_calls["svi_adam"]),
               f"pdvi_reaches_svi_final_error_faster_incl_setup_N{n}":
                   t_hit is not None and pd_setup + t_hit <= svi_setup + svi_total,
               f"pdvi_ends_more_accurate_N{n}": pd_final["rms_local_mean_err"] < svi_final["rms_local_mean_err"],
@@ -364,7 +407,8 @@ def bench_n(n, epochs, lrs, seed):
             (f"SVI-Adam {best}", svi_final, svi_total, svi_compile, svi_setup, fresh["svi_adam"])):
         print(f"N={n} {name:16s} " + "  ".join(f"{k} {f[k]:.4g}" for k in (*METRICS, "neg_elbo_gap", "loss"))
               + f"  | run {tm:.2f} s, setup {setup:.2f} s, compile {comp:.1f} s (in this process), one-time "
-                f"{once['one_time_s']:.1f} s (fresh process)", flush=True)
+                f"{once['one_time_s']:.1f} s (fresh process), compile per run() call "
+                f"{', '.join(f'{c:.2f}' for c in once['run_call_compile_s'])} s", flush=True)
     print(f"N={n} PD-VI reaches SVI's final rms at epoch {e_hit} ({t_hit} s); bench {time.perf_counter() - t0:.1f} s")
     return methods, claims, grid, settings
 

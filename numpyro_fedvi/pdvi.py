@@ -44,7 +44,7 @@ from .runner import EarlyStopping, RunResult, run_loop, tree_all_finite
 from .structure import ModelStructure, Partitions, inspect_model, make_partitions
 
 __all__ = ["Block", "NEWTON_MAX_HVPS", "PDVI", "PDVIState", "consensus_update", "dual_step", "pdvi_init", "pdvi_step",
-           "prox_solve"]
+           "prox_solve", "refreshed_eta"]
 
 # local_optimizer=None picks Newton when a Newton step needs at most this many Hessian-vector products (one per global
 # coordinate plus one per local coordinate of a datum); measured: 4 on random effects (epoch 6x cheaper than L-BFGS),
@@ -137,6 +137,18 @@ def pdvi_step(state: PDVIState, oracle: Callable, select: Callable, guard: bool 
     loss = num_units / jnp.maximum(jnp.sum(mask), 1) * jnp.sum(jnp.where(mask, unit_losses, 0.0))
     new = PDVIState(lam0, h, mu, local, state.eta, state.step + 1, state.rng_key)
     return (new, loss, ok) if guard else (new, loss)
+
+
+def refreshed_eta(estimate: dict, old: dict) -> dict:
+    """η after a refresh: the estimate, but a refresh never breaks a run: a non-finite or non-positive estimate keeps
+    the old η, and one refresh moves η by at most a factor 100 (a curvature estimate at a degenerate point must not
+    blow it up)."""
+    eta = {}
+    for k, prev in old.items():
+        cand = jnp.asarray(estimate[k], prev.dtype)
+        cand = jnp.where(jnp.isfinite(cand) & (cand > 0), cand, prev)
+        eta[k] = jnp.clip(cand, prev / 100.0, prev * 100.0)
+    return eta
 
 
 def dual_step(delta, eta):
@@ -608,11 +620,23 @@ class PDVI:
         across = jnp.max if self.eta_curvature == "max" else jnp.median
         return {k: self.eta_scale / jnp.maximum(across(c), 1e-8) for k, c in curvatures.items()}
 
-    def _auto_eta(self, lam0, local, rng_key, inputs):
-        """``η_j = c / L̂_j``, ``L̂_j`` from up to 8 evenly spaced units (one compile; see ``eta_curvature``)."""
+    def _eta_hat(self, point, inputs):
+        """``η_j = c / L̂_j`` at ``point = (λ_0, local, key)``, ``L̂_j`` from up to 8 evenly spaced units (see
+        ``eta_curvature``)."""
+        lam0, local, key = point
         units = jnp.asarray(self.curvature_units(self.num_units))
-        return self.eta_from_curvatures(self._compiled("curvatures", self._curvatures)((lam0, local, rng_key, units),
-                                                                                      inputs))
+        return self.eta_from_curvatures(self._curvatures((lam0, local, key, units), inputs))
+
+    def _auto_eta(self, lam0, local, rng_key, inputs):
+        """``eta="auto"`` at the initial point, compiled once per engine.  With a refresh ahead, through the refresh's
+        own program (:meth:`_refreshed`, which then compiles nothing more at the refreshes; its dual table, one
+        gradient per unit, is discarded here: μ^0 = 0); else the curvature estimate alone."""
+        if not self.refresh_steps():
+            return self._compiled("eta", self._eta_hat)((lam0, local, rng_key), inputs)
+        ones = _check_eta(1.0, lam0)  # any η of the state's shapes: only the estimate η̂ is used
+        provisional = pdvi_init(lam0, self.num_units, local, ones, rng_key)
+        provisional = provisional if self.mesh is None else _sharding.shard_pdvi_state(provisional, self.mesh)
+        return self._compiled("refresh", self._refreshed)((provisional, rng_key), inputs)[0]
 
     def _compiled(self, name, fn):
         """``fn(state, inputs)`` jitted once per engine (and input shapes): see
@@ -660,24 +684,25 @@ class PDVI:
                            if self.dual_granularity == "datum" else None)
 
     def _refresh(self, state, inputs):
-        key = random.fold_in(state.rng_key, state.step)
+        state = self._compiled("refresh", self._refreshed)((state, random.fold_in(state.rng_key, state.step)),
+                                                            inputs)[1]
+        return state if self.mesh is None else _sharding.shard_pdvi_state(state, self.mesh)
+
+    def _refreshed(self, point, inputs):
+        """``(η̂, refreshed state)`` at ``point = (state, key)``: η="auto" (:meth:`_eta_hat` at ``key``) and the dual
+        table (:meth:`_duals` at ``fold_in(key, 1)``) re-estimated at the state's λ_0 and local rows, in one program
+        (the initial η comes from it too, :meth:`_auto_eta`)."""
+        state, key = point
         lam0 = self._global_params(state)
-        new = self._auto_eta(lam0, state.local, key, inputs)
-        # a refresh never breaks a run: a non-finite or non-positive estimate keeps the old η, and one refresh
-        # moves η by at most a factor 100 (a curvature estimate at a degenerate point must not blow it up)
-        eta = {}
-        for k, old in state.eta.items():
-            cand = jnp.asarray(new[k], old.dtype)
-            cand = jnp.where(jnp.isfinite(cand) & (cand > 0), cand, old)
-            eta[k] = jnp.clip(cand, old / 100.0, old * 100.0)
+        new = self._eta_hat((lam0, state.local, key), inputs)
+        eta = refreshed_eta(new, state.eta)
         # the dual table is recomputed at the current point: kept, its entries from visits long ago (where the
         # curvature was another) would be multiplied by the new η in h and throw λ_0 far off (measured: log-scale
         # of q(β) −15.7 → −77.8 in one step at N = 1e5); fresh, h = −D_η mean ∇f_i(λ_0) is one gradient step.
-        mu = self._compiled("duals", self._duals)((lam0, state.local, random.fold_in(key, 1)), inputs)
+        mu = self._duals((lam0, state.local, random.fold_in(key, 1)), inputs)
         mu = {k: jnp.where(jnp.all(jnp.isfinite(mu[k])), mu[k], state.mu[k]) for k in state.mu}
         h = {k: eta[k] * jnp.mean(mu[k], 0) for k in state.h}
-        state = state._replace(eta=eta, h=h, mu=mu)
-        return state if self.mesh is None else _sharding.shard_pdvi_state(state, self.mesh)
+        return new, state._replace(eta=eta, h=h, mu=mu)
 
     def _hooks(self, state, num_steps, inputs):
         step0 = int(state.step)

@@ -699,6 +699,11 @@ def test_front_end_auto_eta_and_refresh():
     # refresh_eta by hand gives the same state; max curvature: η = c / max
     again = pd.refresh_eta(s, x, 2)
     _close(again.mu["m"], mu, 1e-4)
+    # the initial η and every refresh ran one compiled program, compiled once (issue 10: compile time)
+    assert "eta" not in pd._jit_cache and pd._jit_cache["refresh"]._jit._cache_size() == 1
+    fixed = _engine(eta="auto", eta_refresh=False)  # no refresh ahead: the curvature estimate alone
+    _close(fixed.init(random.key(8), x, 2).eta["m"], s.eta["m"], 1e-6)
+    assert set(fixed._jit_cache) == {"eta"}
     pdm = _engine(eta="auto", eta_scale=0.5, eta_curvature="max", eta_refresh=[3, 1])
     assert pdm.eta_from_curvatures({"m": jnp.asarray([1.0, 4.0, 2.0])})["m"] == pytest.approx(0.125)
     assert pd.eta_from_curvatures({"m": jnp.asarray([1.0, 4.0, 2.0])})["m"] == pytest.approx(0.15)
@@ -1074,12 +1079,16 @@ def test_refresh_vector_site_and_bad_estimates():
     assert r.mu["m"].shape == (4, 2) and r.h["m"].shape == (2,)
     _close(r.mu["m"], mu, 1e-5)
     _close(r.h["m"], float(r.eta["m"]) * mu.mean(0), 1e-5)
+    one = {"m": jnp.asarray(1.0, jnp.float32)}
     for new, want in ((np.inf, 1.0), (-1.0, 1.0), (0.0, 1.0), (np.nan, 1.0), (1e6, 100.0), (1e-6, 0.01), (3.0, 3.0)):
-        pd._auto_eta = lambda *a, new=new: {"m": jnp.asarray(new, jnp.float32)}
-        st = s._replace(eta={"m": jnp.asarray(1.0, jnp.float32)})
-        _close(pd.refresh_eta(st, x, 2).eta["m"], want, 1e-6)
+        _close(P.refreshed_eta({"m": jnp.asarray(new, jnp.float32)}, one)["m"], want, 1e-6)
+    # the refresh applies it to its estimate (the refresh program traced again with the estimate patched)
+    pd._eta_hat = lambda *a: {"m": jnp.asarray(1e6, jnp.float32)}
+    pd._jit_cache.pop("refresh")
+    _close(pd.refresh_eta(s._replace(eta=one), x, 2).eta["m"], 100.0, 1e-6)
     # a non-finite dual table keeps the old duals
-    pd._auto_eta = lambda *a: {"m": jnp.asarray(1.0, jnp.float32)}
+    pd._eta_hat = lambda *a: one
+    pd._jit_cache.pop("refresh")
     st = s._replace(local={"a": s.local["a"].at[0].set(jnp.nan)}, mu={"m": jnp.full((4, 2), 0.25, jnp.float32)})
     out = pd.refresh_eta(st, x, 2)
     _close(out.mu["m"], np.full((4, 2), 0.25), 0)
