@@ -95,11 +95,17 @@ def block_loss_fn(elbo, model, guide, structure: ModelStructure, static_kwargs: 
     - plain plate (``plate("data", N)`` around ``obs=y``): the model runs on all N rows and every site in the plate
       is masked to the block — correct for any model, O(N) per evaluation; local params are given as the full
       table with the block's rows filled in (other rows are masked out and never seen by the loss).
+
+    ``loss.freeze`` (same arguments) returns the key with the block's Monte-Carlo draws computed once when ``elbo``
+    can (``elbo.freeze``: :class:`~numpyro_fedvi.particles.ControlledDraws`), else the key itself;
+    ``loss(loss.freeze(key, ...), ...)`` equals ``loss(key, ...)`` at any params, and a solver that evaluates the
+    block at many points of one key then draws once.
     """
     plate = structure.data_plate
     static_kwargs = dict(static_kwargs or {})
 
-    def loss(rng_key, global_unc, local_rows_unc, idx, mask, weight, args, kwargs, local_weight=1.0):
+    def blocked(global_unc, local_rows_unc, idx, mask, weight, local_weight):
+        """(constrained global params, model and guide restricted to the block)."""
         params = structure.constrain_global(global_unc)
         if plate.subsampled:
             local = structure.constrain_local(local_rows_unc)
@@ -114,10 +120,23 @@ def block_loss_fn(elbo, model, guide, structure: ModelStructure, static_kwargs: 
             local, local_scale, m, g = structure.constrain_local(full), local_weight, model, guide
         m = _BlockScale(_PinLocal(m, local), plate.name, site_mask, local_scale, weight)
         g = _BlockScale(_PinLocal(g, local), plate.name, site_mask, local_scale, weight)
+        return params, m, g
+
+    def loss(rng_key, global_unc, local_rows_unc, idx, mask, weight, args, kwargs, local_weight=1.0):
+        params, m, g = blocked(global_unc, local_rows_unc, idx, mask, weight, local_weight)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="subsample_size does not match")
             return elbo_loss(elbo, rng_key, params, m, g, *args, **kwargs, **static_kwargs)
 
+    def freeze(rng_key, global_unc, local_rows_unc, idx, mask, weight, args, kwargs, local_weight=1.0):
+        if not hasattr(elbo, "freeze"):
+            return rng_key
+        params, m, g = blocked(global_unc, local_rows_unc, idx, mask, weight, local_weight)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="subsample_size does not match")
+            return elbo.freeze(rng_key, params, m, g, *args, **kwargs, **static_kwargs)
+
+    loss.freeze = freeze
     return loss
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import zlib
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +40,7 @@ from numpyro.primitives import Messenger
 
 from .objectives import elbo_loss
 
-__all__ = ["ControlledDraws", "controlled_normals", "SCHEMES"]
+__all__ = ["ControlledDraws", "FrozenDraws", "controlled_normals", "SCHEMES"]
 
 SCHEMES = ("iid", "antithetic", "moment_matched", "orthogonal")
 
@@ -109,15 +110,25 @@ def _slices(msg, shape):
     return plates, nb if ok else 0
 
 
-class _ControlledNoise(Messenger):
-    """Set ``msg["value"]`` of every non-observed reparameterised guide site from controlled draws (row ``p``)."""
+class FrozenDraws(NamedTuple):
+    """A key with its controlled draws computed once (:meth:`ControlledDraws.freeze`); a pytree, passed to
+    :class:`ControlledDraws` where the key goes.  ``draws``: ``{site: (S, *noise shape)}``."""
 
-    def __init__(self, fn, rng_key, num_particles, particle, scheme):
-        self.rng_key, self.S, self.p, self.scheme = rng_key, num_particles, particle, scheme
+    key: jax.Array
+    draws: dict
+
+
+class _ControlledNoise(Messenger):
+    """Set ``msg["value"]`` of every non-observed reparameterised guide site from controlled draws (row ``p``):
+    the sites' entries of ``frozen`` when given, else drawn here (and recorded in ``self.draws``)."""
+
+    def __init__(self, fn, rng_key, num_particles, particle, scheme, frozen=None):
+        self.rng_key, self.S, self.p, self.scheme, self.frozen = rng_key, num_particles, particle, scheme, frozen
         super().__init__(fn)
 
     def __enter__(self):
         self.drawn = []  # (plate names, slice shape, (S, L, m) draws) of the sites seen so far ("orthogonal")
+        self.draws = {}  # site -> (S, *noise shape): what this pass drew
         return super().__enter__()
 
     def process_message(self, msg):
@@ -131,6 +142,9 @@ class _ControlledNoise(Messenger):
             msg["value"] = msg["fn"](rng_key=random.fold_in(key, self.p), sample_shape=sample_shape)
             return
         shape, value_of = rep
+        if self.frozen is not None and msg["name"] in self.frozen:
+            msg["value"] = value_of(self.frozen[msg["name"]][self.p])
+            return
         z = controlled_normals(key, self.S, shape, self.scheme)
         if self.scheme == "orthogonal":  # off the earlier sites it shares no plate with, and per slice off the
             plates, nb = _slices(msg, shape)  # earlier sites in the same plates with the same batch shape
@@ -143,6 +157,7 @@ class _ControlledNoise(Messenger):
             z3 = _project_and_whiten(z3, jnp.concatenate(others, -1) if others else None, self.S // 2)
             self.drawn.append((plates, shape[:nb], z3))
             z = z3.reshape(z.shape)
+        self.draws[msg["name"]] = z
         msg["value"] = value_of(z[self.p])
 
 
@@ -201,11 +216,24 @@ class ControlledDraws(ELBO):
                  for i, (p, _, _) in enumerate(sites)), default=0)
         return 2 * min(self.max_particles // 2, d + 2)
 
+    def freeze(self, rng_key, param_map, model, guide, *args, **kwargs) -> FrozenDraws:
+        """The draws of ``rng_key`` for this guide, computed once (one pass of the guide; the draws depend on the key
+        and the sites' shapes, not on the param values): ``loss(freeze(key, ...), ...)`` equals ``loss(key, ...)``
+        and a function that evaluates the loss many times at one key (a Newton step's derivatives and trial points)
+        does not draw and orthogonalise again at each evaluation."""
+        del model
+        S = self.particles_for(guide, rng_key, param_map, *args, **kwargs)
+        seeded = handlers.seed(handlers.substitute(guide, data=param_map), random.fold_in(rng_key, 0))
+        noise = _ControlledNoise(seeded, rng_key, S, 0, self.scheme)
+        noise(*args, **kwargs)
+        return FrozenDraws(rng_key, noise.draws)
+
     def loss_with_mutable_state(self, rng_key, param_map, model, guide, *args, **kwargs):
+        rng_key, frozen = (rng_key.key, rng_key.draws) if isinstance(rng_key, FrozenDraws) else (rng_key, None)
         S = self.particles_for(guide, rng_key, param_map, *args, **kwargs)
 
         def particle(p):
-            g = _ControlledNoise(guide, rng_key, S, p, self.scheme)
+            g = _ControlledNoise(guide, rng_key, S, p, self.scheme, frozen)
             return elbo_loss(self.elbo, random.fold_in(rng_key, p), param_map, model, g, *args, **kwargs)
 
         return {"loss": jnp.mean(jax.vmap(particle)(jnp.arange(S))), "mutable_state": None}

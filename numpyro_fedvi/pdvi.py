@@ -538,9 +538,12 @@ class PDVI:
             # the Monte-Carlo key is fixed during one solve (common random numbers); with crn="run" it is
             # also the same at every visit, which makes each f_i a deterministic sample-average objective
             unit_key = random.fold_in(base_key if self.crn == "run" else key, unit)
+            # its draws computed once for the whole solve, which evaluates the objective at many points (a Newton
+            # step: derivatives and trial points): measured 7-9% of an epoch and 0.2 s of compile at N = 1e4-1e6
+            frozen = self._block_loss.freeze(unit_key, lam0, rows, idx, mask, weight, args, kwargs)
 
             def f(lam, rows_):
-                return self._block_loss(unit_key, lam, rows_, idx, mask, weight, args, kwargs)
+                return self._block_loss(frozen, lam, rows_, idx, mask, weight, args, kwargs)
 
             if self.block_solver is None:
                 lam, rows, value = prox_solve(f, lam0, mu, eta, rows, self._solver, self._solver_steps,

@@ -24,7 +24,9 @@ from numpyro.infer.autoguide import AutoNormal
 
 from numpyro_fedvi import PDVI
 from numpyro_fedvi.models import gmm, random_effects
-from numpyro_fedvi.particles import SCHEMES, ControlledDraws, _ControlledNoise, controlled_normals
+from numpyro_fedvi.objectives import block_loss_fn
+from numpyro_fedvi.particles import SCHEMES, ControlledDraws, FrozenDraws, _ControlledNoise, controlled_normals
+from numpyro_fedvi.structure import inspect_model
 
 KEYS = [random.key(k) for k in (0, 1, 7)]
 
@@ -310,6 +312,44 @@ def test_autonormal_constrained_sites_and_gradients():
     tau = particle_values(lambda *a: handlers.substitute(guide, data=params)(*a), 4, "orthogonal", random.key(0),
                           Y8, SIG8)["tau"]
     np.testing.assert_allclose(np.log(np.asarray(tau)).mean(0), params["tau_auto_loc"], atol=1e-5)
+
+
+def test_frozen_draws_give_the_same_loss_and_gradient():
+    """``freeze``: a key's draws computed once give the loss and gradient of the key itself (the draws depend on the
+    key and the sites' shapes, not on the params: also at other params); the block loss's ``freeze`` (PD-VI's oracle
+    draws once per solve) likewise, and is the key itself for an ELBO without controlled draws."""
+    guide = AutoNormal(hier8_model)
+    with handlers.seed(rng_seed=0):
+        guide(Y8, SIG8)
+    tr = handlers.trace(handlers.seed(guide, 0)).get_trace(Y8, SIG8)
+    params = {k: v["value"] for k, v in tr.items() if v["type"] == "param"}
+    moved = {k: v * 1.3 + 0.1 for k, v in params.items()}  # scales stay positive
+    key = random.key(3)
+    # the default scheme, with 8 particles: with 4, theta is projected off the top ONE of the two global directions,
+    # and which one is on top is a float tie here (the draws of a key then differ between two compiled programs)
+    loss = ControlledDraws(Trace_ELBO(), num_particles=8)
+    frozen = jax.jit(lambda k: loss.freeze(k, params, hier8_model, guide, Y8, SIG8))(key)
+    assert isinstance(frozen, FrozenDraws) and set(frozen.draws) == {"mu", "tau", "theta"}
+    vg = jax.jit(jax.vmap(jax.value_and_grad(lambda p, k: loss.loss(k, p, hier8_model, guide, Y8, SIG8)), (0, None)))
+    both = jax.tree.map(lambda a, b: jnp.stack([a, b]), params, moved)
+    (v_key, g_key), (v_frozen, g_frozen), (v_other, _) = vg(both, key), vg(both, frozen), vg(both, random.key(4))
+    np.testing.assert_allclose(v_frozen, v_key, rtol=1e-6)
+    for k in g_key:
+        np.testing.assert_allclose(g_frozen[k], g_key[k], rtol=1e-5, atol=1e-6)
+    assert not np.allclose(v_key, v_other)  # the key matters
+    # the block loss of the engines (objectives.block_loss_fn): frozen for ControlledDraws, the key otherwise
+    st = inspect_model(hier8_model, guide, random.key(0), (Y8, SIG8))
+    g_unc, loc = st.unconstrain(params)
+    idx, mask = jnp.asarray([1, 5, 6, 0]), jnp.asarray([True, True, True, False])
+    rows = {k: v[idx] for k, v in loc.items()}
+    block = (g_unc, rows, idx, mask, 0.375, (Y8, SIG8), {})
+    controlled = block_loss_fn(ControlledDraws(Trace_ELBO(), num_particles=4), hier8_model, guide, st)
+    assert isinstance(jax.eval_shape(lambda k: controlled.freeze(k, *block), key), FrozenDraws)
+    frozen_block, key_block = jax.jit(lambda k: (controlled(controlled.freeze(k, *block), *block),
+                                                 controlled(k, *block)))(key)
+    np.testing.assert_allclose(frozen_block, key_block, rtol=1e-6)
+    plain = block_loss_fn(Trace_ELBO(), hier8_model, guide, st)
+    assert plain.freeze(key, *block) is key
 
 
 def test_trace_enum_gmm_is_exact_moment_matched_and_unbiased_iid():
