@@ -939,7 +939,8 @@ class PDVIStrategy(_EngineStrategy):
         self.state = pdvi_init(lam0, 1, None, eta, rng_key)._replace(mu=None)
         self.accepted = np.full(self.num_clients, -1, np.int64)
         self._select = jax.jit(lambda key, step: engine._select_units(self.num_clients, key, step))
-        self._consensus = jax.jit(partial(consensus_update, num_units=self.num_clients))
+        self._consensus = jax.jit(partial(consensus_update, num_units=self.num_clients,
+                                          max_move=engine.consensus_max_move))
 
     def handshake(self, grid, timeout: float | None = None) -> None:
         """The set-up handshake, then (``eta="auto"``) η from the curvature of up to 8 evenly spaced clients."""

@@ -233,6 +233,17 @@ def test_dual_step_and_consensus_update():
     # nothing selected: no division by zero, λ_0 = h
     new, hn, _ = P.consensus_update(lam0, h, lam_sel, jnp.array([False, False, False]), True, 2)
     _close(new["x"], [0.1, -0.1], 1e-6)
+    # the consensus trust region: λ_0's move clipped per coordinate (+0.85 → +0.3, −0.1 kept, +0.575 → +0.3),
+    # h and δ as computed; ok False still keeps λ_0
+    new, hn, delta = P.consensus_update(lam0, h, lam_sel, mask, jnp.asarray(True), 4, max_move=0.3)
+    _close(new["x"], [1.3, 1.9], 1e-6)
+    _close(new["y"], 0.8, 1e-6)
+    _close(hn["x"], [0.35, -0.1], 1e-6)
+    _close(delta["y"], [1.0, -0.5, 0.0], 1e-6)
+    new, _, _ = P.consensus_update(lam0, h, lam_sel, mask, jnp.asarray(False), 4, max_move=0.3)
+    _close(new["x"], [1.0, 2.0], 0)
+    new, _, _ = P.consensus_update(lam0, h, {"x": lam_sel["x"] - 4.0, "y": lam_sel["y"]}, mask, True, 4, max_move=0.3)
+    _close(new["x"], [0.7, 1.7], 1e-6)  # clipped from below too
     with jax.enable_x64(True):  # δ and h accumulate in float64 from float32 solutions
         lam0 = {"x": jnp.asarray([1.0, 2.0], jnp.float64)}
         sel = {"x": jnp.asarray([[1.0 + 2.0**-30, 2.0]], jnp.float32)}
@@ -566,8 +577,9 @@ def _x():
 
 
 def _engine(**kw):
+    """An engine checked against ``_NpEngine`` (Algorithm 1: its own consensus step, ``consensus_max_move=None``)."""
     kw = {"partitions": BLOCKS, "partitions_per_step": 2, "eta": 0.4, "oracle_draws": None,
-          "block_solver": block_solver, **kw}
+          "block_solver": block_solver, "consensus_max_move": None, **kw}
     return P.PDVI(model, guide, Trace_ELBO(), **kw)
 
 
@@ -711,6 +723,24 @@ def test_front_end_auto_eta_and_refresh():
     sm = pdm.init(random.key(8), x, 2)
     _close(sm.eta["m"], 0.5 / max(_curv(b) for b in BLOCKS), 1e-5)
     assert pdm.refresh_steps() == [1, 3]
+
+
+def test_consensus_trust_region_in_update_and_run():
+    """``consensus_max_move`` bounds λ_0's move per iteration in ``update`` (the plain step) and ``run`` (the guarded
+    step); ``None`` is Algorithm 1's step; refused unless a positive number or None."""
+    x = _x()
+    free = _engine(consensus_max_move=None)
+    s = free.init(random.key(3), x, 2)
+    moved = float(np.abs(np.asarray(free.update(s, x, 2)[0].lam0["m"] - s.lam0["m"])).max())
+    assert moved > 0.05  # Algorithm 1's step moves more than the bound below
+    tight = _engine(consensus_max_move=moved / 4)
+    one = tight.update(tight.init(random.key(3), x, 2), x, 2)[0]
+    _close(np.abs(np.asarray(one.lam0["m"] - s.lam0["m"])).max(), moved / 4, 1e-6)
+    _close(tight.run(random.key(3), 1, x, 2, progress_bar=False).state.lam0["m"], one.lam0["m"], 1e-6)
+    assert P.PDVI.__init__.__kwdefaults__["consensus_max_move"] == 0.25
+    for bad in (0.0, -1.0, "0.5", True, np.inf):
+        with pytest.raises((TypeError, ValueError), match="consensus_max_move"):
+            _engine(consensus_max_move=bad)
 
 
 def test_refresh_clips_and_keeps_old_eta():
@@ -1110,7 +1140,7 @@ def test_front_end_monte_carlo_keys():
     x = _x()
     args, kwargs = prepare_inputs((x, 2), {})
     pd = P.PDVI(model, guide_mc, Trace_ELBO(), partitions=BLOCKS, partitions_per_step=2, eta=0.4,
-                oracle_draws=None, block_solver=block_solver)
+                oracle_draws=None, block_solver=block_solver, consensus_max_move=None)  # checked against _NpEngine
     s = pd.init(random.key(15), x, 2)
     bl = pd.blocks
 

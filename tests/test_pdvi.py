@@ -100,10 +100,12 @@ FAST = {"local_optimizer": optax.sgd(0.1), "local_steps": 10}
 
 @functools.cache
 def _trajectory(eta_kind, granularity, selection, per_step, num_steps):
-    """States of a jitted ``update`` loop (shared by the tests below; one compile per configuration)."""
+    """States of a jitted ``update`` loop (shared by the tests below; one compile per configuration).  Algorithm 1's
+    own consensus step (``consensus_max_move=None``): the tests check its equations."""
     eta = {"scalar": 0.7, "dict": {"m": 0.5, "v": 0.3}}[eta_kind]
     pd = PDVI(model, guide, TraceMeanField_ELBO(num_particles=2), partitions=UNEQUAL, eta=eta,
-              dual_granularity=granularity, selection=selection, partitions_per_step=per_step, **FAST)
+              dual_granularity=granularity, selection=selection, partitions_per_step=per_step,
+              consensus_max_move=None, **FAST)
     state = pd.init(random.key(1), Y, MASK)
     step = jax.jit(lambda s: pd.update(s, Y, MASK))
     states, losses = [state], []

@@ -148,15 +148,19 @@ def test_local_params_with_event_dims():
 @pytest.mark.slow   # a reproduction: every default run to convergence, twice (eta_curvature)
 def test_noncentred_eight_schools_defaults_and_eta_curvature():
     """Every PD-VI default on non-centred eight schools (one school per block): q(mu) near the posterior (NUTS mean
-    4.4, sd 3.3) and q(log tau) not stuck wide.  The Monte-Carlo curvature of the widest blocks drove the theory's
-    ``eta_curvature="max"`` to η ≈ 1e-4 for tau's params and q(mu)'s mean to −121; the median is the default."""
+    4.4, sd 3.3) and q(log tau) not stuck wide, for seeds that diverged without the consensus trust region (on this
+    2-core machine, 6 of 8 seeds 0–7 did: q(log tau)'s mean at 21 after 12 iterations, then NaN).  The Monte-Carlo
+    curvature of the widest blocks drove the theory's ``eta_curvature="max"`` to η ≈ 1e-4 for tau's params and
+    q(mu)'s mean to −121; the median is the default."""
     pd = nfv.PDVI(eight_schools_noncentred, AutoNormal(eight_schools_noncentred), num_partitions=8,
                   partitions_per_step=2)
-    res = pd.run(random.key(0), 300, SIGMA, y=Y, progress_bar=False)
-    p = res.params
-    assert abs(float(p["mu_auto_loc"]) - 4.4) < 1.5, p["mu_auto_loc"]
-    assert 2.0 < float(p["mu_auto_scale"]) < 5.0, p["mu_auto_scale"]
-    assert 0.2 < float(p["tau_auto_scale"]) < 1.5, p["tau_auto_scale"]
+    for seed in (0, 1, 6):   # one compiled loop for the three runs
+        res = pd.run(random.key(seed), 300, SIGMA, y=Y, progress_bar=False)
+        p = res.params
+        assert res.diagnostics["stop_reason"] == "completed", (seed, res.diagnostics)
+        assert abs(float(p["mu_auto_loc"]) - 4.4) < 1.5, (seed, p["mu_auto_loc"])
+        assert 2.0 < float(p["mu_auto_scale"]) < 5.0, (seed, p["mu_auto_scale"])
+        assert 0.2 < float(p["tau_auto_scale"]) < 1.5, (seed, p["tau_auto_scale"])
     # the median / max of the blocks' curvatures: the median η is never below the max's
     st = pd.init(random.key(0), SIGMA, y=Y)
     mx = nfv.PDVI(eight_schools_noncentred, AutoNormal(eight_schools_noncentred), num_partitions=8,
