@@ -554,7 +554,7 @@ class PDVI:
             # also the same at every visit, which makes each f_i a deterministic sample-average objective
             unit_key = random.fold_in(base_key if self.crn == "run" else key, unit)
             # its draws computed once for the whole solve, which evaluates the objective at many points (a Newton
-            # step: derivatives and trial points): measured 7-9% of an epoch and 0.2 s of compile at N = 1e4-1e6
+            # step: derivatives and trial points): measured 6-10% of an epoch and 0.2 s of compile at N = 1e4-1e6
             frozen = self._block_loss.freeze(unit_key, lam0, rows, idx, mask, weight, args, kwargs)
 
             def f(lam, rows_):
