@@ -41,7 +41,7 @@ metric evaluation excluded.  One-time costs are measured separately and reported
 CPU version is a sequential Fisher–Yates scan compiled on every call).  Both are measured in the benchmark's
 process, where whichever method runs second finds JAX's compiled eager kernels of the first (the guide's set-up runs
 hundreds of small eager ops): the fair one-time cost is therefore measured again in a FRESH Python process per method
-(``one_time_fresh``): from building the guide and engine to the end of the first epoch, minus a steady epoch.
+(``in_fresh_process``): from building the guide and engine to the end of the first epoch, minus a steady epoch.
 Compile time per ``run()`` (issue 10, item 5), also in a fresh process per method (``run_calls_here``): three
 consecutive one-epoch ``run()`` calls through the public APIs (``SVI(...).run`` with NumPyro's own subsampler, as a
 user calls it, and ``PDVI.run``), each call's tracing + lowering + XLA compile time as JAX reports it
@@ -320,7 +320,7 @@ def run_calls_here(method, n, seed, lr, calls=3):
     return {"run_call_wall_s": wall, "run_call_compile_s": compile_s}
 
 
-def one_time_fresh(method, n, seed, lr, measure="one_time_here"):
+def in_fresh_process(method, n, seed, lr, measure="one_time_here"):
     """``measure`` (``one_time_here`` or ``run_calls_here``) in a fresh Python process (no compile cache of another
     method's eager ops or programs), BLAS threads pinned as in this one."""
     code = (f"import json; from benchmarks.random_effects import {measure}; "
@@ -366,7 +366,7 @@ def bench_n(n, epochs, lrs, seed):
     meets = {k: pd_final[k] < v if k == "rms_local_mean_err" else pd_final[k] <= v for k, v in TARGETS.items()}
     pd_setup, svi_setup = pd_timing["init_s"], svi_timings[best]["init_s"]
     best_lr = float(best.split("=")[1])
-    fresh = {m: {**one_time_fresh(m, n, seed, best_lr), **one_time_fresh(m, n, seed, best_lr, "run_calls_here")}
+    fresh = {m: {**in_fresh_process(m, n, seed, best_lr), **in_fresh_process(m, n, seed, best_lr, "run_calls_here")}
              for m in ("pdvi", "svi_adam")}
     compile_calls = {m: fresh[m]["run_call_compile_s"] for m in fresh}
     claims = {f"pdvi_reaches_svi_final_error_faster_N{n}": t_hit is not None and t_hit <= svi_total,

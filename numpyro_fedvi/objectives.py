@@ -104,8 +104,9 @@ def block_loss_fn(elbo, model, guide, structure: ModelStructure, static_kwargs: 
     plate = structure.data_plate
     static_kwargs = dict(static_kwargs or {})
 
-    def blocked(global_unc, local_rows_unc, idx, mask, weight, local_weight):
-        """(constrained global params, model and guide restricted to the block)."""
+    def on_block(fn, rng_key, global_unc, local_rows_unc, idx, mask, weight, args, kwargs, local_weight):
+        """``fn(rng_key, constrained global params, model, guide, *args, **kwargs)`` with model and guide restricted
+        to the block (``elbo_loss`` for the loss, ``elbo.freeze`` for its draws)."""
         params = structure.constrain_global(global_unc)
         if plate.subsampled:
             local = structure.constrain_local(local_rows_unc)
@@ -120,21 +121,19 @@ def block_loss_fn(elbo, model, guide, structure: ModelStructure, static_kwargs: 
             local, local_scale, m, g = structure.constrain_local(full), local_weight, model, guide
         m = _BlockScale(_PinLocal(m, local), plate.name, site_mask, local_scale, weight)
         g = _BlockScale(_PinLocal(g, local), plate.name, site_mask, local_scale, weight)
-        return params, m, g
-
-    def loss(rng_key, global_unc, local_rows_unc, idx, mask, weight, args, kwargs, local_weight=1.0):
-        params, m, g = blocked(global_unc, local_rows_unc, idx, mask, weight, local_weight)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="subsample_size does not match")
-            return elbo_loss(elbo, rng_key, params, m, g, *args, **kwargs, **static_kwargs)
+            return fn(rng_key, params, m, g, *args, **kwargs, **static_kwargs)
+
+    def loss(rng_key, global_unc, local_rows_unc, idx, mask, weight, args, kwargs, local_weight=1.0):
+        return on_block(lambda *a, **kw: elbo_loss(elbo, *a, **kw), rng_key, global_unc, local_rows_unc, idx, mask,
+                        weight, args, kwargs, local_weight)
 
     def freeze(rng_key, global_unc, local_rows_unc, idx, mask, weight, args, kwargs, local_weight=1.0):
         if not hasattr(elbo, "freeze"):
             return rng_key
-        params, m, g = blocked(global_unc, local_rows_unc, idx, mask, weight, local_weight)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="subsample_size does not match")
-            return elbo.freeze(rng_key, params, m, g, *args, **kwargs, **static_kwargs)
+        return on_block(elbo.freeze, rng_key, global_unc, local_rows_unc, idx, mask, weight, args, kwargs,
+                        local_weight)
 
     loss.freeze = freeze
     return loss
