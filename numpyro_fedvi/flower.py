@@ -907,8 +907,9 @@ class PDVIStrategy(_EngineStrategy):
     ``configure_train`` picks S_t with the engine's JAX-keyed selection (``partitions_per_step`` units, random or
     cyclic, the same keys as ``PDVI.run``) and sends λ_0, η, the run key and the iteration; each selected client
     solves its subproblem with the engine's oracle and replies λ_i; ``aggregate_train`` runs
-    :func:`~numpyro_fedvi.pdvi.consensus_update` (``h ← h + Σ δ_i/n``, ``λ_0 ← mean λ_i + h``), the in-process
-    step's own code.  A dropped reply counts as a unit the round did not select (its client does not commit its
+    :func:`~numpyro_fedvi.pdvi.consensus_update` (``h ← h + Σ δ_i/n``, ``λ_0 ← mean λ_i + h``, and the engine's
+    trust region, which with ``eta="auto"`` also shrinks η: the next round sends the new η), the in-process step's
+    own code.  A dropped reply counts as a unit the round did not select (its client does not commit its
     step).  ``eta="auto"`` is estimated before round 1 from up to 8 evenly spaced clients (their curvature at the
     initial λ_0 and rows, as ``PDVI.init``); no refresh (``eta_refresh=False``: a refresh needs every client's
     dual at once).  Losses: ``(n/|S_t|) Σ f_i`` of the answering units, as ``PDVI.run``'s.
@@ -939,8 +940,7 @@ class PDVIStrategy(_EngineStrategy):
         self.state = pdvi_init(lam0, 1, None, eta, rng_key)._replace(mu=None)
         self.accepted = np.full(self.num_clients, -1, np.int64)
         self._select = jax.jit(lambda key, step: engine._select_units(self.num_clients, key, step))
-        self._consensus = jax.jit(partial(consensus_update, num_units=self.num_clients,
-                                          max_move=engine.consensus_max_move))
+        self._consensus = jax.jit(partial(consensus_update, num_units=self.num_clients, **engine._consensus_options))
 
     def handshake(self, grid, timeout: float | None = None) -> None:
         """The set-up handshake, then (``eta="auto"``) η from the curvature of up to 8 evenly spaced clients."""
@@ -987,9 +987,9 @@ class PDVIStrategy(_EngineStrategy):
     def _aggregate(self, replies, received):
         t, idx, _ = self._round
         ok = bool(received.any())
-        lam0, h, _ = self._consensus(self.state.lam0, self.state.h, replies["lam"], jnp.asarray(received),
-                                     jnp.asarray(ok))
-        self.state = self.state._replace(lam0=lam0, h=h, step=self.state.step + 1)
+        lam0, h, eta, _ = self._consensus(self.state.lam0, self.state.h, self.state.eta, replies["lam"],
+                                          jnp.asarray(received), jnp.asarray(ok))
+        self.state = self.state._replace(lam0=lam0, h=h, eta=eta, step=self.state.step + 1)
         self.accepted[idx[received]] = t
         return ok
 

@@ -82,7 +82,8 @@ class PDVIState(NamedTuple):
 
     ``lam0``: the consensus global params λ_0 (unconstrained); ``h``: the correction h; ``mu``: duals with
     a leading unit axis; ``local``: the engine's local state (PDVI: canonical unconstrained local params,
-    full size); ``eta``: the penalties η_j (pytree like λ_0, fixed during a run); ``step``: iterations
+    full size); ``eta``: the penalties η_j (pytree like λ_0; with ``eta="auto"`` re-estimated at refreshes and
+    shrunk by the consensus trust region, else fixed); ``step``: iterations
     done; ``rng_key``: base key (step keys are ``fold_in(rng_key, step)``).
     """
 
@@ -113,7 +114,7 @@ def pdvi_init(lam0, num_units: int, local, eta, rng_key) -> PDVIState:
 
 
 def pdvi_step(state: PDVIState, oracle: Callable, select: Callable, guard: bool = False,
-              max_move: float | None = None):
+              max_move: float | None = None, shrink_eta: bool = False):
     """One iteration of Algorithm 1.
 
     :param oracle: ``oracle(units, mask, lam0, mu_sel, eta, local, key) -> (lam_sel, local, unit_losses)``:
@@ -124,6 +125,7 @@ def pdvi_step(state: PDVIState, oracle: Callable, select: Callable, guard: bool 
         step counter (O(|S_t|) work: the oracle must likewise not write non-finite local rows) and the call
         returns ``(state, loss, ok)`` for the run loop's NaN guard.
     :param max_move: trust region of the consensus step (:func:`consensus_update`); None: Algorithm 1's step.
+    :param shrink_eta: the trust region also shrinks η and h of a clipped coordinate (:func:`consensus_update`).
     :return: the new state and the loss estimate ``(n/|S_t|) Σ_{i∈S_t} f_i(φ_i, λ_i)`` (and ``ok``).
     """
     num_units = jax.tree.leaves(state.mu)[0].shape[0]
@@ -133,11 +135,12 @@ def pdvi_step(state: PDVIState, oracle: Callable, select: Callable, guard: bool 
     mu_sel = jax.tree.map(lambda m: m[units], state.mu)
     lam_sel, local, unit_losses = oracle(units, mask, state.lam0, mu_sel, state.eta, state.local, oracle_key)
     ok = jnp.all(jnp.where(mask, jnp.isfinite(unit_losses), True)) & tree_all_finite(lam_sel) if guard else True
-    lam0, h, delta = consensus_update(state.lam0, state.h, lam_sel, mask, ok, num_units, max_move)
+    lam0, h, eta, delta = consensus_update(state.lam0, state.h, state.eta, lam_sel, mask, ok, num_units, max_move,
+                                           shrink_eta)
     target = jnp.where(mask & ok, units, num_units)  # padded (or rejected) selections are dropped by the scatter
     mu = jax.tree.map(lambda m, d, e: m.at[target].add(dual_step(d, e), mode="drop"), state.mu, delta, state.eta)
     loss = num_units / jnp.maximum(jnp.sum(mask), 1) * jnp.sum(jnp.where(mask, unit_losses, 0.0))
-    new = PDVIState(lam0, h, mu, local, state.eta, state.step + 1, state.rng_key)
+    new = PDVIState(lam0, h, mu, local, eta, state.step + 1, state.rng_key)
     return (new, loss, ok) if guard else (new, loss)
 
 
@@ -158,13 +161,19 @@ def dual_step(delta, eta):
     return delta / eta
 
 
-def consensus_update(lam0, h, lam_sel, mask, ok, num_units: int, max_move: float | None = None):
+def consensus_update(lam0, h, eta, lam_sel, mask, ok, num_units: int, max_move: float | None = None,
+                     shrink_eta: bool = False):
     """Algorithm 1's consensus from the selected units' solutions ``lam_sel`` (leading axis over S_t; ``mask``
     False on padding or a unit that did not answer): ``δ_i = λ_i − λ_0`` (0 where not committed),
-    ``h ← h + Σ_i δ_i / n``, ``λ_0 ← mean_{i∈S_t} λ_i + h``; ``ok`` False keeps λ_0 and h.  ``max_move``: the
-    move of λ_0 clipped to ``±max_move`` per coordinate (h and the duals as computed: Remark 3.1's
-    ``h = D_η^{-1} mean(μ)`` and the fixed points are unchanged).  Returns ``(λ_0, h, δ)``; the in-process step
-    and a federated server (Flower) share it."""
+    ``h ← h + Σ_i δ_i / n``, ``λ_0 ← mean_{i∈S_t} λ_i + h``; ``ok`` False keeps λ_0, h and η.
+
+    ``max_move``: the consensus trust region (PDVI's ``consensus_max_move``): a coordinate whose move ``m`` exceeds
+    it moves by ``a·m``, ``a = max_move/|m|``; h, η and the duals as computed.  ``shrink_eta`` (PDVI's curvature-
+    based η): the clipped coordinate's penalty and correction also shrink by that factor, ``η ← a·η``, ``h ← a·h``
+    (``a``: the smallest factor over the coordinates that share one η).  The duals are kept, so Remark 3.1's
+    ``h = D_η^{-1} mean(μ)`` holds and the fixed points are Algorithm 1's either way; a drift that keeps hitting
+    the bound then decays instead of persisting.  The dual step ``μ_i ← μ_i + δ_i/η`` of this iteration uses the
+    η passed in.  Returns ``(λ_0, h, η, δ)``; the in-process step and a federated server (Flower) share it."""
     commit = mask & ok
 
     def bcast(x):  # mask over the unit axis of a (S, ...) leaf
@@ -174,9 +183,14 @@ def consensus_update(lam0, h, lam_sel, mask, ok, num_units: int, max_move: float
     h = jax.tree.map(lambda hh, d: hh + jnp.sum(d, 0) / num_units, h, delta)
     count = jnp.maximum(jnp.sum(mask), 1)
     new = jax.tree.map(lambda l, hh: jnp.sum(jnp.where(bcast(l), _accum(l), 0.0), 0) / count + hh, lam_sel, h)
-    if max_move is not None:  # trust region of the consensus step (PDVI's consensus_max_move)
-        new = jax.tree.map(lambda n, o: o + jnp.clip(n - o, -max_move, max_move), new, lam0)
-    return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, lam0), h, delta
+    if max_move is not None:
+        shrink = jax.tree.map(lambda n, o: jnp.minimum(1.0, max_move / jnp.maximum(jnp.abs(n - o), 1e-30)), new, lam0)
+        new = jax.tree.map(lambda n, o, a: o + a * (n - o), new, lam0, shrink)
+    if max_move is not None and shrink_eta:
+        shrink = jax.tree.map(lambda a, e: jnp.where(ok, a if a.shape == e.shape else jnp.min(a), 1.0), shrink, eta)
+        h = jax.tree.map(lambda hh, a: hh * a, h, shrink)
+        eta = jax.tree.map(lambda e, a: e * a, eta, shrink)
+    return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, lam0), h, eta, delta
 
 
 def prox_solve(f: Callable, lam0, mu, eta, phi, optimizer, num_steps: int, alternating: bool = True):
@@ -318,12 +332,16 @@ class PDVI:
         measured on per-datum random effects with 100-point blocks, c = 1 oscillated and collapsed q(β)'s scale,
         c = 0.3 reached the optimum to 1e-4 in 200 iterations, c = 0.1 was 3× slower).
     :param consensus_max_move: trust region of the consensus step: λ_0 moves by at most this much per unconstrained
-        coordinate and iteration (default 0.25; ``None``: Algorithm 1's step).  h and the duals are updated as
-        computed, so Remark 3.1's ``h = D_η^{-1} mean(μ)`` and the fixed points are the paper's.  Why: with a
-        curvature-based η, a flat stretch (q(tau) of non-centred eight schools near tau = 0) sets a large η, and the
-        dual refresh's h then carries λ_0 several units per iteration into a steep region: measured on eight
-        schools (8 one-school blocks, 300 iterations, every other default), 6 of 8 seeds diverged without it, 1 of
-        8 with a bound of 0.5, none of 10 with 0.25; on random effects (N = 1e4) it does not bind.
+        coordinate and iteration (default 0.25; ``None``: Algorithm 1's step).  With ``eta="auto"`` a coordinate
+        whose move is clipped by a factor ``a`` also gets ``η ← a·η`` and ``h ← a·h`` (until the next refresh;
+        :func:`consensus_update`); a fixed η stays fixed.  The duals are updated as computed, so Remark 3.1's
+        ``h = D_η^{-1} mean(μ)`` and the fixed points are the paper's.  Why: with a curvature-based η, a flat
+        stretch (q(tau) near tau = 0) sets a large η, and the dual refresh's h then carries λ_0 several units per
+        iteration into a steep region.  Measured on eight schools (8 one-school blocks, 300 iterations, every other
+        default): 6 of 8 seeds diverged without the bound, 1 of 8 with a bound of 0.5, none of 10 with 0.25.  The
+        bound alone slows such a drift but does not end it: on ``examples/random_effects_workflow.py`` with
+        ``oracle_particles`` 6 or 10 the drift persisted at the bound for 60 iterations and diverged on some data
+        seeds; shrinking η and h with the move ends it (see the README).
     :param eta_curvature: how ``eta="auto"`` combines the blocks' curvatures: ``"median"`` (default) or ``"max"``
         (the theory's L = max_b L_b).  The estimate is a second derivative of a Monte-Carlo objective, so the max
         over blocks picks the noisiest draw: measured on non-centred eight schools (8 one-school blocks, 300
@@ -461,6 +479,11 @@ class PDVI:
         self.blocks: Partitions | None = None
 
     # ---------------------------------------------------------------------------------------------
+    @property
+    def _consensus_options(self) -> dict:
+        """The consensus trust region: the bound, and η shrinking with it when η is the engine's (``eta="auto"``)."""
+        return {"max_move": self.consensus_max_move, "shrink_eta": self.eta_spec == "auto"}
+
     @property
     def num_units(self) -> int:
         return self.structure.data_plate.size if self.dual_granularity == "datum" else self.blocks.num_blocks
@@ -601,7 +624,7 @@ class PDVI:
         blocks, args, kwargs = inputs
         new, loss, ok = pdvi_step(state, self._oracle(blocks, args, kwargs, state.rng_key),
                                   lambda key, step: self._select(blocks, key, step), guard=True,
-                                  max_move=self.consensus_max_move)
+                                  **self._consensus_options)
         return self._constrain(new), loss, ok
 
     def _constrain(self, state):
@@ -789,7 +812,7 @@ class PDVI:
     def _plain_step(self, state, inputs):
         blocks, args, kwargs = inputs
         new, loss = pdvi_step(state, self._oracle(blocks, args, kwargs, state.rng_key),
-                              lambda key, step: self._select(blocks, key, step), max_move=self.consensus_max_move)
+                              lambda key, step: self._select(blocks, key, step), **self._consensus_options)
         return self._constrain(new), loss
 
     def stable_update(self, state: PDVIState, *args, **kwargs) -> tuple[PDVIState, jax.Array]:

@@ -213,41 +213,65 @@ def test_dual_step_and_consensus_update():
     _close(P.dual_step(d, jnp.asarray([0.3, 0.5])), [2.0, -0.6], 1e-6)
     lam0 = {"x": jnp.asarray([1.0, 2.0]), "y": jnp.asarray(0.5)}
     h = {"x": jnp.asarray([0.1, -0.1]), "y": jnp.asarray(0.2)}
+    eta = {"x": jnp.asarray([2.0, 3.0]), "y": jnp.asarray(4.0)}
     lam_sel = {"x": jnp.asarray([[2.0, 0.0], [1.0, 4.0], [9.0, 9.0]]), "y": jnp.asarray([1.5, 0.0, 9.0])}
     mask = jnp.array([True, True, False])
-    new, hn, delta = P.consensus_update(lam0, h, lam_sel, mask, jnp.asarray(True), 4)
+    new, hn, en, delta = P.consensus_update(lam0, h, eta, lam_sel, mask, jnp.asarray(True), 4)
     _close(delta["x"], [[1.0, -2.0], [0.0, 2.0], [0.0, 0.0]], 1e-6)
     _close(delta["y"], [1.0, -0.5, 0.0], 1e-6)
     _close(hn["x"], [0.1 + 1.0 / 4, -0.1 + 0.0], 1e-6)
     _close(hn["y"], 0.2 + 0.5 / 4, 1e-6)
     _close(new["x"], [1.5 + 0.35, 2.0 - 0.1], 1e-6)
     _close(new["y"], 0.75 + 0.325, 1e-6)
+    assert en is eta  # no trust region: η untouched
     # ok False: λ_0 and h kept, δ = 0
-    new, hn, delta = P.consensus_update(lam0, h, lam_sel, mask, jnp.asarray(False), 4)
+    new, hn, en, delta = P.consensus_update(lam0, h, eta, lam_sel, mask, jnp.asarray(False), 4)
     _close(new["x"], [1.0, 2.0], 0)
     _close(hn["y"], np.float32(0.2), 0)
     _close(delta["x"], np.zeros((3, 2)), 0)
     # one unit selected: its λ plus h (count is the number of mask entries)
-    new, hn, _ = P.consensus_update(lam0, h, lam_sel, jnp.array([False, True, False]), True, 2)
+    new, hn, _, _ = P.consensus_update(lam0, h, eta, lam_sel, jnp.array([False, True, False]), True, 2)
     _close(new["y"], 0.0 + 0.2 - 0.25, 1e-6)
     # nothing selected: no division by zero, λ_0 = h
-    new, hn, _ = P.consensus_update(lam0, h, lam_sel, jnp.array([False, False, False]), True, 2)
+    new, hn, _, _ = P.consensus_update(lam0, h, eta, lam_sel, jnp.array([False, False, False]), True, 2)
     _close(new["x"], [0.1, -0.1], 1e-6)
-    # the consensus trust region: λ_0's move clipped per coordinate (+0.85 → +0.3, −0.1 kept, +0.575 → +0.3),
-    # h and δ as computed; ok False still keeps λ_0
-    new, hn, delta = P.consensus_update(lam0, h, lam_sel, mask, jnp.asarray(True), 4, max_move=0.3)
+    # the consensus trust region: λ_0's move clipped per coordinate (+0.85 → +0.3, −0.1 kept, +0.575 → +0.3), h, η
+    # and δ as computed; with shrink_eta, η and h of a clipped coordinate shrink by the clip factor (h = η·mean(μ)
+    # kept); ok False keeps all
+    new, hn, en, delta = P.consensus_update(lam0, h, eta, lam_sel, mask, jnp.asarray(True), 4, max_move=0.3)
     _close(new["x"], [1.3, 1.9], 1e-6)
     _close(new["y"], 0.8, 1e-6)
     _close(hn["x"], [0.35, -0.1], 1e-6)
+    assert en is eta
+    new, hn, en, delta = P.consensus_update(lam0, h, eta, lam_sel, mask, jnp.asarray(True), 4, max_move=0.3,
+                                            shrink_eta=True)
+    _close(new["x"], [1.3, 1.9], 1e-6)
+    _close(new["y"], 0.8, 1e-6)
+    _close(hn["x"], [0.35 * 0.3 / 0.85, -0.1], 1e-6)
+    _close(hn["y"], 0.325 * 0.3 / 0.575, 1e-6)
+    _close(en["x"], [2.0 * 0.3 / 0.85, 3.0], 1e-6)
+    _close(en["y"], 4.0 * 0.3 / 0.575, 1e-6)
     _close(delta["y"], [1.0, -0.5, 0.0], 1e-6)
-    new, _, _ = P.consensus_update(lam0, h, lam_sel, mask, jnp.asarray(False), 4, max_move=0.3)
+    new, hn, en, _ = P.consensus_update(lam0, h, eta, lam_sel, mask, jnp.asarray(False), 4, max_move=0.3,
+                                        shrink_eta=True)
     _close(new["x"], [1.0, 2.0], 0)
-    new, _, _ = P.consensus_update(lam0, h, {"x": lam_sel["x"] - 4.0, "y": lam_sel["y"]}, mask, True, 4, max_move=0.3)
-    _close(new["x"], [0.7, 1.7], 1e-6)  # clipped from below too
+    _close(hn["x"], np.float32([0.1, -0.1]), 0)
+    _close(en["x"], [2.0, 3.0], 0)
+    new, _, en, _ = P.consensus_update(lam0, h, eta, {"x": lam_sel["x"] - 4.0, "y": lam_sel["y"]}, mask, True, 4,
+                                       max_move=0.3, shrink_eta=True)
+    _close(new["x"], [0.7, 1.7], 1e-6)  # clipped from below too (moves −5.15 and −6.1)
+    _close(en["x"], [2.0 * 0.3 / 5.15, 3.0 * 0.3 / 6.1], 1e-6)
+    # one η for a whole site: shrunk by the site's smallest factor, its shape kept
+    _, hn, en, _ = P.consensus_update(lam0, h, {"x": jnp.asarray(2.0), "y": eta["y"]}, lam_sel, mask, True, 4,
+                                      max_move=0.3, shrink_eta=True)
+    assert en["x"].shape == ()
+    _close(en["x"], 2.0 * 0.3 / 0.85, 1e-6)
+    _close(hn["x"], [0.35 * 0.3 / 0.85, -0.1 * 0.3 / 0.85], 1e-6)
     with jax.enable_x64(True):  # δ and h accumulate in float64 from float32 solutions
         lam0 = {"x": jnp.asarray([1.0, 2.0], jnp.float64)}
         sel = {"x": jnp.asarray([[1.0 + 2.0**-30, 2.0]], jnp.float32)}
-        new, hn, delta = P.consensus_update(lam0, {"x": jnp.zeros(2)}, sel, jnp.array([True]), True, 1)
+        new, hn, _, delta = P.consensus_update(lam0, {"x": jnp.zeros(2)}, {"x": jnp.ones(2)}, sel, jnp.array([True]),
+                                               True, 1)
         assert delta["x"].dtype == jnp.float64 and new["x"].dtype == jnp.float64
 
 
@@ -727,7 +751,8 @@ def test_front_end_auto_eta_and_refresh():
 
 def test_consensus_trust_region_in_update_and_run():
     """``consensus_max_move`` bounds λ_0's move per iteration in ``update`` (the plain step) and ``run`` (the guarded
-    step); ``None`` is Algorithm 1's step; refused unless a positive number or None."""
+    step), and with ``eta="auto"`` shrinks η and h with it; ``None`` is Algorithm 1's step; refused unless a positive
+    number or None."""
     x = _x()
     free = _engine(consensus_max_move=None)
     s = free.init(random.key(3), x, 2)
@@ -738,6 +763,21 @@ def test_consensus_trust_region_in_update_and_run():
     _close(np.abs(np.asarray(one.lam0["m"] - s.lam0["m"])).max(), moved / 4, 1e-6)
     _close(tight.run(random.key(3), 1, x, 2, progress_bar=False).state.lam0["m"], one.lam0["m"], 1e-6)
     assert P.PDVI.__init__.__kwdefaults__["consensus_max_move"] == 0.25
+    assert tight.update(tight.init(random.key(3), x, 2), x, 2)[0].eta["m"] == s.eta["m"]  # a fixed η stays fixed
+    # eta="auto": the bound also shrinks the site's η and h by the clip factor (1/4 here), the duals as computed
+    auto = {"eta": "auto", "eta_refresh": False}
+    free_auto = _engine(**auto)
+    s_auto = free_auto.init(random.key(3), x, 2)
+    free = free_auto.update(s_auto, x, 2)[0]
+    moved = float(np.abs(np.asarray(free.lam0["m"] - s_auto.lam0["m"])).max())
+    tight_auto = _engine(consensus_max_move=moved / 4, **auto)
+    tight_auto.init(random.key(3), x, 2)
+    one = tight_auto.update(s_auto, x, 2)[0]
+    _close(np.abs(np.asarray(one.lam0["m"] - s_auto.lam0["m"])).max(), moved / 4, 1e-6)
+    _close(one.eta["m"], s_auto.eta["m"] / 4, 1e-5)
+    _close(one.h["m"], free.h["m"] / 4, 1e-5)
+    _close(one.mu["m"], free.mu["m"], 1e-6)
+    _close(one.h["m"], one.eta["m"] * one.mu["m"].mean(0), 1e-5)  # Remark 3.1 kept
     for bad in (0.0, -1.0, "0.5", True, np.inf):
         with pytest.raises((TypeError, ValueError), match="consensus_max_move"):
             _engine(consensus_max_move=bad)
