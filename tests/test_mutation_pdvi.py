@@ -911,8 +911,10 @@ def test_constructor_checks():
         warnings.simplefilter("error")
         P.PDVI(model, guide, eta_scale=1.0, local_steps=np.int64(2), eta_refresh=[np.int64(2)], **ok)
     pd = P.PDVI(model, guide, num_partitions=3, eta=0.5, oracle_draws="orthogonal")
-    assert isinstance(pd.loss, Trace_ELBO) and pd.oracle_loss is not pd.loss and pd.oracle_particles == 4
-    assert isinstance(pd.oracle_loss, ControlledDraws) and pd.oracle_loss.num_particles == 4
+    assert isinstance(pd.loss, Trace_ELBO) and pd.oracle_loss is not pd.loss and pd.oracle_particles == "minimal"
+    assert isinstance(pd.oracle_loss, ControlledDraws) and pd.oracle_loss.num_particles == "minimal"
+    for scheme in ("iid", "moment_matched"):  # the rules need antithetic pairs: 4 particles
+        assert P.PDVI(model, guide, oracle_draws=scheme, **ok).oracle_loss.num_particles == 4
     assert pd.oracle_loss.scheme == "orthogonal" and isinstance(pd.oracle_loss.elbo, Trace_ELBO)
     anti = P.PDVI(model, guide, TraceMeanField_ELBO(), oracle_draws="antithetic", oracle_particles=6, **ok)
     assert anti.oracle_loss.scheme == "antithetic" and anti.oracle_loss.num_particles == 6

@@ -125,6 +125,27 @@ def test_auto_number_of_particles():
     assert counted(globals_only) == 4  # nothing to make orthogonal
     assert counted(hier_guide, max_particles=6) == 6
     assert counted(hier_guide, num_particles=10) == 10
+    # "minimal": 2(d + 1), at least 4, capped alike
+    assert counted(one_global, num_particles="minimal") == 4
+    assert counted(hier_guide, num_particles="minimal") == 8
+    assert counted(globals_only, num_particles="minimal") == 4
+    assert counted(hier_guide, num_particles="minimal", max_particles=6) == 6
+    with pytest.raises(ValueError, match="auto / minimal"):
+        ControlledDraws(Trace_ELBO(), num_particles="few")
+
+
+def test_minimal_particles_make_every_cross_moment_zero_without_a_tie():
+    """With ``"minimal"`` particles a local site is projected off EVERY global coordinate (no top-k choice): its
+    cross moments with each global draw are 0, and the draws of one key are the same eagerly and under jit (with
+    4 particles the choice among equally whitened global directions is a float tie)."""
+    S = ControlledDraws(Trace_ELBO(), num_particles="minimal").particles_for(hier_guide, random.key(0), {})
+    v = particle_values(hier_guide, S, "orthogonal", random.key(5))
+    glob = np.concatenate([np.asarray(v["beta"], np.float64)[:, None],
+                           np.asarray(v["g"], np.float64).reshape(S, -1)], -1)  # (S, 3)
+    u = np.asarray(v["u"], np.float64)  # (S, n)
+    np.testing.assert_allclose(glob.T @ u / S, 0.0, atol=1e-5)
+    jitted = jax.jit(lambda k: particle_values(hier_guide, S, "orthogonal", k))(random.key(5))
+    np.testing.assert_allclose(np.asarray(jitted["u"]), np.asarray(v["u"]), atol=1e-4)  # float32 rounding only
 
 
 # ----------------------------------------------------------------------------------------------------------
