@@ -339,9 +339,9 @@ class PDVI:
         stretch (q(tau) near tau = 0) sets a large η, and the dual refresh's h then carries λ_0 several units per
         iteration into a steep region.  Measured on eight schools (8 one-school blocks, 300 iterations, every other
         default): 6 of 8 seeds diverged without the bound, 1 of 8 with a bound of 0.5, none of 10 with 0.25.  The
-        bound alone slows such a drift but does not end it: on ``examples/random_effects_workflow.py`` with
-        ``oracle_particles`` 6 or 10 the drift persisted at the bound for 60 iterations and diverged on some data
-        seeds; shrinking η and h with the move ends it (see the README).
+        bound alone slows such a drift but does not end it: on ``examples/random_effects_workflow.py`` (data seeds
+        0–4, 4, 6 or 10 oracle particles) it persisted at the bound for tens of iterations and diverged in 5 of 15
+        runs, none with η and h shrunk with the move (see the README).
     :param eta_curvature: how ``eta="auto"`` combines the blocks' curvatures: ``"median"`` (default) or ``"max"``
         (the theory's L = max_b L_b).  The estimate is a second derivative of a Monte-Carlo objective, so the max
         over blocks picks the noisiest draw: measured on non-centred eight schools (8 one-school blocks, 300
