@@ -236,7 +236,9 @@ class ControlledDraws(ELBO):
 
     def loss_with_mutable_state(self, rng_key, param_map, model, guide, *args, **kwargs):
         rng_key, frozen = (rng_key.key, rng_key.draws) if isinstance(rng_key, FrozenDraws) else (rng_key, None)
-        S = self.particles_for(guide, rng_key, param_map, *args, **kwargs)
+        # frozen draws carry S on their leading axis: no guide trace to count it again at every evaluation
+        S = (next(iter(frozen.values())).shape[0] if frozen else
+             self.particles_for(guide, rng_key, param_map, *args, **kwargs))
 
         def particle(p):
             g = _ControlledNoise(guide, rng_key, S, p, self.scheme, frozen)
