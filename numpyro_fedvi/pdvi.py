@@ -184,12 +184,13 @@ def consensus_update(lam0, h, eta, lam_sel, mask, ok, num_units: int, max_move: 
     count = jnp.maximum(jnp.sum(mask), 1)
     new = jax.tree.map(lambda l, hh: jnp.sum(jnp.where(bcast(l), _accum(l), 0.0), 0) / count + hh, lam_sel, h)
     if max_move is not None:
-        shrink = jax.tree.map(lambda n, o: jnp.minimum(1.0, max_move / jnp.maximum(jnp.abs(n - o), 1e-30)), new, lam0)
-        new = jax.tree.map(lambda n, o, a: o + a * (n - o), new, lam0, shrink)
-    if max_move is not None and shrink_eta:
-        shrink = jax.tree.map(lambda a, e: jnp.where(ok, a if a.shape == e.shape else jnp.min(a), 1.0), shrink, eta)
-        h = jax.tree.map(lambda hh, a: hh * a, h, shrink)
-        eta = jax.tree.map(lambda e, a: e * a, eta, shrink)
+        factor = jax.tree.map(lambda n, o: jnp.minimum(1.0, max_move / jnp.maximum(jnp.abs(n - o), 1e-30)), new, lam0)
+        new = jax.tree.map(lambda n, o, a: o + a * (n - o), new, lam0, factor)
+        if shrink_eta:  # one factor per η entry: the smallest of the coordinates that share it
+            factor = jax.tree.map(lambda a, e: jnp.where(ok, a if a.shape == e.shape else jnp.min(a), 1.0), factor,
+                                  eta)
+            h = jax.tree.map(lambda hh, a: hh * a, h, factor)
+            eta = jax.tree.map(lambda e, a: e * a, eta, factor)
     return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, lam0), h, eta, delta
 
 
