@@ -15,9 +15,9 @@ ELBO on ``S`` particles whose standard-normal base noise ``ε`` is controlled (�
   ``mean_p ε_β,p ε_u,p`` exactly 0: these otherwise bias the global scale by ≈ 0.45/√S relative in a per-datum
   random-effects model, whatever N (each datum adds a cross term ``s·b_i·mean(ε_β ε_ui)`` to the global scale's
   stationarity).  The antisymmetric vectors span S/2 dimensions: exact for ``d`` such coordinates when
-  ``S ≥ 2(d + 1)``; ``num_particles="auto"`` picks ``2(d + 2)``, ``"minimal"`` ``2(d + 1)`` (at least 4; beyond
-  ``max_particles``: the top directions only, whose order is then decided by float rounding when the directions
-  carry equal energy).
+  ``S ≥ 2(d + 1)``; ``num_particles="auto"`` picks ``2(d + 2)``, ``"minimal"`` ``2(d + 1)`` (at least
+  ``min_particles``, 4 by default; beyond ``max_particles``: the top directions only, whose order is then decided by
+  float rounding when the directions carry equal energy).
 
 Draws are a deterministic function of ``(rng_key, site name, particle)``: a site's key is
 ``fold_in(rng_key, crc32(name))``; its ``S`` rows are drawn together, controlled across the particle axis, and
@@ -180,10 +180,11 @@ class ControlledDraws(ELBO):
         ``"auto"`` (default) or ``"minimal"`` (even schemes): see :meth:`particles_for`.
     :param scheme: one of :data:`SCHEMES` (default ``"orthogonal"``).
     :param max_particles: the cap of ``"auto"`` and ``"minimal"``.
+    :param min_particles: their floor (even, at most ``max_particles``; PD-VI raises it on small data).
     """
 
     def __init__(self, elbo: ELBO | None = None, num_particles: int | str = "auto", scheme: str = "orthogonal",
-                 max_particles: int = 16):
+                 max_particles: int = 16, min_particles: int = 4):
         from numpyro.infer import Trace_ELBO
 
         if scheme not in SCHEMES:
@@ -199,17 +200,22 @@ class ControlledDraws(ELBO):
                              f"{' (or auto / minimal)' if even else ''}, got {num_particles!r}.")
         self.elbo = copy.copy(Trace_ELBO() if elbo is None else elbo)
         self.elbo.num_particles = 1
-        self.scheme, self.max_particles = scheme, int(max_particles)
+        if not (isinstance(min_particles, (int, np.integer)) and min_particles >= 4 and min_particles % 2 == 0
+                and min_particles <= max_particles):
+            raise ValueError(f"min_particles must be an even integer in [4, max_particles={max_particles}], got "
+                             f"{min_particles!r}.")
+        self.scheme, self.max_particles, self.min_particles = scheme, int(max_particles), int(min_particles)
         super().__init__(num_particles=S)
 
     def particles_for(self, guide, rng_key, param_map, *args, **kwargs) -> int:
-        """``S`` for this guide.  ``"auto"``: ``2(d + 2)`` in [4, max_particles], d the most coordinates a site is made
-        orthogonal to (the sites it shares no plate with, plus per slice the earlier sites in its plates), so that
-        each local coordinate keeps ≥ 2 antisymmetric dimensions: with one left, every datum gets ±the same vector
-        and the non-quadratic (4th-order) error is the same for all data instead of averaging out over them.
-        ``"minimal"``: ``2(d + 1)`` in [4, max_particles], the fewest that make every cross moment above exactly 0
-        (one antisymmetric dimension left per local coordinate); with fewer, a site is projected off only the top
-        directions of the earlier ones, and equally whitened directions tie (PD-VI's default, see ``PDVI``)."""
+        """``S`` for this guide.  ``"auto"``: ``2(d + 2)`` in [min_particles, max_particles], d the most coordinates a
+        site is made orthogonal to (the sites it shares no plate with, plus per slice the earlier sites in its
+        plates), so that each local coordinate keeps ≥ 2 antisymmetric dimensions: with one left, every datum gets
+        ±the same vector and the non-quadratic (4th-order) error is the same for all data instead of averaging out
+        over them.  ``"minimal"``: ``2(d + 1)`` in [min_particles, max_particles], the fewest that make every cross
+        moment above exactly 0 (one antisymmetric dimension left per local coordinate); with fewer, a site is
+        projected off only the top directions of the earlier ones, and equally whitened directions tie (PD-VI's
+        default, see ``PDVI``)."""
         if self.num_particles not in AUTO_PARTICLES:
             return self.num_particles
         seeded = handlers.substitute(handlers.seed(guide, rng_key), data=param_map)
@@ -220,7 +226,8 @@ class ControlledDraws(ELBO):
                  and not m["infer"].get("enumerate")]
         d = max((sum(n if not q & p else n // size for q, n, size in sites[:i] if not q & p or (q == p and p))
                  for i, (p, _, _) in enumerate(sites)), default=0)
-        return 2 * max(2, min(self.max_particles // 2, d + (2 if self.num_particles == "auto" else 1)))
+        return 2 * max(self.min_particles // 2, min(self.max_particles // 2,
+                                                    d + (2 if self.num_particles == "auto" else 1)))
 
     def freeze(self, rng_key, param_map, model, guide, *args, **kwargs) -> FrozenDraws:
         """The draws of ``rng_key`` for this guide, computed once (one pass of the guide; the draws depend on the key

@@ -19,6 +19,17 @@ def built_guide(guide, *args, **kwargs):
     return guide
 
 
+def oracle_particles(engine, inputs) -> int:
+    """The particles a set-up PD-VI engine's oracle draws for its unit 0 at ``inputs = (blocks, args, kwargs)``
+    (the leading axis of the frozen draws)."""
+    blocks, args, kwargs = inputs
+    idx, mask, weight = engine._unit_data(0, blocks)
+    rows = engine._rows_of(engine.structure.init_local, idx)
+    frozen = engine._block_loss.freeze(jax.random.key(0), engine.structure.init_global, rows, idx, mask, weight, args,
+                                       kwargs)
+    return next(iter(frozen.draws.values())).shape[0]
+
+
 # --- a linear-Gaussian model with a closed-form posterior (MPSGD tests) --------------------------------------------
 
 LG_D, LG_M, LG_S0, LG_SIG = 3, 20, 2.0, 1.0

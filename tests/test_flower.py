@@ -21,7 +21,7 @@ from numpyro_fedvi import flower  # noqa: E402
 from numpyro_fedvi.federated import Bernoulli, ClientData, FixedSize, StochasticQuantizer  # noqa: E402
 from numpyro_fedvi.fedmm import FedMM, gmm_map_em  # noqa: E402
 from numpyro_fedvi.models.logistic import logistic  # noqa: E402
-from shared_models import random_effects, random_effects_guide  # noqa: E402
+from shared_models import oracle_particles, random_effects, random_effects_guide  # noqa: E402
 
 K, D, NUM_CLIENTS = 3, 2, 4
 
@@ -335,6 +335,10 @@ def test_pdvi_rounds_equal_the_in_process_engine(eta):
     clients = [flower._CLIENTS[k] for k in set(flower._CLIENTS) - before if k[2:] == (30, 3)]   # 3 x 10 rows
     assert len(clients) == 3 and all(c.solve is clients[0].solve for c in clients)   # one program
     assert clients[0].solve._jit._cache_size() == 1
+    # a client counts the whole data for the oracle's small-data particle floor, as the engine does (34 here; its
+    # own 10 rows would give 64; the Gaussian model's sample average is exact for any number, so the rest is blind)
+    assert [oracle_particles(c.engine, c.inputs) for c in clients] == [oracle_particles(expected, (expected.blocks,
+                                                                                                   (x,), {}))] * 3
     tol = {"rtol": 2e-5, "atol": 2e-6}
     for k in state.lam0:
         np.testing.assert_allclose(strategy.state.eta[k], state.eta[k], **tol)

@@ -27,6 +27,7 @@ from numpyro_fedvi.models import gmm, random_effects
 from numpyro_fedvi.objectives import block_loss_fn
 from numpyro_fedvi.particles import SCHEMES, ControlledDraws, FrozenDraws, _ControlledNoise, controlled_normals
 from numpyro_fedvi.structure import inspect_model
+from shared_models import oracle_particles
 
 KEYS = [random.key(k) for k in (0, 1, 7)]
 
@@ -130,8 +131,15 @@ def test_auto_number_of_particles():
     assert counted(hier_guide, num_particles="minimal") == 8
     assert counted(globals_only, num_particles="minimal") == 4
     assert counted(hier_guide, num_particles="minimal", max_particles=6) == 6
+    # a floor (PD-VI raises it on small data) lifts a rule below it and leaves one above it
+    assert counted(hier_guide, num_particles="minimal", min_particles=12, max_particles=12) == 12
+    assert counted(hier_guide, num_particles="minimal", min_particles=6) == 8
+    assert counted(hier_guide, num_particles=6, min_particles=12, max_particles=12) == 6  # a number is kept as is
     with pytest.raises(ValueError, match="auto / minimal"):
         ControlledDraws(Trace_ELBO(), num_particles="few")
+    for bad in (5, 2, 18):
+        with pytest.raises(ValueError, match="min_particles"):
+            ControlledDraws(Trace_ELBO(), num_particles="minimal", min_particles=bad)
 
 
 def test_minimal_particles_make_every_cross_moment_zero_without_a_tie():
@@ -453,3 +461,31 @@ def test_pdvi_reaches_mean_field_optimum(elbo_name):
     # the targets have teeth: the guide's init (m = 0, s = 1, a = 0, b = 1) is far outside every one of them
     assert abs(opt["m"]) > opt["s"] and abs(1 / opt["s"] - 1) > 0.1
     assert np.sqrt(np.mean(opt["a"] ** 2)) > 0.05 * TAU and np.median(np.abs(1 / opt["b"] - 1)) > 0.1
+
+
+def _oracle_particles(engine, *args, **kwargs):
+    engine.init(random.key(0), *args, **kwargs)
+    return oracle_particles(engine, (engine.blocks, args, kwargs))
+
+
+def test_pdvi_particle_floor_on_small_data():
+    """A particle rule gets at least SMALL_DATA_PARTICLE_BUDGET / D particles (D: the data's elements), at most
+    SMALL_DATA_MAX_PARTICLES: 64 on eight schools (D = 16), the rule's own count on 10⁴ data; a number given by
+    the user is kept.  A federated client's view (its rows of the whole) counts the whole data: the same D."""
+    from numpyro_fedvi import pdvi
+    from numpyro_fedvi.models.eight_schools import SIGMA, Y, noncentred
+
+    sigma, y = jnp.asarray(SIGMA), jnp.asarray(Y)
+    assert pdvi.SMALL_DATA_PARTICLE_BUDGET // 16 >= pdvi.SMALL_DATA_MAX_PARTICLES == 64
+    schools = PDVI(noncentred, AutoNormal(noncentred), num_partitions=8, partitions_per_step=2)
+    assert _oracle_particles(schools, sigma, y=y) == 64
+    fixed = PDVI(noncentred, AutoNormal(noncentred), num_partitions=8, partitions_per_step=2, oracle_particles=8)
+    assert _oracle_particles(fixed, sigma, y=y) == 8
+    assert _oracle_particles(PDVI(pd_model, pd_guide, num_partitions=B_PD), X_PD) == 4  # 1024 // 10⁴ = 0
+    # 50 schools: D = 100, 2 · (1024 // 200) = 10 particles (the rule alone: 6)
+    many = PDVI(noncentred, AutoNormal(noncentred), num_partitions=10)
+    assert _oracle_particles(many, jnp.ones(50), y=jnp.zeros(50)) == 10
+    # D: arrays with an axis of the plate's size count num_total rows of their per-row elements, others as they are
+    whole = ((jnp.ones((30, 3)), jnp.ones(4)), {"y": jnp.ones(30), "n": 7})
+    part = ((jnp.ones((10, 3)), jnp.ones(4)), {"y": jnp.ones(10), "n": 7})
+    assert pdvi.data_elements(*whole, 30, 30) == pdvi.data_elements(*part, 10, 30) == 30 * 4 + 4
