@@ -408,11 +408,11 @@ class PDVI:
         ones is a float tie: the draws of one key differed between two compiled programs (eager vs jit, by 1.41 on
         eight schools), and non-centred eight schools ended with q(mu)'s mean anywhere in 4.05–4.61 over seeds
         0–9 against 4.49–4.54 with 6.  On small data a rule's count is raised to ``SMALL_DATA_PARTICLE_BUDGET / D``
-        (1024 / D, at most 64; ``D``: the elements of the model's data arrays, :func:`data_elements`): more particles
-        cost little there and cut the sample-average bias of a likelihood that is not quadratic in the globals
-        (eight schools, D = 16: 64 particles, −ELBO 31.62–31.69 over seeds 0–9 against the mean-field optimum's
-        31.61; 32.07–33.04 with the rule's 6, seeds 0–1).  The rules need antithetic pairs: with ``"iid"`` or
-        ``"moment_matched"`` draws a rule means 4.
+        (1024 / D, at most 64; ``D``: the elements of the model's data arrays, :func:`data_elements`, at least N):
+        more particles cost little there and cut the sample-average bias of a likelihood that is not quadratic in
+        the globals (eight schools, D = 16: 64 particles, −ELBO 31.62–31.69 over seeds 0–9 against the mean-field
+        optimum's 31.61; 32.07–33.04 with the rule's 6, seeds 0–1).  The rules need antithetic pairs: with
+        ``"iid"`` or ``"moment_matched"`` draws a rule means 4.
     :param eta_refresh: with ``eta="auto"``, re-estimate η at the CURRENT λ_0 and local rows after these
         iterations (``True``: after epochs 1, 2, 4, 8, … — an epoch is ``ceil(B / partitions_per_step)``
         iterations; a list of iteration numbers; ``False``: the paper's fixed η).  A refresh also recomputes the
@@ -553,12 +553,14 @@ class PDVI:
 
     def _oracle_loss_for(self, structure, args, kwargs):
         """``oracle_loss`` for these data: a particle rule's floor raised to ``SMALL_DATA_PARTICLE_BUDGET / D``
-        (even, at most ``SMALL_DATA_MAX_PARTICLES``; ``D``: :func:`data_elements` of the whole data)."""
+        (even, at most ``SMALL_DATA_MAX_PARTICLES``; ``D``: :func:`data_elements` of the whole data, at least N)."""
         loss = self.oracle_loss
         if not (isinstance(loss, ControlledDraws) and isinstance(loss.num_particles, str)):
             return loss
         n = structure.data_plate.size
-        elements = data_elements(args, kwargs, n, n if self._num_total is None else self._num_total)
+        num_total = n if self._num_total is None else self._num_total
+        # at least one element per datum: data the model closes over are not among its arguments
+        elements = max(data_elements(args, kwargs, n, num_total), num_total)
         floor = 2 * min(SMALL_DATA_MAX_PARTICLES // 2, SMALL_DATA_PARTICLE_BUDGET // max(2 * elements, 1))
         if floor <= loss.min_particles:
             return loss

@@ -482,6 +482,9 @@ def test_pdvi_particle_floor_on_small_data():
     fixed = PDVI(noncentred, AutoNormal(noncentred), num_partitions=8, partitions_per_step=2, oracle_particles=8)
     assert _oracle_particles(fixed, sigma, y=y) == 8
     assert _oracle_particles(PDVI(pd_model, pd_guide, num_partitions=B_PD), X_PD) == 4  # 1024 // 10⁴ = 0
+    # data the model closes over are not among its arguments: D is at least the data plate's N
+    closed = PDVI(lambda: pd_model(X_PD), lambda: pd_guide(X_PD), num_partitions=B_PD)
+    assert _oracle_particles(closed) == 4
     # 50 schools: D = 100, 2 · (1024 // 200) = 10 particles (the rule alone: 6)
     many = PDVI(noncentred, AutoNormal(noncentred), num_partitions=10)
     assert _oracle_particles(many, jnp.ones(50), y=jnp.zeros(50)) == 10
