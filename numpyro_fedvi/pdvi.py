@@ -561,7 +561,7 @@ class PDVI:
         num_total = n if self._num_total is None else self._num_total
         # at least one element per datum: data the model closes over are not among its arguments
         elements = max(data_elements(args, kwargs, n, num_total), num_total)
-        floor = 2 * min(SMALL_DATA_MAX_PARTICLES // 2, SMALL_DATA_PARTICLE_BUDGET // max(2 * elements, 1))
+        floor = 2 * min(SMALL_DATA_MAX_PARTICLES // 2, SMALL_DATA_PARTICLE_BUDGET // (2 * elements))
         if floor <= loss.min_particles:
             return loss
         return ControlledDraws(loss.elbo, loss.num_particles, loss.scheme, max(loss.max_particles, floor), floor)
