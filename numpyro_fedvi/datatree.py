@@ -30,6 +30,7 @@ from numpyro.infer.util import log_density, log_likelihood
 from numpyro.primitives import Messenger
 
 from .inputs import prepare_inputs
+from .structure import is_factor
 
 __all__ = ["compare_posteriors", "full_data", "importance_log_weights", "pareto_k_hat", "resample_observed",
            "to_datatree"]
@@ -118,7 +119,7 @@ def _observed_sites(model, latent_draw, key, args, kwargs):
     tr = handlers.trace(handlers.seed(handlers.substitute(full_data(model), data=latent_draw), key)).get_trace(
         *args, **kwargs)
     latent = {n for n, s in tr.items() if s["type"] == "sample" and not s["is_observed"]}
-    observed = {n: s["value"] for n, s in tr.items() if s["type"] == "sample" and s["is_observed"]}
+    observed = {n: s["value"] for n, s in tr.items() if s["type"] == "sample" and s["is_observed"] and not is_factor(s)}
     deterministic = [n for n, s in tr.items() if s["type"] == "deterministic"]
     return latent, observed, deterministic
 
@@ -162,7 +163,8 @@ def to_datatree(engine, result, *args, num_samples: int = 1000, rng_key=None, lo
         "observed_data": {k: np.asarray(v) for k, v in observed.items()},
     }
     if log_likelihood_group and observed:
-        groups["log_likelihood"] = chain(log_likelihood(full_data(model), posterior, *args, **kwargs))
+        pointwise = log_likelihood(full_data(model), posterior, *args, **kwargs)
+        groups["log_likelihood"] = chain({k: v for k, v in pointwise.items() if k in observed})  # no factor terms
     if posterior_predictive and observed:
         pred = Predictive(resample_observed(full_data(model)), posterior_samples=posterior,
                           return_sites=list(observed))

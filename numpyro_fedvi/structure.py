@@ -23,6 +23,7 @@ import numpy as np
 from jax import random
 from numpyro import handlers
 from numpyro.distributions import constraints
+from numpyro.distributions.distribution import Unit
 from numpyro.distributions.transforms import Transform, biject_to
 from numpyro.primitives import Messenger
 
@@ -33,6 +34,7 @@ __all__ = [
     "Partitions",
     "check_finite_data",
     "inspect_model",
+    "is_factor",
     "make_partitions",
 ]
 
@@ -226,9 +228,16 @@ class _FirstIndices(Messenger):
             msg["value"] = jnp.arange(msg["args"][1])
 
 
+def is_factor(site) -> bool:
+    """A ``numpyro.factor`` site: an observed ``Unit`` sample that adds a log-density term, not data."""
+    return site["type"] == "sample" and isinstance(site["fn"], Unit) and bool(site["infer"].get("is_auxiliary"))
+
+
 def _observation_plates(model_trace) -> list[str]:
-    """Plates that enclose every observed sample site of the model (candidates for an unsubsampled data plate)."""
+    """Plates that enclose every observed sample site of the model (candidates for an unsubsampled data plate);
+    ``numpyro.factor`` terms (a prior penalty outside the plate) count only when there is no other observation."""
     observed = [s for s in model_trace.values() if s["type"] == "sample" and s.get("is_observed")]
+    observed = [s for s in observed if not is_factor(s)] or observed
     if not observed:
         return []
     common = set.intersection(*[{f.name for f in s["cond_indep_stack"]} for s in observed])

@@ -201,3 +201,20 @@ def test_compare_posteriors_against_a_reference():
     assert set(out) == {"vi"}
     assert out["vi"]["x"]["mean_err"] == pytest.approx(0.5, rel=1e-6)
     assert out["vi"]["x"]["sd_ratio_min"] == pytest.approx(2.0) and out["vi"]["x"]["sd_ratio_max"] == pytest.approx(2.0)
+
+
+def test_factor_terms_are_not_observations():
+    """A ``numpyro.factor`` adds to lp but is no data: not in observed_data, log_likelihood or the predictive."""
+    def penalised(x):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 2.0))
+        numpyro.factor("ridge", -0.5 * mu**2)
+        with numpyro.plate("data", N):
+            numpyro.sample("obs", dist.Normal(mu, 1.0), obs=x)
+
+    post = {"loc": jnp.asarray(0.9), "scale": jnp.asarray(0.2)}
+    dt = nfv.to_datatree(types.SimpleNamespace(model=penalised, guide=guide), post, X, num_samples=50)
+    for group in ("observed_data", "log_likelihood", "posterior_predictive"):
+        assert list(dt[group].data_vars) == ["obs"], group
+    mu = np.asarray(dt.posterior["mu"])[0]
+    lp = [dist.Normal(0, 2).log_prob(m) - 0.5 * m**2 + dist.Normal(m, 1).log_prob(X).sum() for m in mu]
+    np.testing.assert_allclose(np.asarray(dt.sample_stats["lp"])[0], np.asarray(lp), rtol=1e-5)

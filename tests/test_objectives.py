@@ -285,3 +285,27 @@ def test_model_side_local_param_is_used():
     idx, mask = parts.indices[1], parts.mask[1]
     grad = jax.grad(lambda r: bl(key, g, r, idx, mask, 0.5, (Y,), {}))({"b": loc["b"][idx]})["b"]
     assert np.all(np.abs(np.asarray(grad)) > 0)
+
+
+def ridge_model(y):
+    """A ``numpyro.factor`` prior term OUTSIDE the plain data plate: the plate around ``obs`` is still the data
+    plate, and the factor is a global term (counted once over the blocks)."""
+    mu = numpyro.sample("mu", dist.Normal(0.0, S0))
+    numpyro.factor("ridge", -0.7 * mu**2)
+    with numpyro.plate("data", M):
+        numpyro.sample("y", dist.Normal(mu, SIG), obs=y)
+
+
+def ridge_guide(y):
+    numpyro.sample("mu", dist.Delta(numpyro.param("m", 0.3)))
+
+
+def test_global_factor_is_not_data_and_counts_once():
+    st = inspect_model(ridge_model, ridge_guide, random.key(0), (Y,))
+    assert st.data_plate.name == "data" and not st.data_plate.subsampled
+    g, _ = st.unconstrain({"m": 0.3})
+    bl = block_loss_fn(Trace_ELBO(), ridge_model, ridge_guide, st)
+    total = _sum_blocks(bl, st, make_partitions(M, partitions=RE_UNEQUAL), random.key(0), g, {}, Y)
+    # Delta guide: -ELBO = -log p(y, mu=0.3) with the factor once
+    expect = -(dist.Normal(0.0, S0).log_prob(0.3) - 0.7 * 0.3**2 + jnp.sum(dist.Normal(0.3, SIG).log_prob(Y)))
+    np.testing.assert_allclose(total, expect, rtol=2e-6)
