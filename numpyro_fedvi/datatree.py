@@ -77,26 +77,38 @@ def _params(result):
 
 
 def _guide_draws(guide, params, num_samples, key, args, kwargs):
-    """Every sample site of the guide (including auxiliary ``_..._latent`` sites), ``num_samples`` draws."""
-    return Predictive(full_data(guide), params=params, num_samples=num_samples)(key, *args, **kwargs)
+    """``(draws, log_q)``: every sample site of the guide (auxiliary ``_..._latent`` sites included), the same
+    ``num_samples`` draws as ``Predictive(guide, params=params)(key, ...)``, and ``log q`` of each draw scored in
+    the draw's own trace, through the intermediates of its transforms: a flow without an analytic inverse
+    (``AutoBNAFNormal``) scores its draws too."""
+    guide_f = full_data(guide)
+
+    def one(k):
+        log_q, tr = log_density(handlers.seed(guide_f, k), args, kwargs, params)
+        return {n: site["value"] for n, site in tr.items() if site["type"] == "sample"}, log_q
+
+    return jax.lax.map(one, random.split(key, num_samples))
+
+
+def _log_joint(model, args, kwargs, draws):
+    """``log p(θ, y)`` of the full data at each draw's latent sites (auxiliary ``_...`` sites dropped)."""
+    model_f = full_data(model)
+    return jax.lax.map(lambda d: log_density(model_f, args, kwargs, {k: v for k, v in d.items()
+                                                                     if not k.startswith("_")})[0], draws)
 
 
 def importance_log_weights(model, guide, params, draws, args=(), kwargs=None):
     """``(lp, log_q)`` per draw: the full-data log joint ``log p(θ, y)`` and ``log q(θ)`` of the guide's draws.
 
     ``draws`` are the guide's sample sites (as from ``Predictive(guide, ...)``, auxiliary sites included);
-    ``lp − log_q`` are the importance weights of q as a proposal for the posterior (Yao et al. 2018).
+    ``lp − log_q`` are the importance weights of q as a proposal for the posterior (Yao et al. 2018).  ``log q``
+    re-scores the given values (the guide's transforms must be invertible); ``to_datatree`` scores its own draws
+    in their traces instead.
     """
     kwargs = dict(kwargs or {})
-    model_f, guide_f = full_data(model), full_data(guide)
-
-    def one(draw):
-        latent = {k: v for k, v in draw.items() if not k.startswith("_")}
-        lp, _ = log_density(model_f, args, kwargs, latent)
-        lq, _ = log_density(guide_f, args, kwargs, {**params, **draw})
-        return lp, lq
-
-    return jax.lax.map(one, draws)
+    guide_f = full_data(guide)
+    log_q = jax.lax.map(lambda d: log_density(guide_f, args, kwargs, {**params, **d})[0], draws)
+    return _log_joint(model, args, kwargs, draws), log_q
 
 
 def pareto_k_hat(log_weights) -> float:
@@ -143,14 +155,14 @@ def to_datatree(engine, result, *args, num_samples: int = 1000, rng_key=None, lo
     key = random.key(0) if rng_key is None else rng_key
     k_draw, k_trace, k_pred = random.split(key, 3)
 
-    draws = _guide_draws(guide, params, num_samples, k_draw, args, kwargs)
+    draws, log_q = _guide_draws(guide, params, num_samples, k_draw, args, kwargs)
     first = {k: v[0] for k, v in draws.items() if not k.startswith("_")}
     latent_names, observed, deterministic = _observed_sites(model, first, k_trace, args, kwargs)
     posterior = {k: v for k, v in draws.items() if k in latent_names}
     if deterministic:  # e.g. the centred site of a LocScaleReparam, transformed parameters
         posterior.update(Predictive(full_data(model), posterior_samples=posterior, return_sites=deterministic)(
             k_pred, *args, **kwargs))
-    lp, log_q = importance_log_weights(model, guide, params, draws, args, kwargs)
+    lp = _log_joint(model, args, kwargs, draws)
     log_w = np.asarray(lp - log_q, np.float64)
     pareto_k = pareto_k_hat(log_w)
 

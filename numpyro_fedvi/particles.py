@@ -63,29 +63,33 @@ def controlled_normals(key, num_particles: int, shape, scheme: str = "moment_mat
 
 
 def _reparam(fn, shape):
-    """``(noise_shape, value_of_noise)`` of a reparameterisable site, or None (fall back to its own sampler)."""
+    """``(noise_shape, value_of_noise)`` of a reparameterisable site, or None (fall back to its own sampler);
+    ``value_of_noise(ε) -> (value, intermediates)``, the intermediates as ``sample_with_intermediates`` gives them
+    (a transform without an analytic inverse, e.g. ``AutoBNAFNormal``'s flow, scores its value through them)."""
     if isinstance(fn, (dist.Independent, dist.MaskedDistribution, dist.ExpandedDistribution)):
         return _reparam(fn.base_dist, shape)
-    if isinstance(fn, dist.TransformedDistribution):  # LogNormal, AutoNormal's constrained sites, ...
+    if isinstance(fn, dist.TransformedDistribution):  # LogNormal, AutoNormal's constrained sites, flows, ...
         inner = _reparam(fn.base_dist, tuple(dist.transforms.ComposeTransform(fn.transforms).inverse_shape(shape)))
         if inner is None:
             return None
 
         def transformed(e, f=inner[1]):
-            x = f(e)
+            x, intermediates = f(e)[0], []
             for t in fn.transforms:
-                x = t(x)
-            return x
+                y, t_inter = t.call_with_intermediates(x)
+                intermediates.append([x, t_inter])
+                x = y
+            return x, intermediates
 
         return inner[0], transformed
     if isinstance(fn, dist.Normal):
-        return shape, lambda e: fn.loc + fn.scale * e
+        return shape, lambda e: (fn.loc + fn.scale * e, [])
     if isinstance(fn, dist.LowRankMultivariateNormal):
         k = fn.cov_factor.shape[-1]
         return shape[:-1] + (k + shape[-1],), lambda e: (
-            fn.loc + (fn.cov_factor @ e[..., :k, None])[..., 0] + jnp.sqrt(fn.cov_diag) * e[..., k:])
+            fn.loc + (fn.cov_factor @ e[..., :k, None])[..., 0] + jnp.sqrt(fn.cov_diag) * e[..., k:], [])
     if isinstance(fn, dist.MultivariateNormal):
-        return shape, lambda e: fn.loc + (fn.scale_tril @ e[..., None])[..., 0]
+        return shape, lambda e: (fn.loc + (fn.scale_tril @ e[..., None])[..., 0], [])
     return None
 
 
@@ -146,7 +150,7 @@ class _ControlledNoise(Messenger):
             return
         shape, value_of = rep
         if self.frozen is not None and msg["name"] in self.frozen:
-            msg["value"] = value_of(self.frozen[msg["name"]][self.p])
+            msg["value"], msg["intermediates"] = value_of(self.frozen[msg["name"]][self.p])
             return
         z = controlled_normals(key, self.S, shape, self.scheme)
         if self.scheme == "orthogonal":  # off the earlier sites it shares no plate with, and per slice off the
@@ -161,7 +165,7 @@ class _ControlledNoise(Messenger):
             self.drawn.append((plates, shape[:nb], z3))
             z = z3.reshape(z.shape)
         self.draws[msg["name"]] = z
-        msg["value"] = value_of(z[self.p])
+        msg["value"], msg["intermediates"] = value_of(z[self.p])
 
 
 class ControlledDraws(ELBO):

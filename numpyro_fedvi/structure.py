@@ -71,13 +71,17 @@ class ModelStructure:
     """Params of a model + guide split into GLOBAL and LOCAL, with the data plate and init values.
 
     ``init_global`` holds unconstrained global params; ``init_local`` unconstrained local params in the
-    canonical layout (data axis first).
+    canonical layout (data axis first).  A param whose value is a pytree (``numpyro.module``, ``AutoIAFNormal``'s
+    network) is global and stored leaf by leaf under ``name + jax.tree_util.keystr(path)`` (every engine works on
+    a flat dict of arrays); ``trees`` maps its name to ``(treedef, leaf names)`` and :meth:`constrain_global`
+    rebuilds it.
     """
 
     params: dict[str, ParamInfo]
     data_plate: DataPlate | None
     init_global: dict[str, jax.Array] = field(repr=False)
     init_local: dict[str, jax.Array] = field(repr=False)
+    trees: dict[str, tuple[Any, tuple[str, ...]]] = field(default_factory=dict, repr=False)
 
     @property
     def global_names(self) -> tuple[str, ...]:
@@ -97,7 +101,12 @@ class ModelStructure:
 
     # constraints -----------------------------------------------------------------------------------
     def constrain_global(self, unconstrained: dict[str, jax.Array]) -> dict[str, jax.Array]:
-        return {k: self.params[k].transform(v) for k, v in unconstrained.items()}
+        """Constrained global params keyed by param site (a pytree-valued site rebuilt from its leaves)."""
+        out = {k: self.params[k].transform(v) for k, v in unconstrained.items()}
+        for name, (treedef, leaves) in self.trees.items():
+            if leaves[0] in out:
+                out[name] = jax.tree.unflatten(treedef, [out.pop(k) for k in leaves])
+        return out
 
     def constrain_local(self, rows: dict[str, jax.Array]) -> dict[str, jax.Array]:
         """Constrain canonical local rows and return them in the natural layout."""
@@ -111,12 +120,16 @@ class ModelStructure:
 
     def unconstrain(self, params: dict[str, Any]) -> tuple[dict, dict]:
         """Constrained params (natural layout) -> (unconstrained global, canonical unconstrained local)."""
-        unknown = set(params) - set(self.params)
+        sites = set(self.params) - {k for _, leaves in self.trees.values() for k in leaves} | set(self.trees)
+        unknown = set(params) - sites
         if unknown:
             raise ValueError(f"init_params names unknown param sites {sorted(unknown)}; "
-                             f"known sites: {sorted(self.params)}.")
+                             f"known sites: {sorted(sites)}.")
+        leaves = {}
+        for name, value in params.items():  # a pytree-valued site as its leaves
+            leaves.update(_tree_leaves(name, value, self.trees[name]) if name in self.trees else {name: value})
         glob, loc = {}, {}
-        for name, value in params.items():
+        for name, value in leaves.items():
             info = self.params[name]
             value = jnp.asarray(value)
             if value.shape != info.shape:
@@ -310,15 +323,19 @@ def inspect_model(
     infos: dict[str, ParamInfo] = {}
     init_global: dict[str, jax.Array] = {}
     init_local: dict[str, jax.Array] = {}
+    trees: dict[str, tuple[Any, tuple[str, ...]]] = {}
     # guide params override model params of the same name (as in SVI.init)
     sites = [s for s in list(model_trace.values()) + list(guide_trace.values()) if s["type"] == "param"]
-    for site in sites:
+    for site in _leaf_sites(sites, trees):
         name = site["name"]
         value = jnp.asarray(site["value"])
         constraint = site["kwargs"].get("constraint", constraints.real)
         transform = biject_to(constraint)
         event_dim = site["kwargs"].get("event_dim")
         in_plate = plate is not None and any(f.name == plate.name for f in site["cond_indep_stack"])
+        if in_plate and site.get("leaf_of") is not None:
+            raise ValueError(f"numpyro.param({site['leaf_of']!r}) holds a pytree inside the data plate "
+                             f"{plate.name!r}: a local param must be one array with the data axis.")
         local_axis = None
         if in_plate and event_dim is None and not plate.subsampled:
             in_plate = False  # NumPyro cannot tell its data axis: a (full-size) global param under the mask path
@@ -342,7 +359,31 @@ def inspect_model(
         else:
             init_local[name] = jnp.moveaxis(unc, local_axis, 0)
             init_global.pop(name, None)
-    return ModelStructure(infos, plate, init_global, init_local)
+    return ModelStructure(infos, plate, init_global, init_local, trees)
+
+
+def _tree_leaves(name: str, value, tree) -> dict[str, Any]:
+    """``{leaf name: leaf}`` of a pytree-valued param given by the user (its structure checked)."""
+    treedef, leaves = tree
+    values, given = jax.tree.flatten(value)
+    if given != treedef:
+        raise ValueError(f"init_params[{name!r}] has pytree structure {given}, expected {treedef}.")
+    return dict(zip(leaves, values))
+
+
+def _leaf_sites(sites: list[dict], trees: dict) -> list[dict]:
+    """Param sites with each pytree-valued one (``numpyro.module``) split into one site per leaf, named
+    ``name + keystr(path)`` (recorded in ``trees``: name -> (treedef, leaf names))."""
+    out = []
+    for site in sites:
+        paths, treedef = jax.tree_util.tree_flatten_with_path(site["value"])
+        if jax.tree_util.treedef_is_leaf(treedef):  # one array
+            out.append(site)
+            continue
+        names = tuple(site["name"] + jax.tree_util.keystr(path) for path, _ in paths)
+        trees[site["name"]] = (treedef, names)
+        out += [{**site, "name": n, "value": leaf, "leaf_of": site["name"]} for n, (_, leaf) in zip(names, paths)]
+    return out
 
 
 def inspect_global_model(engine: str, model, guide, rng_key, args, kwargs, *, data_plate=None,

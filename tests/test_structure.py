@@ -1,6 +1,7 @@
 """Model structure: global/local classification of guide params, data plate detection, fixed partitions,
 finite-data checks (numpyro_fedvi.structure)."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import numpyro
@@ -124,6 +125,48 @@ def test_init_params_override_and_unconstrain_round_trip():
         s.unconstrain({"nope": 1.0})
     with pytest.raises(ValueError, match="theta_auto_loc"):
         s.unconstrain({"theta_auto_loc": jnp.zeros(N + 1)})
+
+
+NET = {"loc": jnp.array([0.5, 1.5]), "scale": (jnp.asarray(0.7),)}
+
+
+def _pytree_guide(x):
+    """A pytree-valued param (as ``numpyro.module`` / ``AutoIAFNormal`` register) next to an array param."""
+    net = numpyro.param("net", NET, constraint=constraints.positive)
+    numpyro.sample("mu", dist.Normal(numpyro.param("shift", 0.1) + net["loc"][0] - net["loc"][1], net["scale"][0]))
+
+
+def _mu_model(x):
+    mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+    with numpyro.plate("data", N):
+        numpyro.sample("y", dist.Normal(mu, 1.0), obs=x)
+
+
+def test_pytree_param_is_global_leaf_by_leaf_and_rebuilt():
+    s = inspect_model(_mu_model, _pytree_guide, random.key(0), (X,))
+    assert set(s.global_names) == {"net['loc']", "net['scale'][0]", "shift"} and s.local_names == ()
+    # stored unconstrained leaf by leaf (the positive constraint applied per leaf)
+    np.testing.assert_allclose(s.init_global["net['loc']"], np.log(NET["loc"]))
+    params = s.constrain_global(s.init_global)
+    assert set(params) == {"net", "shift"}
+    assert jax.tree.structure(params["net"]) == jax.tree.structure(NET)
+    for got, want in zip(jax.tree.leaves(params["net"]), jax.tree.leaves(NET)):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+    g, _ = s.unconstrain({"net": {"loc": jnp.array([2.0, 3.0]), "scale": (jnp.asarray(4.0),)}})
+    np.testing.assert_allclose(g["net['loc']"], np.log([2.0, 3.0]), rtol=1e-6)
+    np.testing.assert_allclose(g["net['scale'][0]"], np.log(4.0), rtol=1e-6)
+    with pytest.raises(ValueError, match="pytree structure"):
+        s.unconstrain({"net": {"loc": jnp.ones(2)}})
+    with pytest.raises(ValueError, match=r"known sites: \['net', 'shift'\]"):
+        s.unconstrain({"net['loc']": jnp.ones(2)})
+
+    def local_tree_guide(x):
+        with numpyro.plate("data", N):
+            numpyro.param("rows", {"a": jnp.zeros(N)}, event_dim=0)
+        numpyro.sample("mu", dist.Normal(0.0, 1.0))
+
+    with pytest.raises(ValueError, match="holds a pytree inside the data plate"):
+        inspect_model(_mu_model, local_tree_guide, random.key(0), (X,))
 
 
 # ----------------------------------------------------------------------------------------------------------
