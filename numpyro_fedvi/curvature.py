@@ -22,7 +22,8 @@ def diag_hessian(f: Callable, x, *, key=None, exact_max_size: int = 512, num_pro
 
     When ``x`` has at most ``exact_max_size`` entries in all: the exact diagonal, one HVP per coordinate in ONE
     vectorised HVP over the raveled ``x`` (one trace of ``f``'s second derivative, whatever the number of leaves).
-    Otherwise per leaf: exact for leaves of at most ``exact_max_size`` entries, else Hutchinson's estimate
+    Otherwise: exact for the leaves of at most ``exact_max_size`` entries (one HVP per coordinate, all such leaves
+    together in one trace, ``exact_max_size`` coordinates at a time), and per larger leaf Hutchinson's estimate
     ``E[v ⊙ ∇²f v]`` with ``num_probes`` Rademacher probes.
     """
     key = random.key(0) if key is None else key
@@ -33,17 +34,30 @@ def diag_hessian(f: Callable, x, *, key=None, exact_max_size: int = 512, num_pro
         return unravel(jnp.diagonal(column))
     leaves, treedef = jax.tree.flatten(x)
     zeros = [jnp.zeros_like(leaf) for leaf in leaves]
-    out = []
-    for j, leaf in enumerate(leaves):
-        def hvp_leaf(v_leaf, j=j):
-            tangent = treedef.unflatten(zeros[:j] + [v_leaf] + zeros[j + 1:])
-            return jax.tree.leaves(hvp(f, x, tangent))[j]
 
-        if leaf.size <= exact_max_size:
-            basis = jnp.eye(leaf.size, dtype=leaf.dtype).reshape((leaf.size,) + leaf.shape)
-            diag = jax.vmap(lambda e: jnp.sum(e * hvp_leaf(e)))(basis).reshape(leaf.shape)
-        else:
+    def hvp_on(js, tangents):
+        """The leaves ``js`` of ``∇²f(x) t``, ``t`` equal to ``tangents`` on those leaves and 0 elsewhere."""
+        t = list(zeros)
+        for j, v in zip(js, tangents):
+            t[j] = v
+        out = jax.tree.leaves(hvp(f, x, treedef.unflatten(t)))
+        return [out[j] for j in js]
+
+    out = list(zeros)
+    small = [j for j, leaf in enumerate(leaves) if leaf.size <= exact_max_size]
+    if small:
+        sub, unravel_sub = ravel_pytree([leaves[j] for j in small])
+        n = sub.size
+
+        def entry(k):  # e_k · ∇²f e_k over the small leaves' coordinates (k ≥ n: padding, 0)
+            e = (jnp.arange(n) == k).astype(sub.dtype)
+            return jnp.vdot(e, ravel_pytree(hvp_on(small, unravel_sub(e)))[0])
+
+        ks = jnp.arange(-(-n // exact_max_size) * exact_max_size).reshape(-1, exact_max_size)
+        for j, d in zip(small, unravel_sub(jax.lax.map(jax.vmap(entry), ks).reshape(-1)[:n])):
+            out[j] = d
+    for j, leaf in enumerate(leaves):
+        if leaf.size > exact_max_size:
             probes = random.rademacher(random.fold_in(key, j), (num_probes,) + leaf.shape, dtype=leaf.dtype)
-            diag = jnp.mean(jax.lax.map(lambda v: v * hvp_leaf(v), probes), axis=0)
-        out.append(diag)
+            out[j] = jnp.mean(jax.lax.map(lambda v, j=j: v * hvp_on([j], [v])[0], probes), axis=0)
     return treedef.unflatten(out)

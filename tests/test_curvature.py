@@ -36,3 +36,5 @@ def test_hutchinson_estimate_for_large_leaves_is_unbiased_in_the_mean():
     mean = {k: np.mean([e[k] for e in est], 0) for k in X}
     for k in X:
         np.testing.assert_allclose(mean[k], ref[k], rtol=0.15, atol=0.3)
+    mixed = diag_hessian(_f, X, key=random.key(0), exact_max_size=4, num_probes=4)  # "a" exact, "b" estimated
+    np.testing.assert_allclose(mixed["a"], ref["a"], rtol=1e-5)
