@@ -37,7 +37,7 @@ from . import vi_solvers as vs
 from .federated import ClientData, check_clients, client_minibatch
 from .fedmm.engine import strong_types
 from .inputs import InputJit, check_static_kwargs, prepare_inputs, prepare_value
-from .objectives import block_loss_fn, client_loss_fn, client_loss_from_blocks, full_loss_fn
+from .objectives import block_loss_fn, check_elbo, client_loss_fn, client_loss_from_blocks, full_loss_fn
 from .prox import as_prox, zero_prox
 from .runner import EarlyStopping, RunResult, revert_non_finite, run_loop, tree_all_finite
 from .structure import Partitions, inspect_global_model
@@ -56,14 +56,6 @@ def _positive_float(value, name: str) -> float:
     return float(value)
 
 
-def _check_elbo(loss, engine: str):
-    if loss is not None and not callable(getattr(loss, "loss", None)):
-        raise TypeError(f"loss must be a NumPyro ELBO (e.g. Trace_ELBO()), got {type(loss).__name__}; the clients go "
-                        f"in clients= (one client id per row of the data plate, a list of index arrays, or a "
-                        f"ClientData) or num_clients=M — e.g. {engine}(model, guide, Trace_ELBO(), clients=site_ids, "
-                        "...).")
-
-
 def _client_spec(loss, legacy, clients, num_clients, engine: str):
     """``(loss, clients, num_clients)`` from the call forms ``(model, guide, loss, clients=...)`` and the lower
     layer's ``(model, guide, client_data, loss)``."""
@@ -75,7 +67,7 @@ def _client_spec(loss, legacy, clients, num_clients, engine: str):
         return (legacy[0] if legacy else None), loss, None
     if legacy:
         raise TypeError(f"{engine}(model, guide, loss, *, clients=..., ...): the options are keyword arguments.")
-    _check_elbo(loss, engine)
+    check_elbo(loss, engine, clients=True)
     if clients is None and num_clients is None:
         raise TypeError(f"{engine} needs its clients: clients= (one client id 0..M-1 per row of the model's data "
                         "plate, or a list of index arrays, as PDVI's partitions=), num_clients=M (contiguous chunks), "
@@ -154,7 +146,7 @@ class FedLocalVI:
                  output: str = "last", drift_correction: str | None = "scaffnew", control_step: float = 0.2,
                  data_plate: str | None = None, mesh=None, **static_kwargs):
         loss, clients, num_clients = _client_spec(loss, legacy, clients, num_clients, type(self).__name__)
-        _check_elbo(loss, type(self).__name__)
+        check_elbo(loss, type(self).__name__, clients=True)
         if isinstance(clients, ClientData):
             if num_clients is not None:
                 raise ValueError("give clients= (ids, index arrays or a ClientData) or num_clients=, not both.")

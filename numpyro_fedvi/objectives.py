@@ -21,12 +21,30 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 from numpyro import handlers
-from numpyro.infer import Trace_ELBO
+from numpyro.infer import RenyiELBO, Trace_ELBO
 from numpyro.primitives import Messenger
 
 from .structure import ModelStructure, Partitions
 
-__all__ = ["block_loss_fn", "client_loss_fn", "client_loss_from_blocks", "elbo_loss", "full_loss_fn"]
+__all__ = ["block_loss_fn", "check_elbo", "client_loss_fn", "client_loss_from_blocks", "elbo_loss", "full_loss_fn"]
+
+
+def check_elbo(loss, engine: str, clients: bool = False):
+    """``loss`` must be None or a NumPyro ELBO whose full-data loss is a SUM over the data: every engine here splits
+    it over blocks or clients of the data plate (and PD-VI's oracle averages it over particles).  Rényi's α-bound
+    is a log-mean-exp over particles of the whole data's weight, no such sum: refused rather than silently replaced
+    by the sum of per-block bounds.  ``clients``: the error names the ``clients=`` argument (federated engines)."""
+    if loss is None:
+        return
+    if not callable(getattr(loss, "loss", None)):
+        hint = (f"; the clients go in clients= (one client id per row of the data plate, a list of index arrays, or "
+                f"a ClientData) or num_clients=M — e.g. {engine}(model, guide, Trace_ELBO(), clients=site_ids, ...)"
+                if clients else "")
+        raise TypeError(f"loss must be a NumPyro ELBO (e.g. Trace_ELBO()), got {type(loss).__name__}{hint}.")
+    if isinstance(getattr(loss, "elbo", loss), RenyiELBO):
+        raise ValueError(f"{engine} splits the negative ELBO into a sum over blocks of the data plate (and over "
+                         "particles); RenyiELBO's bound is a log-mean-exp over particles of the whole data's weight, "
+                         "not such a sum. Use Trace_ELBO, TraceMeanField_ELBO, TraceGraph_ELBO or TraceEnum_ELBO.")
 
 
 def elbo_loss(elbo, rng_key, param_map, model, guide, *args, **kwargs):

@@ -37,7 +37,7 @@ import numpy as np
 import numpyro.distributions as dist
 from jax import random
 from numpyro import handlers
-from numpyro.infer import ELBO
+from numpyro.infer import ELBO, RenyiELBO
 from numpyro.primitives import Messenger
 
 from .objectives import elbo_loss
@@ -195,6 +195,9 @@ class ControlledDraws(ELBO):
             raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}.")
         if isinstance(elbo, ControlledDraws):
             elbo = elbo.elbo
+        if isinstance(elbo, RenyiELBO):  # one-particle Rényi losses average to the ELBO, not to the α-bound
+            raise ValueError("ControlledDraws averages the ELBO over particles; RenyiELBO's bound is a log-mean-exp "
+                             "over particles, not such an average.")
         even = scheme in ("antithetic", "orthogonal")
         S = num_particles if isinstance(num_particles, str) else int(num_particles)
         bad = (S not in AUTO_PARTICLES or not even) if isinstance(S, str) else (S < 1 or (scheme != "iid" and S < 2)

@@ -36,7 +36,7 @@ from . import host_table as _host
 from . import sharding as _sharding
 from .curvature import diag_hessian
 from .federated.participation import sample_without_replacement
-from .objectives import block_loss_fn, full_loss_fn
+from .objectives import block_loss_fn, check_elbo, full_loss_fn
 from .particles import SCHEMES, ControlledDraws
 from .inputs import InputJit, check_positive, check_static_kwargs, prepare_inputs
 from .newton import newton_solve
@@ -468,6 +468,7 @@ class PDVI:
             raise ValueError(f"eta_curvature must be 'median' or 'max', got {eta_curvature!r}.")
         self.eta_curvature = eta_curvature
         self.model, self.guide = model, guide
+        check_elbo(loss, "PDVI")
         self.loss = Trace_ELBO() if loss is None else loss
         if oracle_draws is not None and oracle_draws not in SCHEMES:
             raise ValueError(f"oracle_draws must be None or one of {SCHEMES}, got {oracle_draws!r}.")

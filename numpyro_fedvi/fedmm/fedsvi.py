@@ -30,7 +30,7 @@ from numpyro.infer import Trace_ELBO
 from .. import sharding as _sharding
 from ..federated import ClientData, check_clients, client_minibatch
 from ..inputs import check_positive, check_static_kwargs, prepare_inputs, prepare_value
-from ..objectives import block_loss_fn, client_loss_fn, client_loss_from_blocks, full_loss_fn
+from ..objectives import block_loss_fn, check_elbo, client_loss_fn, client_loss_from_blocks, full_loss_fn
 from ..prox import as_prox
 from ..runner import EarlyStopping, RunResult
 from ..structure import Partitions, inspect_global_model
@@ -43,13 +43,6 @@ __all__ = ["FedSVI", "quadratic_family"]
 def _objective_key():
     """The fixed key of the reported objective (common random numbers across rounds: comparable losses)."""
     return random.key(12345)
-
-
-def _check_elbo(loss, engine: str):
-    if loss is not None and not callable(getattr(loss, "loss", None)):
-        raise TypeError(f"loss must be a NumPyro ELBO (e.g. Trace_ELBO()), got {type(loss).__name__}; the clients go "
-                        f"in clients= (one client id per row of the data plate, or a list of index arrays) or "
-                        f"num_clients=M — e.g. {engine}(model, guide, Trace_ELBO(), clients=site_ids, ...).")
 
 
 def quadratic_family(loss: Callable, rho: float, objective_key=None, prox=None) -> SurrogateFamily:
@@ -139,7 +132,7 @@ class FedSVI(FedMM):
                  compressor=None, batch_size: int | None = None, init_control_variates: str = "zero", prox=None,
                  projection: Callable | None = None, log_every: int = 10, mesh=None, **static_kwargs):
         rho = check_positive(rho, "rho", expected="a positive finite float (the SGD step of the quadratic surrogate)")
-        _check_elbo(loss, "FedSVI")
+        check_elbo(loss, "FedSVI", clients=True)
         placeholder = SurrogateFamily(oracle=lambda *a: None, T=lambda s: s)
         super().__init__(placeholder, step_size=step_size, cv_step=cv_step, participation=participation,
                          compressor=compressor, batch_size=batch_size, init_control_variates=init_control_variates,
