@@ -407,12 +407,13 @@ class PDVI:
         off the top directions of the global draws only, and whitened global draws carry equal energy, so which
         ones is a float tie: the draws of one key differed between two compiled programs (eager vs jit, by 1.41 on
         eight schools), and non-centred eight schools ended with q(mu)'s mean anywhere in 4.05–4.61 over seeds
-        0–9 against 4.49–4.54 with 6.  On small data a rule's count is raised to ``SMALL_DATA_PARTICLE_BUDGET / D``
+        0–9 against 4.49–4.54 with 6.  ``loss``'s own ``num_particles`` (``Trace_ELBO(num_particles=32)``) is a floor
+        of a rule's count (made even).  On small data a rule's count is raised to ``SMALL_DATA_PARTICLE_BUDGET / D``
         (1024 / D, at most 64; ``D``: the elements of the model's data arrays, :func:`data_elements`, at least N):
         more particles cost little there and cut the sample-average bias of a likelihood that is not quadratic in
         the globals (eight schools, D = 16: 64 particles, −ELBO 31.62–31.69 over seeds 0–9 against the mean-field
         optimum's 31.61; 32.07–33.04 with the rule's 6, seeds 0–1).  The rules need antithetic pairs: with
-        ``"iid"`` or ``"moment_matched"`` draws a rule means 4.
+        ``"iid"`` or ``"moment_matched"`` draws a rule means 4 (or ``loss``'s ``num_particles`` when more).
     :param eta_refresh: with ``eta="auto"``, re-estimate η at the CURRENT λ_0 and local rows after these
         iterations (``True``: after epochs 1, 2, 4, 8, … — an epoch is ``ceil(B / partitions_per_step)``
         iterations; a list of iteration numbers; ``False``: the paper's fixed η).  A refresh also recomputes the
@@ -481,9 +482,17 @@ class PDVI:
         self.consensus_max_move = None if consensus_max_move is None else check_positive(
             consensus_max_move, "consensus_max_move", expected="a finite real number > 0, or None")
         # the oracle's objective: the user's ELBO on controlled draws (specs/pdvi.md §3a), or the ELBO as given
-        rule_needs_pairs = isinstance(self.oracle_particles, str) and oracle_draws in ("iid", "moment_matched")
-        self.oracle_loss = self.loss if oracle_draws is None else ControlledDraws(
-            self.loss, 4 if rule_needs_pairs else self.oracle_particles, oracle_draws)
+        rule = isinstance(self.oracle_particles, str)
+        # the ELBO's own num_particles (Trace_ELBO(num_particles=32)) is a floor of a rule's count (even)
+        asked = int(getattr(self.loss, "num_particles", 1))
+        floor = max(4, asked + asked % 2)
+        if oracle_draws is None:
+            self.oracle_loss = self.loss
+        elif rule and oracle_draws in ("iid", "moment_matched"):  # rules need antithetic pairs
+            self.oracle_loss = ControlledDraws(self.loss, max(4, asked), oracle_draws)
+        else:
+            self.oracle_loss = ControlledDraws(self.loss, self.oracle_particles, oracle_draws,
+                                               max_particles=max(16, floor), min_particles=floor)
         self.num_partitions, self.partitions = num_partitions, partitions
         self.partitions_per_step = int(partitions_per_step)
         self.eta_spec, self.eta_scale = eta, float(eta_scale)

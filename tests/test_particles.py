@@ -481,6 +481,16 @@ def test_pdvi_particle_floor_on_small_data():
     assert _oracle_particles(schools, sigma, y=y) == 64
     fixed = PDVI(noncentred, AutoNormal(noncentred), num_partitions=8, partitions_per_step=2, oracle_particles=8)
     assert _oracle_particles(fixed, sigma, y=y) == 8
+    # the ELBO's own num_particles is a floor of the rule (made even); a fixed oracle_particles wins
+    for asked, drawn in ((1, 4), (7, 8), (40, 40)):
+        engine = PDVI(pd_model, pd_guide, Trace_ELBO(num_particles=asked), num_partitions=B_PD)
+        assert _oracle_particles(engine, X_PD) == drawn
+    assert _oracle_particles(PDVI(noncentred, AutoNormal(noncentred), Trace_ELBO(num_particles=100),
+                                  num_partitions=8), sigma, y=y) == 100
+    assert _oracle_particles(PDVI(pd_model, pd_guide, Trace_ELBO(num_particles=40), num_partitions=B_PD,
+                                  oracle_particles=6), X_PD) == 6
+    assert _oracle_particles(PDVI(pd_model, pd_guide, Trace_ELBO(num_particles=7), num_partitions=B_PD,
+                                  oracle_draws="iid"), X_PD) == 7
     assert _oracle_particles(PDVI(pd_model, pd_guide, num_partitions=B_PD), X_PD) == 4  # 1024 // 10⁴ = 0
     # data the model closes over are not among its arguments: D is at least the data plate's N
     closed = PDVI(lambda: pd_model(X_PD), lambda: pd_guide(X_PD), num_partitions=B_PD)
