@@ -151,7 +151,8 @@ def test_minimal_particles_make_every_cross_moment_zero_without_a_tie():
     glob = np.concatenate([np.asarray(v["beta"], np.float64)[:, None],
                            np.asarray(v["g"], np.float64).reshape(S, -1)], -1)  # (S, 3)
     u = np.asarray(v["u"], np.float64)  # (S, n)
-    np.testing.assert_allclose(glob.T @ u / S, 0.0, atol=1e-5)
+    # float32 eigh of the particles' Gram matrix: 1.3e-5 measured on jaxlib 0.12.0.1 (without the projection: ~0.3)
+    np.testing.assert_allclose(glob.T @ u / S, 0.0, atol=5e-5)
     jitted = jax.jit(lambda k: particle_values(hier_guide, S, "orthogonal", k))(random.key(5))
     np.testing.assert_allclose(np.asarray(jitted["u"]), np.asarray(v["u"]), atol=1e-4)  # float32 rounding only
 
