@@ -51,6 +51,7 @@ from .fedmm.core import (
     client_weights,
     collect_messages,
     round_clients,
+    server_optimizer_init,
     server_update,
 )
 from . import vi_solvers as vs
@@ -741,12 +742,13 @@ class FedMMStrategy(_EngineStrategy):
         theta0 = self.family.T(s0)
         x0 = s0 if engine.aggregate == "surrogate" else theta0
         self.state = FedMMState(s0, theta0, jax.tree.map(jnp.zeros_like, x0), (), jnp.asarray(0, jnp.int32),
-                                rng_key, jnp.zeros((), jnp.result_type(float)))
+                                rng_key, jnp.zeros((), jnp.result_type(float)),
+                                server_optimizer_init(engine.server_optimizer, x0))
         self.p = float(engine.participation.prob(self.num_clients))
         self.accepted = np.full(self.num_clients, -1, np.int64)
         self._clients = jax.jit(partial(round_clients, engine.participation, self.num_clients))
         self._server = jax.jit(partial(_server_round, self.family, engine.step_size, engine.cv_step, self.p,
-                                       engine.aggregate))
+                                       engine.aggregate, engine.server_optimizer))
 
     def summary(self) -> None:
         e = self.engine
@@ -791,12 +793,12 @@ class FedMMStrategy(_EngineStrategy):
         return self.to_params(theta) if self.to_params is not None else theta
 
 
-def _server_round(family, step_size, alpha, p, aggregate, state, q, weights):
+def _server_round(family, step_size, alpha, p, aggregate, server_optimizer, state, q, weights):
     """The core's server step on the stacked messages: ``(new state, ok)`` (ok: every new value finite)."""
     H, V = collect_messages(state.V, q, weights, p, alpha)
-    s, theta, _ = server_update(state, family, H, step_size, aggregate)
+    s, theta, server_opt, _ = server_update(state, family, H, step_size, aggregate, server_optimizer)
     ok = _finite((H, V, s, theta))
-    return state._replace(s=s, theta=theta, V=V, step=state.step + 1), ok
+    return state._replace(s=s, theta=theta, V=V, step=state.step + 1, server_opt=server_opt), ok
 
 
 def _finite(tree):

@@ -88,7 +88,7 @@ ENGINES = {
                                                 schedule="theory", num_particles=2, averaging_a=0.5), (X, Y)),
     "fedmm": (lambda: FedMM(gmm_map_em(GMM_K, GMM_D, 0.1), step_size=0.5, cv_step=0.05,
                             participation=FixedSize(2), batch_size=4), _run_fedmm),
-    "fedsvi": _svi_like(lambda: nfv.FedSVI(logistic, AutoNormal(logistic), Trace_ELBO(), clients=CLIENTS, rho=1e-2),
+    "fedsvi": _svi_like(lambda: nfv.FedSVI(logistic, AutoNormal(logistic), Trace_ELBO(), clients=CLIENTS),
                         (X, Y)),
     "fedlocalvi": _svi_like(lambda: nfv.FedLocalVI(logistic, AutoNormal(logistic), Trace_ELBO(), clients=CLIENTS,
                                                    method="local_sgd", local_steps=2, step_size=1e-2), (X, Y)),

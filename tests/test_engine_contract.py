@@ -129,7 +129,7 @@ CASES = {
                                                num_particles=4, stage_length=2), **LOGREG_SUB),
     "mpsgd_theory": Case(lambda: nfv.MPSGD(logistic, nfv.AutoLocationScale(logistic, scale="diag"),
                                            schedule="theory", num_particles=4), **LOGREG),
-    "fedsvi": Case(lambda: nfv.FedSVI(logistic, AutoNormal(logistic), Trace_ELBO(), clients=CLIENTS, rho=1e-2),
+    "fedsvi": Case(lambda: nfv.FedSVI(logistic, AutoNormal(logistic), Trace_ELBO(), clients=CLIENTS),  # defaults
                    **LOGREG),
     "fedlocalvi": Case(lambda: nfv.FedLocalVI(logistic, AutoNormal(logistic), Trace_ELBO(), clients=CLIENTS,
                                               method="local_sgd", local_steps=3, step_size=1e-2), **LOGREG),

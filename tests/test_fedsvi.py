@@ -90,3 +90,74 @@ def test_rejects_local_params_and_bad_rho(clients):
         FedSVI(model, AutoDelta(model), rho=0.0)
     with pytest.raises(ValueError, match="local params"):
         FedSVI(model, local_guide, rho=1e-3).init(random.key(0), clients)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the default (no rho): Adam on the server, FedOpt (Reddi et al. 2021) on FedMM's aggregated direction
+# ----------------------------------------------------------------------------------------------------------
+
+def _numpy_adam(grads_of, theta0, rounds, lr, b1=0.9, b2=0.999, eps=1e-8):
+    """Adam written out (Kingma & Ba, Algorithm 1) on ``grads_of(θ)``, the learning rate ``lr(t)`` at 0-based step
+    ``t``: the iterates ``θ_0 .. θ_rounds``."""
+    theta, m, v, out = np.float64(theta0), 0.0, 0.0, [np.float64(theta0)]
+    for t in range(rounds):
+        g = grads_of(theta)
+        m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
+        m_hat, v_hat = m / (1 - b1 ** (t + 1)), v / (1 - b2 ** (t + 1))
+        theta = theta - lr(t) * m_hat / (np.sqrt(v_hat) + eps)
+        out.append(theta)
+    return np.array(out)
+
+
+def test_default_is_adam_on_the_full_data_gradient(clients):
+    """Without ``rho`` a round is one Adam step (learning rate ``0.05 / sqrt(1 + t/50)``) on the gradient of the
+    FULL-data negative log joint (AutoDelta: no Monte-Carlo noise; likelihood counted once, prior once): the
+    transient of 6 rounds against Adam written out in numpy, and the aggregated pseudo-gradient's sign and scale
+    (ρ cancels in Adam, so any rho-free scaling bug shows up only through the sign or the client weights)."""
+    engine = FedSVI(model, AutoDelta(model))
+    state = engine.init(random.key(0), clients, init_params={"mu_auto_loc": POST_MEAN + 0.1})  # crosses the mode
+    thetas = [float(state.theta["mu_auto_loc"])]
+    for _ in range(6):
+        state, _ = engine.update(state, clients)
+        thetas.append(float(state.theta["mu_auto_loc"]))
+
+    def full_grad(mu):  # d/dμ of −log p(x, μ) over the pooled data: (μ/S0²) − Σ(x − μ)/SIG²
+        return mu / S0**2 - np.sum(POOLED.astype(np.float64) - mu) / SIG**2
+
+    expected = _numpy_adam(full_grad, thetas[0], 6, lambda t: 0.05 / np.sqrt(1 + t / 50))
+    np.testing.assert_allclose(thetas, expected, rtol=1e-5, atol=1e-5)
+    # the client weights μ_i = N_i/N matter: equally weighted clients have another mode (3.0 vs 2.7), so Adam runs
+    # the other way from this start
+    equal = _numpy_adam(lambda mu: sum(mu / S0**2 - np.sum(c - mu) / SIG**2 * POOLED.size / c.size / 3 for c in
+                                        CLIENTS), thetas[0], 6, lambda t: 0.05 / np.sqrt(1 + t / 50))
+    assert np.max(np.abs(equal - expected)) > 0.1
+
+
+def test_default_reaches_the_conjugate_posterior(clients):
+    """Every default (Adam on the server, ``Trace_ELBO()``'s one particle per client, full participation): the
+    conjugate posterior's mean to 0.1 sd and its sd to 10% after 600 rounds (Monte-Carlo noise, with the decaying
+    learning rate; the paper's fixed ρ is ``test_autonormal_partial_participation_quantized``)."""
+    res = FedSVI(model, AutoNormal(model)).run(random.key(3), 600, clients, progress_bar=False)
+    assert float(res.params["mu_auto_loc"]) == pytest.approx(POST_MEAN, abs=0.1 * POST_SD)
+    assert float(res.params["mu_auto_scale"]) == pytest.approx(POST_SD, rel=0.1)
+
+
+def test_server_optimizer_sgd_is_the_paper_step(clients):
+    """``server_optimizer=optax.sgd(γ)`` is Algorithm 2's step γ: the same rounds as ``step_size=γ`` (FedOpt reduces
+    to FedMM), and a server optimizer with a step size is refused."""
+    import optax
+
+    kw = dict(rho=0.5 / PREC, participation=FixedSize(2), cv_step=0.5)
+    plain = FedSVI(model, AutoDelta(model), step_size=0.7, **kw).run(random.key(4), 20, clients, progress_bar=False)
+    sgd = FedSVI(model, AutoDelta(model), server_optimizer=optax.sgd(0.7), **kw).run(random.key(4), 20, clients,
+                                                                                     progress_bar=False)
+    np.testing.assert_allclose(sgd.state.theta["mu_auto_loc"], plain.state.theta["mu_auto_loc"], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(sgd.losses), np.asarray(plain.losses), rtol=1e-6)
+    with pytest.raises(ValueError, match="not both"):
+        FedSVI(model, AutoDelta(model), server_optimizer=optax.sgd(0.7), step_size=0.5, **kw)
+    with pytest.raises(TypeError, match="GradientTransformation"):
+        FedSVI(model, AutoDelta(model), server_optimizer=0.1)
+    with pytest.raises(ValueError, match="give rho= with it"):
+        FedSVI(model, AutoDelta(model), step_size=0.5)
+    with pytest.raises(ValueError, match="prox= needs rho"):
+        FedSVI(model, AutoDelta(model), prox=lambda theta, rho: theta)

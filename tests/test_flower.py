@@ -7,6 +7,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax import random
 
@@ -44,9 +45,10 @@ def _gmm_clients():
     return rows, s0
 
 
-def _gmm_engine(participation):
-    return FedMM(gmm_map_em(K, D, 0.1), step_size=0.5, cv_step=0.4, participation=participation,
-                 compressor=StochasticQuantizer(bits=4))
+def _gmm_engine(participation, server_optimizer=None):
+    step = {"step_size": 0.5} if server_optimizer is None else {"server_optimizer": server_optimizer}
+    return FedMM(gmm_map_em(K, D, 0.1), cv_step=0.4, participation=participation,
+                 compressor=StochasticQuantizer(bits=4), **step)
 
 
 class _Reply:
@@ -105,14 +107,17 @@ def _in_process(engine, cd, s0, rounds):
     return state
 
 
-@pytest.mark.parametrize("participation", [FixedSize(2), Bernoulli(0.6)])
-def test_rounds_equal_the_in_process_core(participation):
+@pytest.mark.parametrize("participation,server_optimizer", [(FixedSize(2), None), (Bernoulli(0.6), None),
+                                                             (FixedSize(2), optax.adam(0.05))],
+                         ids=["fixed-size", "bernoulli", "server-adam"])
+def test_rounds_equal_the_in_process_core(participation, server_optimizer):
     """Three rounds through the strategy and client apps (messages encoded / decoded as over the wire) equal three
-    in-process FedMM rounds: Ŝ, θ and V; and every client's stored control variate satisfies V = Σ μ_i V_i."""
+    in-process FedMM rounds: Ŝ, θ and V (and the server optimizer's state, FedSVI's default); and every client's
+    stored control variate satisfies V = Σ μ_i V_i."""
     rows, s0 = _gmm_clients()
     cd = ClientData.from_list(rows)
-    expected = _in_process(_gmm_engine(participation), cd, s0, 3)
-    engine = _gmm_engine(participation)
+    expected = _in_process(_gmm_engine(participation, server_optimizer), cd, s0, 3)
+    engine = _gmm_engine(participation, server_optimizer)
     strategy = flower.FedMMStrategy(engine, random.key(3), num_clients=NUM_CLIENTS, init_stat=s0)
     grid = _Grid(flower.make_client_app(engine, lambda ctx: rows[ctx.node_config["partition-id"]],
                                         stat_template=s0), NUM_CLIENTS)
@@ -121,9 +126,10 @@ def test_rounds_equal_the_in_process_core(participation):
     for r in range(1, 4):
         strategy.aggregate_train(r, grid.send_and_receive(strategy.configure_train(r, None, None, grid)))
     assert strategy.dropped == []
-    for name in ("s", "theta", "V"):
+    for name in ("s", "theta", "V", "server_opt"):
         for a, b in zip(jax.tree.leaves(getattr(strategy.state, name)), jax.tree.leaves(getattr(expected, name))):
             np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+    assert len(jax.tree.leaves(strategy.state.server_opt)) == (0 if server_optimizer is None else 5)
     # the clients' control variates: committed + the pending step of the last accepted reply
     V_clients = _client_control_variates(grid, strategy, s0)
     for name in s0:

@@ -205,8 +205,10 @@ def test_sassmm_two_rounds_match_algorithm_1():
 
 
 def _fedmm_np(cd, participation, compressor_np, *, alpha, rounds, cv_init="zero", batch_size=None,
-              aggregate="surrogate"):
-    """Algorithm 2 written out (float64): the states after each round and the info of each round."""
+              aggregate="surrogate", server_adam=None):
+    """Algorithm 2 written out (float64): the states after each round and the info of each round.  ``server_adam``
+    (a learning rate ``t -> lr``): the server's step is Adam (Kingma & Ba, Algorithm 1; β = 0.9, 0.999, ε = 1e-8) on
+    the pseudo-gradient −H instead of γ_t H (FedOpt)."""
     rows = [np.asarray(cd.data[i]) for i in range(cd.num_clients)]
     masks = [np.asarray(cd.mask[i]) for i in range(cd.num_clients)]
     n, mu = cd.num_clients, np.asarray(cd.counts, np.float64) / np.sum(cd.counts)
@@ -223,6 +225,7 @@ def _fedmm_np(cd, participation, compressor_np, *, alpha, rounds, cv_init="zero"
         tg = tg if aggregate == "surrogate" else [_T_np(y) for y in tg]
         Vi = [{k: tg[i][k] - x[k] for k in x} for i in range(n)]
     V = {k: sum(mu[i] * Vi[i][k] for i in range(n)) for k in x}
+    m1, m2 = ({k: np.zeros_like(np.asarray(v, np.float64)) for k, v in x.items()} for _ in range(2))
     out = []
     for t in range(rounds):
         kt = random.fold_in(_key(), t)
@@ -240,15 +243,23 @@ def _fedmm_np(cd, participation, compressor_np, *, alpha, rounds, cv_init="zero"
         agg = {k: sum(mu[i] * q[i][k] for i in active) for k in x}
         H = {k: V[k] + agg[k] / p for k in x}
         g = _gamma(t)
+        move = {k: g * H[k] for k in x}
+        if server_adam is not None:  # Adam on −H; γ is not used (E diagnostics: squared moves)
+            g = 1.0
+            for k in x:
+                m1[k] = 0.9 * m1[k] - 0.1 * H[k]
+                m2[k] = 0.999 * m2[k] + 0.001 * H[k] ** 2
+                hat1, hat2 = m1[k] / (1 - 0.9 ** (t + 1)), m2[k] / (1 - 0.999 ** (t + 1))
+                move[k] = -server_adam(t) * hat1 / (np.sqrt(hat2) + 1e-8)
         obj = sum(mu[i] * _obj_np(theta, rows[i][masks[i]]) for i in range(n))
         if aggregate == "surrogate":
-            s_new = _project_np({k: s[k] + g * H[k] for k in s})
+            s_new = _project_np({k: s[k] + move[k] for k in s})
             theta_new = _T_np(s_new)
             info = {"E_s": sum(np.sum((s_new[k] - s[k]) ** 2) for k in s) / g**2,
                     "E_ps": np.sum((theta_new["t"] - theta["t"]) ** 2) / g**2}
             x = s_new
         else:
-            s_new, theta_new = s, {"t": theta["t"] + g * H["t"]}
+            s_new, theta_new = s, {"t": theta["t"] + move["t"]}
             info = {"E_p": np.sum((theta_new["t"] - theta["t"]) ** 2) / g**2}
             x = theta_new
         info.update(num_active=len(active), objective=obj)
@@ -300,6 +311,30 @@ def test_fedmm_parameter_aggregation_matches_algorithm_2():
         state, info = C.fedmm_step(state, FAM, cd, step_size_fn=_gamma, alpha=0.5, participation=Full(),
                                    compressor=Identity(), aggregate="parameter")
         _check_state(state, want[t][0], info, want[t][1])
+
+
+@pytest.mark.parametrize("aggregate", ["surrogate", "parameter"])
+def test_fedmm_server_optimizer_is_adam_on_the_pseudo_gradient(aggregate):
+    """FedOpt: with ``server_optimizer=optax.adam(lr)`` the server moves by Adam's update for −H (H: Algorithm 2's
+    aggregated direction, partial participation and control variates as before), from the state's own Adam moments
+    (``server_opt``, initialised on the server's iterate); a guarded round that is dropped keeps them."""
+    import optax
+
+    cd = ClientData.from_list(_rows())
+    lr = lambda t: 0.3 / (1.0 + t)  # noqa: E731
+    opt = optax.adam(lr)
+    kw = dict(step_size_fn=1.0, alpha=0.5, participation=FixedSize(2), compressor=Identity(), aggregate=aggregate)
+    state = C.fedmm_init(FAM, S0, cd, _key(), aggregate=aggregate, server_optimizer=opt)
+    want = _fedmm_np(cd, FixedSize(2), lambda k, d: d, alpha=0.5, rounds=3, aggregate=aggregate, server_adam=lr)
+    for t in range(3):
+        before = state
+        state, info = C.fedmm_step(state, FAM, cd, server_optimizer=opt, **kw)
+        _check_state(state, want[t][0], info, want[t][1])
+    dropped, info = C.fedmm_step(before, FAM, cd, server_optimizer=opt, guard=True, accept=False, **kw)
+    assert not bool(info["ok"])
+    for a, b in zip(jax.tree.leaves(dropped.server_opt), jax.tree.leaves(before.server_opt)):
+        np.testing.assert_array_equal(a, b)
+    assert C.fedmm_init(FAM, S0, cd, _key()).server_opt == ()
 
 
 def test_fedmm_guard_accept_and_no_objective():
@@ -477,7 +512,7 @@ def test_direction_and_message_defaults():
         np.testing.assert_array_equal(a, b)
     assert C.fedmm_direction(state, FAM, cd, defer_client_update=True, **kw).V_clients is None
     assert set(d.H) == {"a", "b"}  # Ŝ-space (the parameter baseline aggregates T(𝖲_i) in θ-space)
-    s_new, theta_new, info = C.server_update(state, FAM, d.H, 0.5)  # default: surrogate (project Ŝ, θ = T(Ŝ))
+    s_new, theta_new, _, info = C.server_update(state, FAM, d.H, 0.5)  # default: surrogate (project Ŝ, θ = T(Ŝ))
     assert set(info) == {"E_s", "E_ps"} and set(s_new) == {"a", "b"} and set(theta_new) == {"t"}
     _, info = C.fedmm_step(state, FAM, cd, step_size_fn=0.5, **kw)
     assert info["num_active"].dtype == jnp.int32 and int(info["num_active"]) == 4
@@ -523,7 +558,7 @@ def test_float32_state_keeps_its_dtypes_under_x64():
         state = C.fedmm_init(FAM, s0, cd, _key())
         for aggregate in ("surrogate", "parameter"):
             state = C.fedmm_init(FAM, s0, cd, _key(), aggregate=aggregate)
-            s_new, theta_new, _ = C.server_update(state, FAM, state.V, 0.5, aggregate)
+            s_new, theta_new, _, _ = C.server_update(state, FAM, state.V, 0.5, aggregate)
             assert s_new["a"].dtype == jnp.float32 and theta_new["t"].dtype == jnp.float32
         assert C.full_objective(FAM, state.theta, cd).dtype == jnp.float32
         st0 = C.fedmm_init(FAM, s0, cd, _key())

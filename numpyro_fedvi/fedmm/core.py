@@ -46,6 +46,7 @@ __all__ = [
     "round_clients",
     "sassmm_init",
     "sassmm_step",
+    "server_optimizer_init",
     "server_update",
     "theory_step_sizes",
     "tree_sqnorm",
@@ -228,7 +229,8 @@ class FedMMState(NamedTuple):
     ``V_{t,i}``, leaves with a leading client axis ``(n, ...)``), ``step`` (completed rounds), ``rng_key`` (base
     key), ``objective`` (the full objective at the last round an engine logged it; 0 before).  With
     ``aggregate="parameter"`` (the naive baseline) the iterate is ``theta`` itself, ``V``/``V_clients`` live in
-    θ-space and ``s`` stays ``Ŝ_0`` (unused).
+    θ-space and ``s`` stays ``Ŝ_0`` (unused).  ``server_opt``: the state of a server optimizer
+    (:func:`server_update`; ``()`` for Algorithm 2's step γ_t).
     """
 
     s: Any
@@ -238,6 +240,7 @@ class FedMMState(NamedTuple):
     step: jax.Array
     rng_key: jax.Array
     objective: jax.Array = 0.0
+    server_opt: Any = ()
 
 
 def _check_choice(value, name, choices):
@@ -275,14 +278,15 @@ def _client_targets(family, theta, client_data, key, aggregate):
 
 
 def fedmm_init(family: SurrogateFamily, s0, client_data: ClientData, key, init_control_variates: str = "zero",
-               aggregate: str = "surrogate") -> FedMMState:
+               aggregate: str = "surrogate", server_optimizer=None) -> FedMMState:
     """Initial FedMM state (specs/fedmm.md "Algorithm 2" inputs).
 
     ``Ŝ_0 = project(s0)``, ``θ_0 = T(Ŝ_0)``.  Control variates: ``"zero"`` → ``V_{0,i} = 0`` (the paper's
     experiments); ``"full"`` → ``V_{0,i} = h_i(Ŝ_0) = oracle_i(T(Ŝ_0)) − Ŝ_0`` with all of client i's rows (one
     exact pass).  ``V_0 = Σ_i μ_i V_{0,i}`` with ``μ_i = client_data.weights``.  With ``aggregate="parameter"`` the
     control variates live in θ-space: ``V_{0,i} = T(oracle_i(θ_0)) − θ_0`` for ``"full"``.  The exact pass draws its
-    oracle keys from ``fold_in(key, 2**31 − 1)``, a stream no round uses.
+    oracle keys from ``fold_in(key, 2**31 − 1)``, a stream no round uses.  ``server_optimizer`` (an optax
+    ``GradientTransformation``, see :func:`server_update`) is initialised on the server's iterate.
     """
     _check_family(family)
     if not isinstance(client_data, ClientData):
@@ -299,7 +303,14 @@ def fedmm_init(family: SurrogateFamily, s0, client_data: ClientData, key, init_c
         targets = _client_targets(family, theta0, client_data, random.fold_in(key, 2**31 - 1), aggregate)
         V_clients = _tmap(lambda y, x: y - x[None], targets, x0)
     V = _weighted_client_sum(client_data.weights, V_clients)
-    return FedMMState(s0, theta0, V, V_clients, jnp.asarray(0, jnp.int32), key, jnp.zeros((), jnp.result_type(float)))
+    return FedMMState(s0, theta0, V, V_clients, jnp.asarray(0, jnp.int32), key, jnp.zeros((), jnp.result_type(float)),
+                      server_optimizer_init(server_optimizer, x0))
+
+
+def server_optimizer_init(server_optimizer, x0):
+    """``FedMMState.server_opt`` of a new run: ``server_optimizer.init(x0)`` on the server's iterate (``Ŝ_0``, or
+    ``θ_0`` with parameter aggregation), ``()`` without a server optimizer."""
+    return () if server_optimizer is None else server_optimizer.init(x0)
 
 
 class FedMMDirection(NamedTuple):
@@ -384,21 +395,34 @@ def collect_messages(V, q, weights, p, alpha):
     return _tmap(lambda v, a: v + a / p, V, agg), _tmap(lambda v, a: v + (alpha / p) * a, V, agg)
 
 
-def server_update(state: FedMMState, family: SurrogateFamily, H, step_size_fn, aggregate="surrogate"):
-    """``(s_{t+1}, θ_{t+1}, info)`` from the aggregated direction ``H`` (Algorithm 2, step 4, B_t = I):
+def server_update(state: FedMMState, family: SurrogateFamily, H, step_size_fn, aggregate="surrogate",
+                  server_optimizer=None):
+    """``(s_{t+1}, θ_{t+1}, server_opt, info)`` from the aggregated direction ``H`` (Algorithm 2, step 4, B_t = I):
     ``Ŝ_{t+1} = project(Ŝ_t + γ_{t+1} H)``, ``θ_{t+1} = T(Ŝ_{t+1})`` (surrogate), or ``θ_{t+1} = θ_t + γ_{t+1} H``
-    with ``s`` left at ``Ŝ_0`` (parameter baseline); ``info``: ``E_s``, ``E_ps`` (surrogate) or ``E_p``."""
-    gamma = _gamma(step_size_fn, state.step)
+    with ``s`` left at ``Ŝ_0`` (parameter baseline); ``info``: ``E_s``, ``E_ps`` (surrogate) or ``E_p``.
+
+    ``server_optimizer`` (an optax ``GradientTransformation``; its state is ``state.server_opt``) replaces the step
+    ``γ_{t+1} H`` by its update for the pseudo-gradient ``−H`` (FedOpt, Reddi et al. 2021: e.g. Adam on the
+    aggregated client updates); γ is then not used (the ``E`` diagnostics are the squared moves)."""
+    if server_optimizer is None:
+        gamma = _gamma(step_size_fn, state.step)
+        move = _tmap(lambda h: gamma.astype(h.dtype) * h, H)
+        opt_state = state.server_opt
+    else:
+        gamma = jnp.ones((), jnp.result_type(float))
+        x = state.s if aggregate == "surrogate" else state.theta
+        move, opt_state = server_optimizer.update(_tmap(jnp.negative, H), state.server_opt, x)
+        move = _tmap(lambda m, h: m.astype(h.dtype), move, H)
     if aggregate == "surrogate":
-        s_new = family.project(_tmap(lambda s, h: s + gamma.astype(s.dtype) * h, state.s, H))
+        s_new = family.project(_tmap(jnp.add, state.s, move))
         theta_new = family.T(s_new)
         info = {"E_s": tree_sqnorm(_tmap(jnp.subtract, s_new, state.s)) / gamma**2,
                 "E_ps": tree_sqnorm(_tmap(jnp.subtract, theta_new, state.theta)) / gamma**2}
     else:
         s_new = state.s
-        theta_new = _tmap(lambda th, h: th + gamma.astype(th.dtype) * h, state.theta, H)
+        theta_new = _tmap(jnp.add, state.theta, move)
         info = {"E_p": tree_sqnorm(_tmap(jnp.subtract, theta_new, state.theta)) / gamma**2}
-    return s_new, theta_new, info
+    return s_new, theta_new, opt_state, info
 
 
 def apply_client_update(V_clients, target, increments):
@@ -408,7 +432,8 @@ def apply_client_update(V_clients, target, increments):
 
 def fedmm_step(state: FedMMState, family: SurrogateFamily, client_data: ClientData, *, step_size_fn, alpha,
                participation: Participation, compressor: Compressor, batch_size: int | None = None,
-               aggregate: str = "surrogate", with_objective: bool = True, guard: bool = False, accept=True):
+               aggregate: str = "surrogate", with_objective: bool = True, guard: bool = False, accept=True,
+               server_optimizer=None):
     """One round of FedMM (specs/fedmm.md Algorithm 2, masked Algorithm-4 form).
 
     Surrogate aggregation (the method): :func:`fedmm_direction` gives ``H`` and the new control variates, then
@@ -431,6 +456,8 @@ def fedmm_step(state: FedMMState, family: SurrogateFamily, client_data: ClientDa
         was, except the step counter) and ``info["ok"]`` says so — O(m) work, no copy of the client table.
     :param accept: with ``guard``, a (traced) bool: False drops the round like a non-finite one (e.g. an engine
         whose logged loss at θ_t is not finite).
+    :param server_optimizer: ``None`` (Algorithm 2's step γ_{t+1} H) or an optax ``GradientTransformation`` applied
+        to the pseudo-gradient ``−H`` (:func:`server_update`; its state is ``state.server_opt``).
     :returns: ``(state, info)``; info: ``E_s = ‖Ŝ_{t+1} − Ŝ_t‖²/γ²`` and ``E_ps = ‖θ_{t+1} − θ_t‖²/γ²``
         (surrogate) or ``E_p = ‖θ_{t+1} − θ_t‖²/γ²`` (parameter), ``num_active`` and, when the family has an
         objective and ``with_objective``, ``objective = Σ_i μ_i objective(θ_t, rows_i, mask_i)`` over ALL rows at
@@ -444,7 +471,7 @@ def fedmm_step(state: FedMMState, family: SurrogateFamily, client_data: ClientDa
         raise ValueError(f"batch_size must be None (all rows, exact oracle) or an int >= 1, got {batch_size!r}.")
     d = fedmm_direction(state, family, client_data, alpha=alpha, participation=participation,
                         compressor=compressor, batch_size=batch_size, aggregate=aggregate, defer_client_update=guard)
-    s_new, theta_new, info = server_update(state, family, d.H, step_size_fn, aggregate)
+    s_new, theta_new, server_opt, info = server_update(state, family, d.H, step_size_fn, aggregate, server_optimizer)
     info["num_active"] = jnp.sum((d.client_update[0] < client_data.num_clients).astype(jnp.int32))  # O(m)
     if family.objective is not None and with_objective:
         info["objective"] = full_objective(family, state.theta, client_data)
@@ -453,10 +480,11 @@ def fedmm_step(state: FedMMState, family: SurrogateFamily, client_data: ClientDa
         ok = _all_finite((d.H, s_new, theta_new, d.V)) & accept
         keep = lambda new, old: _tmap(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa: E731
         s_new, theta_new, V = keep(s_new, state.s), keep(theta_new, state.theta), keep(V, state.V)
+        server_opt = keep(server_opt, state.server_opt)
         target, increments = d.client_update
         V_clients = apply_client_update(state.V_clients, jnp.where(ok, target, client_data.num_clients), increments)
         info["ok"] = ok
-    new_state = FedMMState(s_new, theta_new, V, V_clients, state.step + 1, state.rng_key, state.objective)
+    new_state = FedMMState(s_new, theta_new, V, V_clients, state.step + 1, state.rng_key, state.objective, server_opt)
     return new_state, info
 
 

@@ -273,6 +273,9 @@ class FedMM(_Engine):
         server state replicated; the compiled round follows that layout (the weighted client sum becomes an
         all-reduce).  Same results as without a mesh up to float reassociation; the number of clients must divide by
         the number of devices (``ValueError`` at ``init``, before anything compiles).
+    :param server_optimizer: ``None`` (Algorithm 2: ``Ŝ ← project(Ŝ + γ_t H)``) or an optax
+        ``GradientTransformation`` the server applies to the pseudo-gradient ``−H`` instead of the step γ_t (FedOpt,
+        Reddi et al. 2021; :func:`~numpyro_fedvi.fedmm.core.server_update`); ``step_size`` must then stay 1.
 
     ``client_data`` is a :class:`~numpyro_fedvi.federated.ClientData`.
     """
@@ -280,8 +283,16 @@ class FedMM(_Engine):
     def __init__(self, family: SurrogateFamily, *, step_size=1.0, cv_step: float = 0.0, participation=None,
                  compressor=None, batch_size: int | None = None, init_control_variates: str = "zero",
                  aggregate: str = "surrogate", to_params: Callable | None = None,
-                 projection: Callable | None = None, log_every: int = 10, mesh=None):
+                 projection: Callable | None = None, log_every: int = 10, mesh=None, server_optimizer=None):
         super().__init__(family, step_size, batch_size, to_params, projection)
+        if server_optimizer is not None:
+            if not (hasattr(server_optimizer, "init") and hasattr(server_optimizer, "update")):
+                raise TypeError(f"server_optimizer must be None or an optax GradientTransformation (e.g. "
+                                f"optax.adam(1e-2)), got {server_optimizer!r}.")
+            if callable(step_size) or step_size != 1.0:
+                raise ValueError("give either step_size (γ_t of Algorithm 2) or server_optimizer (whose learning rate "
+                                 f"takes γ's place), not both; got step_size={step_size!r}.")
+        self.server_optimizer = server_optimizer
         self.mesh = None if mesh is None else _sharding.check_mesh(mesh)
         if isinstance(log_every, bool) or not isinstance(log_every, (int, np.integer)) or log_every < 1:
             raise ValueError(f"log_every must be an int >= 1 (rounds between two full-objective passes), got "
@@ -353,7 +364,7 @@ class FedMM(_Engine):
         self.check_settings(family, init_stat, client_data.num_clients)
         self._check_mesh_clients(client_data.num_clients)
         return self._place_state(fedmm_init(family, init_stat, client_data, rng_key, self.init_control_variates,
-                                            self.aggregate))
+                                            self.aggregate, self.server_optimizer))
 
     def check_settings(self, family: SurrogateFamily, init_stat, num_clients: int) -> None:
         """The participation law against ``num_clients`` and α ≤ 1/(1+ω_p) (ω: the compressor's variance factor on
@@ -390,7 +401,8 @@ class FedMM(_Engine):
         new, info = fedmm_step(state, family, client_data, step_size_fn=self.step_size, alpha=self.cv_step,
                                participation=self.participation, compressor=self.compressor,
                                batch_size=self._core_batch_size(inputs), aggregate=self.aggregate,
-                               with_objective=False, guard=True, accept=accept)
+                               with_objective=False, guard=True, accept=accept,
+                               server_optimizer=self.server_optimizer)
         if objective is None:
             return new, info.get("E_s", info.get("E_p")), info["ok"]
         ok = info["ok"] & jnp.isfinite(loss)

@@ -4,7 +4,7 @@ The model is the one the user runs under ``numpyro.infer.SVI`` (DESIGN.md "The m
 with its observations in a data plate (``numpyro.plate("data", N)``, with or without ``subsample_size``); a client
 is a block of that plate, given exactly like PD-VI's ``partitions=``::
 
-    FedSVI(model, guide, Trace_ELBO(), clients=site_ids, rho=1e-3).run(key, num_rounds, X, y)
+    FedSVI(model, guide, Trace_ELBO(), clients=site_ids).run(key, num_rounds, X, y)
 
 Quadratic family: ψ = ‖θ‖²/(2ρ), φ = θ/ρ, ``S̄(Z, τ) = τ − ρ G(Z, τ)`` with ``G`` an unbiased gradient of the client's
 negative ELBO, 𝒮 = R^d and ``T = identity`` (g = 0).  FedMM with it is federated SGD on the unconstrained guide
@@ -12,6 +12,11 @@ params with partial participation, compression and control variates (no gain fro
 T is affine — the gradient-only fallback for any model).  With a penalty / constraint g on the unconstrained params
 (``prox=``, :mod:`numpyro_fedvi.prox`: ℓ1, box, Θ_L for AutoLocationScale guides) ``T = prox_{ρg}``:
 federated proximal SGD.
+
+Default (no ``rho``): the server applies Adam to FedMM's aggregated direction (FedOpt, Reddi et al. 2021,
+:func:`default_server_optimizer`) instead of Algorithm 2's step γ_t: a fixed SGD step ρ ≤ 1/L has to be tuned per
+model and collapses or crawls where the curvature of log-scale params changes by orders of magnitude along the run.
+``rho=`` (and ``step_size=``) give the paper's federated SGD.
 
 Client objective: the user's NumPyro ELBO on the client's rows with every site inside the data plate scaled by
 ``N_total / b`` (padding masked) and the prior / KL counted once, so ``Σ_i μ_i f_i`` (μ_i = N_i/N) is the full-data
@@ -24,6 +29,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import optax
 from jax import random
 from numpyro.infer import Trace_ELBO
 
@@ -37,7 +43,21 @@ from ..structure import Partitions, inspect_global_model
 from .core import SurrogateFamily
 from .engine import FedMM, with_projection
 
-__all__ = ["FedSVI", "quadratic_family"]
+__all__ = ["FedSVI", "default_server_optimizer", "quadratic_family"]
+
+# FedSVI's default server optimizer (rho=None): Adam on the aggregated pseudo-gradient with the learning rate
+# SERVER_LR / sqrt(1 + t / SERVER_LR_DECAY) at round t.  Measured as full-batch Adam (what FedSVI with full
+# participation is) on five models (eight schools with AutoNormal / AutoMultivariateNormal, a varying-intercept
+# regression, a tutorial linear regression, a logistic regression): within 0.4 nats of the optimum after 300
+# rounds and 0.2 after 3,000 on every one; a constant 0.01 was 1.3-51 nats off after 300, a constant 0.03 or 0.1
+# stayed 0.6-7 nats off at 3,000 (Monte-Carlo noise)
+SERVER_LR, SERVER_LR_DECAY = 0.05, 50.0
+
+
+def default_server_optimizer() -> optax.GradientTransformation:
+    """``optax.adam`` with the learning rate ``SERVER_LR / sqrt(1 + t / SERVER_LR_DECAY)`` at round ``t``: FedSVI's
+    server optimizer when no ``rho`` is given."""
+    return optax.adam(lambda t: SERVER_LR / jnp.sqrt(1.0 + t / SERVER_LR_DECAY))
 
 
 def _objective_key():
@@ -73,17 +93,20 @@ def quadratic_family(loss: Callable, rho: float, objective_key=None, prox=None) 
 
 
 class FedSVI(FedMM):
-    """Federated SVI on a NumPyro model + guide: FedMM with the quadratic surrogate (``rho`` = SGD step).
+    """Federated SVI on a NumPyro model + guide: FedMM with the quadratic surrogate.
 
     One round (specs/fedmm.md Algorithm 2 with Ex. 1): every active client i computes
     ``𝖲_i = θ_t − ρ ∇_θ f_i(θ_t)`` on its rows (``f_i``: its unbiased estimate of the full-data negative ELBO),
-    sends the compressed ``𝖲_i − θ_t − V_i``; the server aggregates with weights ``μ_i = N_i/N``, steps by γ and
-    applies ``T = prox_{ρg}`` (identity without ``prox``).  With γ = 1, full participation and no minibatching a
-    round is one full-batch gradient step of the SVI loss on the guide's unconstrained params.
+    sends the compressed ``𝖲_i − θ_t − V_i``; the server aggregates with weights ``μ_i = N_i/N`` into
+    ``H = V_t + (1/p) Σ μ_i q_i`` and moves θ by an Adam step on the pseudo-gradient ``−H`` (the default:
+    :func:`default_server_optimizer`, learning rate ``0.05 / sqrt(1 + t/50)``; with full participation and no
+    minibatching a round is one full-batch Adam step of the SVI loss on the guide's unconstrained params), or, with
+    ``rho=``, by the paper's step ``γ H`` followed by ``T = prox_{ρg}`` (identity without ``prox``): with γ = 1 one
+    full-batch gradient step of size ρ.
 
     **The user's model, unchanged** (the same ``model(X, y)`` as for ``numpyro.infer.SVI``)::
 
-        engine = FedSVI(model, guide, Trace_ELBO(), clients=site_ids, rho=1e-3)
+        engine = FedSVI(model, guide, Trace_ELBO(), clients=site_ids)
         result = engine.run(random.key(0), 500, X, y)          # like SVI.run
         Predictive(model, guide=guide, params=result.params, num_samples=1000)(random.key(1), X, y)
 
@@ -103,12 +126,16 @@ class FedSVI(FedMM):
     prox's penalty when it knows one, evaluated every ``log_every`` rounds (the last value in between).
 
     :param loss: a NumPyro ELBO (default ``Trace_ELBO()``).
-    :param rho: the SGD step of the surrogate (ρ ≤ 1/L of the full-data negative ELBO).
+    :param rho: ``None`` (default: Adam on the server, see ``server_optimizer``) or the SGD step of the quadratic
+        surrogate (ρ ≤ 1/L of the full-data negative ELBO): the paper's federated SGD, with ``step_size`` γ.
+    :param server_optimizer: an optax ``GradientTransformation`` the server applies to the pseudo-gradient ``−H``
+        in place of the step γ (FedOpt; :meth:`FedMM`); ``None`` with ``rho=None`` is
+        :func:`default_server_optimizer`, ``None`` with a ``rho`` the paper's step.
     :param clients: client ids / index arrays (blocks of the data plate), or a ClientData (lower layer).
     :param num_clients: M contiguous clients in data order (instead of ``clients``).
     :param data_plate: name of the data plate (default: the only subsampled plate, else the only plate around
         every observation).
-    :param step_size: FedMM's γ (default 1: θ_{t+1} = θ_t − ρ·(aggregated gradient)).
+    :param step_size: FedMM's γ with ``rho=`` (default 1: θ_{t+1} = θ_t − ρ·(aggregated gradient)).
     :param batch_size: rows per client per round; ``None`` = all rows (exact oracle).  Drawn with replacement
         (O(batch)) from a subsampled data plate or a ClientData; without replacement under an unsubsampled plate
         (a mask cannot count a row twice).
@@ -116,7 +143,7 @@ class FedSVI(FedMM):
         :func:`~numpyro_fedvi.prox.l1_prox` (federated lasso), :func:`~numpyro_fedvi.prox.box_prox`,
         :func:`~numpyro_fedvi.prox.theta_l_prox` (``σ_min(Σ) ≥ 1/√L`` for AutoLocationScale guides), a list
         of them on disjoint params, or a callable ``(theta, rho) -> theta``.  With γ = 1 and full participation
-        one round is a proximal-gradient step ``θ ← prox_{ρg}(θ − ρ∇f(θ))``.
+        one round is a proximal-gradient step ``θ ← prox_{ρg}(θ − ρ∇f(θ))``.  Needs ``rho``.
     :param mesh: optional 1-D ``jax.sharding.Mesh``: the clients (their row INDICES for blocks of the data plate, their
         rows for a ClientData) and the control variates along the client axis over its devices, the server state and
         the model's own arguments replicated (every device reads its clients' rows by index; data too large for one
@@ -127,16 +154,25 @@ class FedSVI(FedMM):
     ``log_every``) as :class:`~numpyro_fedvi.fedmm.FedMM`; extra keyword arguments are passed to model and guide.
     """
 
-    def __init__(self, model, guide, loss=None, *, rho: float, clients=None, num_clients: int | None = None,
-                 data_plate: str | None = None, step_size=1.0, cv_step: float = 0.0, participation=None,
-                 compressor=None, batch_size: int | None = None, init_control_variates: str = "zero", prox=None,
-                 projection: Callable | None = None, log_every: int = 10, mesh=None, **static_kwargs):
+    def __init__(self, model, guide, loss=None, *, rho: float | None = None, clients=None,
+                 num_clients: int | None = None, data_plate: str | None = None, step_size=1.0, cv_step: float = 0.0,
+                 participation=None, compressor=None, batch_size: int | None = None,
+                 init_control_variates: str = "zero", prox=None, projection: Callable | None = None,
+                 log_every: int = 10, mesh=None, server_optimizer=None, **static_kwargs):
+        if rho is None:  # the default: the server's Adam on the pseudo-gradient (ρ only scales it)
+            if prox is not None:
+                raise ValueError("prox= needs rho= (T = prox_{ρg} of the quadratic surrogate with SGD step ρ ≤ 1/L).")
+            if server_optimizer is None and (callable(step_size) or step_size != 1.0):
+                raise ValueError(f"step_size={step_size!r} is γ of the paper's federated SGD: give rho= with it (the "
+                                 "default without rho is Adam on the server, whose learning rate takes γ's place).")
+            rho = 1.0
+            server_optimizer = default_server_optimizer() if server_optimizer is None else server_optimizer
         rho = check_positive(rho, "rho", expected="a positive finite float (the SGD step of the quadratic surrogate)")
         check_elbo(loss, "FedSVI", clients=True)
         placeholder = SurrogateFamily(oracle=lambda *a: None, T=lambda s: s)
         super().__init__(placeholder, step_size=step_size, cv_step=cv_step, participation=participation,
                          compressor=compressor, batch_size=batch_size, init_control_variates=init_control_variates,
-                         projection=projection, log_every=log_every, mesh=mesh)
+                         projection=projection, log_every=log_every, mesh=mesh, server_optimizer=server_optimizer)
         self.prox = as_prox(prox)
         self.model, self.guide, self.elbo = model, guide, Trace_ELBO() if loss is None else loss
         check_static_kwargs(static_kwargs)
