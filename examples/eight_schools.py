@@ -64,8 +64,8 @@ def fit_all(num_steps=3000, seed=0):
         "PD-VI": (nfv.PDVI(eight_schools, AutoNormal(eight_schools), num_partitions=8, partitions_per_step=2),
                   num_steps // 10),
         "MPSGD": (nfv.MPSGD(eight_schools, nfv.AutoLocationScale(eight_schools)), num_steps),
-        "FedSVI": (nfv.FedSVI(eight_schools, AutoMultivariateNormal(eight_schools), clients=np.arange(8),
-                              rho=0.01), num_steps),
+        "FedSVI": (nfv.FedSVI(eight_schools, AutoMultivariateNormal(eight_schools), clients=np.arange(8)),
+                   num_steps),
         "FedLocalVI": (nfv.FedLocalVI(eight_schools, AutoMultivariateNormal(eight_schools), clients=np.arange(8),
                                       local_steps=5, step_size=0.01), num_steps // 5),
     }

@@ -26,9 +26,10 @@ import numpy as np
 from jax import random
 from numpyro import handlers
 from numpyro.infer import Predictive
-from numpyro.infer.util import log_density, log_likelihood
+from numpyro.infer.util import log_density
 from numpyro.primitives import Messenger
 
+from .enumeration import EnumInfo, enum_info, enum_info_of_trace, log_density_fn, pointwise_log_likelihood
 from .inputs import prepare_inputs
 from .structure import is_factor
 
@@ -90,11 +91,19 @@ def _guide_draws(guide, params, num_samples, key, args, kwargs):
     return jax.lax.map(one, random.split(key, num_samples))
 
 
-def _log_joint(model, args, kwargs, draws):
-    """``log p(θ, y)`` of the full data at each draw's latent sites (auxiliary ``_...`` sites dropped)."""
+def _latent(draw):
+    return {k: v for k, v in draw.items() if not k.startswith("_")}  # auxiliary ``_..._latent`` sites dropped
+
+
+def _log_joint(model, args, kwargs, draws, info: EnumInfo | None = None):
+    """``log p(θ, y)`` of the full data at each draw's latent sites, with the model's enumerated discrete sites that
+    the draws do not hold summed out (:mod:`~numpyro_fedvi.enumeration`; ``info``: found by an abstract trace when
+    not given)."""
     model_f = full_data(model)
-    return jax.lax.map(lambda d: log_density(model_f, args, kwargs, {k: v for k, v in d.items()
-                                                                     if not k.startswith("_")})[0], draws)
+    if info is None:
+        info = enum_info(model_f, args, kwargs, provided=_latent(jax.tree.map(lambda v: v[0], draws)))
+    density = log_density_fn(info)
+    return jax.lax.map(lambda d: density(model_f, args, kwargs, _latent(d)), draws)
 
 
 def importance_log_weights(model, guide, params, draws, args=(), kwargs=None):
@@ -123,17 +132,18 @@ def pareto_k_hat(log_weights) -> float:
         from arviz_stats.base import array_stats   # imported on use: arviz_stats takes ~0.5 s to import
 
         return float(array_stats.psislw(-log_weights)[1])  # psislw smooths the NEGATED input (loo's convention)
-    except ValueError:  # too few draws for a Pareto tail (fewer than 5 in the tail: S < 25)
+    except (ValueError, IndexError):  # too few draws for a Pareto tail (fewer than 5 in the tail: S < 25)
         return float("nan")
 
 
 def _observed_sites(model, latent_draw, key, args, kwargs):
+    """``(latent names, observed values, deterministic names, EnumInfo)`` from one trace at a guide draw."""
     tr = handlers.trace(handlers.seed(handlers.substitute(full_data(model), data=latent_draw), key)).get_trace(
         *args, **kwargs)
     latent = {n for n, s in tr.items() if s["type"] == "sample" and not s["is_observed"]}
     observed = {n: s["value"] for n, s in tr.items() if s["type"] == "sample" and s["is_observed"] and not is_factor(s)}
     deterministic = [n for n, s in tr.items() if s["type"] == "deterministic"]
-    return latent, observed, deterministic
+    return latent, observed, deterministic, enum_info_of_trace(tr, latent_draw)
 
 
 def to_datatree(engine, result, *args, num_samples: int = 1000, rng_key=None, log_likelihood_group: bool = True,
@@ -156,13 +166,13 @@ def to_datatree(engine, result, *args, num_samples: int = 1000, rng_key=None, lo
     k_draw, k_trace, k_pred = random.split(key, 3)
 
     draws, log_q = _guide_draws(guide, params, num_samples, k_draw, args, kwargs)
-    first = {k: v[0] for k, v in draws.items() if not k.startswith("_")}
-    latent_names, observed, deterministic = _observed_sites(model, first, k_trace, args, kwargs)
+    first = _latent({k: v[0] for k, v in draws.items()})
+    latent_names, observed, deterministic, info = _observed_sites(model, first, k_trace, args, kwargs)
     posterior = {k: v for k, v in draws.items() if k in latent_names}
     if deterministic:  # e.g. the centred site of a LocScaleReparam, transformed parameters
         posterior.update(Predictive(full_data(model), posterior_samples=posterior, return_sites=deterministic)(
             k_pred, *args, **kwargs))
-    lp = _log_joint(model, args, kwargs, draws)
+    lp = _log_joint(model, args, kwargs, draws, info)
     log_w = np.asarray(lp - log_q, np.float64)
     pareto_k = pareto_k_hat(log_w)
 
@@ -175,7 +185,8 @@ def to_datatree(engine, result, *args, num_samples: int = 1000, rng_key=None, lo
         "observed_data": {k: np.asarray(v) for k, v in observed.items()},
     }
     if log_likelihood_group and observed:
-        pointwise = log_likelihood(full_data(model), posterior, *args, **kwargs)
+        model_f = full_data(model)
+        pointwise = jax.lax.map(lambda d: pointwise_log_likelihood(model_f, info, args, kwargs, d), posterior)
         groups["log_likelihood"] = chain({k: v for k, v in pointwise.items() if k in observed})  # no factor terms
     if posterior_predictive and observed:
         pred = Predictive(resample_observed(full_data(model)), posterior_samples=posterior,

@@ -30,11 +30,11 @@ import numpy as np
 import optax
 from jax import lax, random
 from numpyro import handlers
-from numpyro.infer.util import potential_energy
 
 from .inputs import InputJit, check_positive, check_static_kwargs, is_real_number, prepare_inputs, split_inputs
 from .runner import EarlyStopping, RunResult, revert_non_finite, run_loop, tree_all_finite
 from .schedules import batch_growth, constant, dynamic_batching, theorem4
+from .enumeration import enum_info, potential_fn
 from .guides import apply_scale, log_abs_det_scale
 from .whitening import WhitenedState, make_whitened_step, project_scale, whitened_init, whitened_params
 
@@ -317,10 +317,14 @@ class MPSGD:
 
     # setup ------------------------------------------------------------------------------------------
     def _potential(self, args, kwargs):
+        """``f(x, key)``: the model's potential energy at the guide's unconstrained point ``x`` (``key`` seeds the
+        model's own draws, e.g. its plate's minibatch), with the enumerated discrete sites that the guide does not
+        sample summed out (:mod:`~numpyro_fedvi.enumeration`, found at set-up)."""
         kwargs = {**kwargs, **self.static_kwargs}
+        energy = potential_fn(self._enum)
 
         def potential(x, key):
-            return potential_energy(handlers.seed(self.model, key), args, kwargs, self.guide._unpack_latent(x))
+            return energy(handlers.seed(self.model, key), args, kwargs, self.guide._unpack_latent(x))
 
         return potential
 
@@ -342,6 +346,8 @@ class MPSGD:
         self.dim, self.scale_type, self.base = guide.latent_dim, guide.scale_type, guide.base
         self.kurtosis = float(self.base.kurtosis)
         self._init_loc = tr[guide.loc_name]["value"]
+        self._enum = enum_info(self.model, args, {**kwargs, **self.static_kwargs},
+                               provided=guide._unpack_latent(self._init_loc))
         self.default_num_steps = None
         if self.adaptive:
             self._num_particles = int(self.num_particles or 2 * self.dim)

@@ -99,13 +99,14 @@ class _PinLocal(Messenger):
 
 
 def block_loss_fn(elbo, model, guide, structure: ModelStructure, static_kwargs: dict | None = None) -> Callable:
-    """Return ``loss(rng_key, global_unc, local_rows_unc, idx, mask, weight, args, kwargs, local_weight=1.0)``.
+    """Return ``loss(rng_key, global_unc, local_rows_unc, idx, mask, weight, args, kwargs)``.
 
     ``global_unc``: unconstrained global params; ``local_rows_unc``: canonical (rows-first) unconstrained
     local params of the block's ``P = len(idx)`` rows; ``idx``: data indices (padded), ``mask``: real
-    entries; ``weight``: the weight of the global terms (``|b|/N`` for a PD-VI block); ``local_weight``: how many
-    times each real row's terms count (1 for a PD-VI block; ``N/|b|`` for a client's unbiased estimate of the
-    full-data negative ELBO).
+    entries; ``weight``: the weight of the global terms (``|b|/N`` for a PD-VI block; a client's unbiased estimate
+    of the full-data negative ELBO is ``(N/|b|)·loss`` with ``weight = |b|/N``, :func:`client_loss_from_blocks`).
+    Each real row's terms count once, with a Python-number scale (``TraceEnum_ELBO`` needs one on the sites it
+    enumerates).
 
     Two paths, chosen by how the model declares its data plate:
     - subsampled plate (``plate("data", N, subsample_size=...)``): the block's indices are pinned on the plate of
@@ -122,13 +123,13 @@ def block_loss_fn(elbo, model, guide, structure: ModelStructure, static_kwargs: 
     plate = structure.data_plate
     static_kwargs = dict(static_kwargs or {})
 
-    def on_block(fn, rng_key, global_unc, local_rows_unc, idx, mask, weight, args, kwargs, local_weight):
+    def on_block(fn, rng_key, global_unc, local_rows_unc, idx, mask, weight, args, kwargs):
         """``fn(rng_key, constrained global params, model, guide, *args, **kwargs)`` with model and guide restricted
         to the block (``elbo_loss`` for the loss, ``elbo.freeze`` for its draws)."""
         params = structure.constrain_global(global_unc)
         if plate.subsampled:
             local = structure.constrain_local(local_rows_unc)
-            site_mask, local_scale = mask, local_weight * idx.shape[0] / plate.size  # undoes the plate's N/|b|
+            site_mask, local_scale = mask, idx.shape[0] / plate.size  # undoes the plate's N/|b|
             pinned = {plate.name: idx}
             m, g = handlers.substitute(model, data=pinned), handlers.substitute(guide, data=pinned)
         else:
@@ -136,22 +137,21 @@ def block_loss_fn(elbo, model, guide, structure: ModelStructure, static_kwargs: 
             site_mask = jnp.zeros(plate.size, jnp.int32).at[target].add(1, mode="drop") > 0
             full = {k: jnp.zeros((plate.size,) + v.shape[1:], v.dtype).at[target].set(v, mode="drop")
                     for k, v in local_rows_unc.items()}
-            local, local_scale, m, g = structure.constrain_local(full), local_weight, model, guide
+            local, local_scale, m, g = structure.constrain_local(full), 1.0, model, guide
         m = _BlockScale(_PinLocal(m, local), plate.name, site_mask, local_scale, weight)
         g = _BlockScale(_PinLocal(g, local), plate.name, site_mask, local_scale, weight)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="subsample_size does not match")
             return fn(rng_key, params, m, g, *args, **kwargs, **static_kwargs)
 
-    def loss(rng_key, global_unc, local_rows_unc, idx, mask, weight, args, kwargs, local_weight=1.0):
+    def loss(rng_key, global_unc, local_rows_unc, idx, mask, weight, args, kwargs):
         return on_block(lambda *a, **kw: elbo_loss(elbo, *a, **kw), rng_key, global_unc, local_rows_unc, idx, mask,
-                        weight, args, kwargs, local_weight)
+                        weight, args, kwargs)
 
-    def freeze(rng_key, global_unc, local_rows_unc, idx, mask, weight, args, kwargs, local_weight=1.0):
+    def freeze(rng_key, global_unc, local_rows_unc, idx, mask, weight, args, kwargs):
         if not hasattr(elbo, "freeze"):
             return rng_key
-        return on_block(elbo.freeze, rng_key, global_unc, local_rows_unc, idx, mask, weight, args, kwargs,
-                        local_weight)
+        return on_block(elbo.freeze, rng_key, global_unc, local_rows_unc, idx, mask, weight, args, kwargs)
 
     loss.freeze = freeze
     return loss
@@ -191,11 +191,13 @@ def client_loss_fn(elbo, model, guide, structure, data_plate: str, num_total: in
 
     def loss(rng_key, theta, rows, mask, *_):
         scale = num_total / jnp.maximum(jnp.sum(mask), 1)
-        m = _BlockScale(model, data_plate, mask, scale, 1.0)
-        g = _BlockScale(guide, data_plate, mask, scale, 1.0)
+        # scale · (data-plate terms + global terms / scale): the traced factor stays off the data-plate sites, whose
+        # scale TraceEnum_ELBO needs as a Python number (it marginalises enumerated local latents there)
+        m = _BlockScale(model, data_plate, mask, 1.0, 1.0 / scale)
+        g = _BlockScale(guide, data_plate, mask, 1.0, 1.0 / scale)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="subsample_size does not match")
-            return elbo_loss(elbo, rng_key, structure.constrain_global(theta), m, g, rows, *args, **kwargs)
+            return scale * elbo_loss(elbo, rng_key, structure.constrain_global(theta), m, g, rows, *args, **kwargs)
 
     return loss
 
@@ -214,6 +216,8 @@ def client_loss_from_blocks(block_loss: Callable, num_total: int, args=(), kwarg
 
     def loss(rng_key, theta, idx, mask, *_):
         local_weight = num_total / jnp.maximum(jnp.sum(mask), 1)
-        return block_loss(rng_key, theta, {}, idx, mask, 1.0, args, kwargs, local_weight=local_weight)
+        # local_weight · (block terms + global terms / local_weight), as client_loss_fn: no traced scale on the
+        # data-plate sites (TraceEnum_ELBO needs theirs as a Python number)
+        return local_weight * block_loss(rng_key, theta, {}, idx, mask, 1.0 / local_weight, args, kwargs)
 
     return loss
