@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from numpyro import handlers
 from numpyro.infer.util import log_density, potential_energy
 
+from .inputs import merge_inputs, split_inputs
 from .structure import is_factor
 
 __all__ = ["EnumInfo", "enum_info", "enum_info_of_trace", "log_density_fn", "pointwise_log_likelihood", "potential_fn"]
@@ -42,13 +43,15 @@ def enum_info(model, args, kwargs, provided: Iterable[str] = ()) -> EnumInfo:
     """The enumerated sites of ``model`` outside ``provided`` (the guide's sample sites) and its plate nesting, from
     one ABSTRACT trace (``jax.eval_shape``: no compilation, no FLOPs)."""
     found = []
+    arrays, static = split_inputs((args, kwargs))  # numbers and strings stay Python values (e.g. sizes)
 
-    def trace(args, kwargs):
-        tr = handlers.trace(handlers.seed(model, 0)).get_trace(*args, **kwargs)
+    def trace(arrays):
+        args_, kwargs_ = merge_inputs(arrays, static)
+        tr = handlers.trace(handlers.seed(model, 0)).get_trace(*args_, **kwargs_)
         found.append(enum_info_of_trace(tr, provided))
         return 0
 
-    jax.eval_shape(trace, args, kwargs)
+    jax.eval_shape(trace, arrays)
     return found[0]
 
 

@@ -328,15 +328,29 @@ class MPSGD:
 
         return potential
 
+    @staticmethod
+    def _shapes_key(args, kwargs, *extra):
+        arrays, static = split_inputs((args, kwargs))
+        return (static, tuple((a.shape, str(a.dtype)) for a in arrays), *extra)
+
     def _smoothness(self, rng_key, args, kwargs, init_loc) -> float:
         """``smoothness="auto"``: estimated once per input shapes (and static inputs), then cached on the engine."""
         if self.smoothness != "auto":
             return float(self.smoothness)
-        arrays, static = split_inputs((args, kwargs))
-        key = (static, tuple((a.shape, str(a.dtype)) for a in arrays), tuple(init_loc.shape))
+        key = self._shapes_key(args, kwargs, tuple(init_loc.shape))
         cache = self.__dict__.setdefault("_smoothness_cache", {})
         if key not in cache:
             cache[key], _ = estimate_smoothness(self._potential(args, kwargs), init_loc, key=rng_key)
+        return cache[key]
+
+    def _enum_info(self, args, kwargs):
+        """The model's enumerated sites that the guide does not sample (:mod:`~numpyro_fedvi.enumeration`): one
+        abstract trace per input shapes, cached on the engine."""
+        key = self._shapes_key(args, kwargs)
+        cache = self.__dict__.setdefault("_enum_cache", {})
+        if key not in cache:
+            cache[key] = enum_info(self.model, args, {**kwargs, **self.static_kwargs},
+                                   provided=self.guide._unpack_latent(self._init_loc))
         return cache[key]
 
     def _setup(self, rng_key, args, kwargs):
@@ -346,8 +360,7 @@ class MPSGD:
         self.dim, self.scale_type, self.base = guide.latent_dim, guide.scale_type, guide.base
         self.kurtosis = float(self.base.kurtosis)
         self._init_loc = tr[guide.loc_name]["value"]
-        self._enum = enum_info(self.model, args, {**kwargs, **self.static_kwargs},
-                               provided=guide._unpack_latent(self._init_loc))
+        self._enum = self._enum_info(args, kwargs)
         self.default_num_steps = None
         if self.adaptive:
             self._num_particles = int(self.num_particles or 2 * self.dim)
