@@ -20,7 +20,7 @@ from .core import (
 from .dictionary import dictionary_learning, lasso_codes, make_dictionary_data
 from .engine import SASSMM, FedMM, with_projection
 from .families import gmm_map_em, remark1_toy
-from .fedsvi import FedSVI, quadratic_family
+from .fedsvi import FedSVI, default_server_optimizer, quadratic_family
 from .jensen import jensen_em
 from .poisson import poisson_log_marginal, poisson_map_em, poisson_posterior_exp_h
 
@@ -37,6 +37,7 @@ __all__ = [
     "bayesian_gmm_vi",
     "box_prox",
     "compose_prox",
+    "default_server_optimizer",
     "dictionary_learning",
     "fedmm_direction",
     "fedmm_init",
