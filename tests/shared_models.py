@@ -61,3 +61,13 @@ def random_effects_guide(x, batch=None):
     with numpyro.plate("data", x.shape[0], subsample_size=batch):
         a = numpyro.param("a", jnp.zeros(x.shape[0]), event_dim=0)
         numpyro.sample("theta", dist.Normal(a, 0.4))
+
+
+def enumerated_mixture(x):
+    """The textbook ``TraceEnum_ELBO`` mixture: two Gaussian components with unit noise, assignments ``z``
+    enumerated in the model (a guide is built on ``handlers.block(enumerated_mixture, hide=["z"])``)."""
+    w = numpyro.sample("w", dist.Dirichlet(jnp.ones(2)))
+    locs = numpyro.sample("locs", dist.Normal(0.0, 5.0).expand([2]).to_event(1))
+    with numpyro.plate("data", x.shape[0]):
+        z = numpyro.sample("z", dist.Categorical(w), infer={"enumerate": "parallel"})
+        numpyro.sample("x", dist.Normal(locs[z], 1.0), obs=x)

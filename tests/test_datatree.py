@@ -22,6 +22,7 @@ from scipy.stats import multivariate_normal
 
 import numpyro_fedvi as nfv
 from numpyro_fedvi.datatree import full_data, importance_log_weights, pareto_k_hat
+from shared_models import enumerated_mixture
 
 N, B = 40, 8
 X = jnp.asarray(np.random.default_rng(0).normal(1.0, 1.0, size=N), jnp.float32)
@@ -227,14 +228,6 @@ def test_factor_terms_are_not_observations():
 XM = jnp.concatenate([jnp.linspace(-3.0, -1.0, 6), jnp.linspace(1.0, 3.5, 9)])
 
 
-def mixture(x):
-    w = numpyro.sample("w", dist.Dirichlet(jnp.ones(2)))
-    locs = numpyro.sample("locs", dist.Normal(0.0, 5.0).expand([2]).to_event(1))
-    with numpyro.plate("data", x.shape[0]):
-        z = numpyro.sample("z", dist.Categorical(w), infer={"enumerate": "parallel"})
-        numpyro.sample("x", dist.Normal(locs[z], 1.0), obs=x)
-
-
 def mixture_guide(x):
     numpyro.sample("w", dist.Dirichlet(numpyro.param("a", jnp.array([6.0, 9.0]), constraint=constraints.positive)))
     numpyro.sample("locs", dist.Normal(numpyro.param("m", jnp.array([-2.0, 2.2])), 0.3).to_event(1))
@@ -247,7 +240,7 @@ def test_enumerated_latents_are_summed_out():
     from scipy.special import logsumexp
     from scipy.stats import dirichlet, norm
 
-    dt = nfv.to_datatree(types.SimpleNamespace(model=mixture, guide=mixture_guide), {"a": jnp.array([6.0, 9.0]),
+    dt = nfv.to_datatree(types.SimpleNamespace(model=enumerated_mixture, guide=mixture_guide), {"a": jnp.array([6.0, 9.0]),
                          "m": jnp.array([-2.0, 2.2])}, XM, num_samples=20)
     w = np.asarray(dt.posterior["w"], np.float64)[0]          # (S, 2)
     locs = np.asarray(dt.posterior["locs"], np.float64)[0]    # (S, 2)

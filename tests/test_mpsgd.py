@@ -28,6 +28,7 @@ from shared_models import LG_D as D
 from shared_models import LG_MEAN as MEAN
 from shared_models import LG_PREC as PREC
 from shared_models import LG_Y as Y
+from shared_models import enumerated_mixture as mixture
 from shared_models import linear_gaussian as model
 
 L_TRUE = float(np.linalg.eigvalsh(PREC).max())
@@ -295,13 +296,6 @@ def test_enumerated_latents_are_summed_out_of_the_potential():
     ``potential_fn``): the same at any key (the assignments are summed out, not drawn), and the fit finds both
     components (drawing z from its prior, the potential pulled both means to the middle: 0.04 and 0.01)."""
     from numpyro.infer.util import initialize_model
-
-    def mixture(x):
-        w = numpyro.sample("w", dist.Dirichlet(jnp.ones(2)))
-        locs = numpyro.sample("locs", dist.Normal(0.0, 5.0).expand([2]).to_event(1))
-        with numpyro.plate("data", x.shape[0]):
-            z = numpyro.sample("z", dist.Categorical(w), infer={"enumerate": "parallel"})
-            numpyro.sample("x", dist.Normal(locs[z], 1.0), obs=x)
 
     x = jnp.concatenate([jnp.linspace(-3.0, -1.0, 20), jnp.linspace(1.0, 3.0, 20)])
     engine = MPSGD(mixture, AutoLocationScale(numpyro.handlers.block(mixture, hide=["z"])))

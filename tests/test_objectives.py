@@ -16,6 +16,7 @@ from numpyro.infer import Trace_ELBO, TraceEnum_ELBO, TraceGraph_ELBO, TraceMean
 
 from numpyro_fedvi.objectives import block_loss_fn, full_loss_fn
 from numpyro_fedvi.structure import inspect_model, make_partitions
+from shared_models import enumerated_mixture
 
 # ----------------------------------------------------------------------------------------------------------
 # a small GMM with guide-side enumerated local assignments (TraceEnum_ELBO: the loss is deterministic given
@@ -333,14 +334,6 @@ def test_pytree_param_blocks_sum_to_numpyro_loss_exactly():
 # ----------------------------------------------------------------------------------------------------------
 # clients (federated engines): model-side enumerated assignments, the textbook TraceEnum_ELBO mixture
 # ----------------------------------------------------------------------------------------------------------
-def _mixture_model(x):
-    w = numpyro.sample("w", dist.Dirichlet(jnp.ones(2)))
-    locs = numpyro.sample("locs", dist.Normal(0.0, 5.0).expand([2]).to_event(1))
-    with numpyro.plate("data", x.shape[0]):
-        z = numpyro.sample("z", dist.Categorical(w), infer={"enumerate": "parallel"})
-        numpyro.sample("x", dist.Normal(locs[z], 1.0), obs=x)
-
-
 @pytest.mark.parametrize("layer", ["blocks", "rows"])
 def test_enumerating_clients_sum_to_the_full_loss(layer):
     """A client's loss is its unbiased share of the full-data negative ELBO (data-plate terms × N/N_i, global
@@ -353,16 +346,16 @@ def test_enumerating_clients_sum_to_the_full_loss(layer):
 
     x = jnp.concatenate([random.normal(random.key(1), (7,)) - 2.0, random.normal(random.key(2), (5,)) + 2.0])
     ids = [np.arange(0, 4), np.arange(4, 12)]
-    guide = AutoDelta(numpyro.handlers.block(_mixture_model, hide=["z"]))
-    st = inspect_model(_mixture_model, guide, random.key(0), (x,))
+    guide = AutoDelta(numpyro.handlers.block(enumerated_mixture, hide=["z"]))
+    st = inspect_model(enumerated_mixture, guide, random.key(0), (x,))
     theta = {k: v + 0.3 for k, v in st.init_global.items()}
     elbo = TraceEnum_ELBO()
-    full = elbo.loss(random.key(3), st.constrain_global(theta), _mixture_model, guide, x)
+    full = elbo.loss(random.key(3), st.constrain_global(theta), enumerated_mixture, guide, x)
     if layer == "blocks":
-        loss = client_loss_from_blocks(block_loss_fn(elbo, _mixture_model, guide, st), x.shape[0], (x,), {})
+        loss = client_loss_from_blocks(block_loss_fn(elbo, enumerated_mixture, guide, st), x.shape[0], (x,), {})
         values = [jax.jit(loss)(random.key(3), theta, jnp.asarray(i), jnp.ones(len(i), bool)) for i in ids]
     else:
-        loss = client_loss_fn(elbo, _mixture_model, guide, st, "data", x.shape[0])
+        loss = client_loss_fn(elbo, enumerated_mixture, guide, st, "data", x.shape[0])
         values = [jax.jit(loss)(random.key(3), theta, x[i], jnp.ones(len(i), bool)) for i in ids]
     weights = [len(i) / x.shape[0] for i in ids]
     np.testing.assert_allclose(sum(w * v for w, v in zip(weights, values)), full, rtol=1e-5)
