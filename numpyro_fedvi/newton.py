@@ -29,6 +29,9 @@ import jax
 import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
+from .precise import einsum as _einsum
+from .precise import matmul as _matmul
+
 __all__ = ["arrow_hessian", "newton_direction", "newton_solve", "schur_diagonal"]
 
 TRIAL_STEPS = (1.0, 0.5, 0.2, 0.05)
@@ -85,7 +88,7 @@ def _abs_inverse(M, rel_floor: float = 1e-6, abs_floor: float = 1e-12):
     mag = jnp.abs(vals)
     floor = rel_floor * jnp.max(mag, axis=-1, keepdims=True) + abs_floor
     inv = 1.0 / jnp.maximum(mag, floor)
-    return (vecs * inv[..., None, :]) @ jnp.swapaxes(vecs, -1, -2)
+    return _matmul(vecs * inv[..., None, :], jnp.swapaxes(vecs, -1, -2))
 
 
 def _cholesky_unrolled(M):
@@ -133,7 +136,7 @@ def _row_inverse(D, rel_floor: float = 1e-6, abs_floor: float = 1e-12):
         ok = jnp.all(jnp.isfinite(plain), (-2, -1)) & jnp.all(pivots > floor[:, None], -1)
         L = jnp.where(ok[:, None, None], plain, jnp.linalg.cholesky(D + shift[:, None, None] * eye))
         Linv = jax.scipy.linalg.solve_triangular(L, jnp.broadcast_to(eye, D.shape), lower=True)
-        return jnp.swapaxes(Linv, -1, -2) @ Linv
+        return _matmul(jnp.swapaxes(Linv, -1, -2), Linv)
     L, pivot = _cholesky_unrolled(D)
     ok = pivot > floor
     Ls, _ = _cholesky_unrolled(D + jnp.where(ok, 0.0, shift)[:, None, None] * eye)
@@ -147,18 +150,18 @@ def _row_inverse(D, rel_floor: float = 1e-6, abs_floor: float = 1e-12):
 def schur_diagonal(A, Bt, D):
     """Diagonal of the Schur complement ``A − Σ_i B_i D̃_i⁻¹ B_iᵀ`` (``D̃_i`` as in the Newton step)."""
     Dinv = _row_inverse(D)
-    return jnp.diag(A) - jnp.einsum("pkj,pkl,plj->j", Bt, Dinv, Bt)
+    return jnp.diag(A) - _einsum("pkj,pkl,plj->j", Bt, Dinv, Bt)
 
 
 def newton_direction(grad_g, grad_R, A, Bt, D):
     """Solve ``H̃ (dg, dR) = −(grad_g, grad_R)``: ``H̃`` is the arrow Hessian with each ``D_i`` made positive definite
     (``_row_inverse``) and the Schur complement ``S`` replaced by ``|S|`` (eigenvalues in absolute value, floored)."""
     Dinv = _row_inverse(D)                                         # (P, d_loc, d_loc)
-    DinvB = Dinv @ Bt                                              # (P, d_loc, d_g)
-    S = A - jnp.einsum("pkj,pkl->jl", Bt, DinvB)
-    rhs = grad_g - jnp.einsum("pkj,pk->j", DinvB, grad_R)
-    dg = -_abs_inverse(S) @ rhs
-    dR = -jnp.einsum("pkl,pl->pk", Dinv, grad_R + Bt @ dg)
+    DinvB = _matmul(Dinv, Bt)                                          # (P, d_loc, d_g)
+    S = A - _einsum("pkj,pkl->jl", Bt, DinvB)
+    rhs = grad_g - _einsum("pkj,pk->j", DinvB, grad_R)
+    dg = -_matmul(_abs_inverse(S), rhs)
+    dR = -_einsum("pkl,pl->pk", Dinv, grad_R + _matmul(Bt, dg))
     return dg, dR
 
 

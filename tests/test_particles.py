@@ -503,3 +503,26 @@ def test_pdvi_particle_floor_on_small_data():
     whole = ((jnp.ones((30, 3)), jnp.ones(4)), {"y": jnp.ones(30), "n": 7})
     part = ((jnp.ones((10, 3)), jnp.ones(4)), {"y": jnp.ones(10), "n": 7})
     assert pdvi.data_elements(*whole, 30, 30) == pdvi.data_elements(*part, 10, 30) == 30 * 4 + 4
+
+
+def test_a_draw_in_the_span_of_the_global_draws_gets_a_valid_direction():
+    """A local row whose draws lie in the span of the global draws (up to rounding) has no residual to normalise:
+    it divided 0 by 0 (NaN; met on a GPU at N = 1e7, where 10⁸ row draws make it likely).  It takes a fixed
+    antisymmetric direction orthogonal to the global draws instead: every row keeps mean 0, second moment 1, cross
+    moments 0 with the globals and antithetic pairs; the other rows are untouched."""
+    from numpyro_fedvi.particles import _project_and_whiten
+
+    S = 8
+    glob = controlled_normals(random.key(0), S, (1, 3), "orthogonal")        # (S, 1, 3): three global coordinates
+    z = controlled_normals(random.key(1), S, (5, 2), "orthogonal")           # (S, 5 rows, 2 coordinates)
+    z = z.at[:, 2, 0].set(glob[:, 0, 1] * 1.5).at[:, 4, 1].set(glob[:, 0, 0] - glob[:, 0, 2])  # in their span
+    out = np.asarray(_project_and_whiten(z, glob.repeat(5, 1), S // 2), np.float64)
+    assert np.all(np.isfinite(out))
+    g = np.asarray(glob, np.float64)[:, 0]
+    np.testing.assert_allclose(out.mean(0), 0.0, atol=1e-5)
+    np.testing.assert_allclose((out**2).mean(0), 1.0, atol=1e-5)
+    np.testing.assert_allclose(np.einsum("sc,slm->lmc", g, out) / S, 0.0, atol=5e-5)
+    np.testing.assert_allclose(out[: S // 2], -out[S // 2:], atol=5e-5)  # float32 whitening
+    plain = np.asarray(_project_and_whiten(z.at[:, 2, 0].set(z[:, 3, 0]).at[:, 4, 1].set(z[:, 3, 1]),
+                                           glob.repeat(5, 1), S // 2), np.float64)
+    np.testing.assert_allclose(out[:, [0, 1, 3]], plain[:, [0, 1, 3]], atol=1e-6)   # the other rows untouched
