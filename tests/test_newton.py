@@ -261,3 +261,37 @@ def test_prox_solve_with_newton_returns_the_block_loss_without_the_penalty():
     lam, rows, value = prox_solve(block_loss, lam0, mu, eta, {"r": R}, "newton", 3)
     assert float(jnp.max(jnp.abs(lam["g"] - g))) > 1e-3           # the penalty is not zero at the solution
     np.testing.assert_allclose(value, block_loss(lam, rows), rtol=1e-10)
+
+
+def _dot_precisions(closed_jaxpr):
+    """The ``precision`` of every dot_general in a jaxpr and its sub-jaxprs."""
+    out = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                out.append(eqn.params["precision"])
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (tuple, list)) else (value,):
+                    if hasattr(sub, "eqns"):
+                        walk(sub)
+                    elif hasattr(sub, "jaxpr") and hasattr(sub.jaxpr, "eqns"):
+                        walk(sub.jaxpr)
+
+    walk(closed_jaxpr.jaxpr)
+    return out
+
+
+def test_newton_and_draw_contractions_ask_for_full_float32():
+    """The Newton step's contractions over a block's rows and the controlled draws' projections request full float32
+    (``numpyro_fedvi.precise``): a GPU's default runs them with reduced-precision passes."""
+    from numpyro_fedvi.particles import _project_and_whiten
+
+    P_, d_loc, d_g = 6, 2, 3
+    jaxpr = jax.make_jaxpr(newton_direction)(jnp.ones(d_g), jnp.ones((P_, d_loc)), jnp.eye(d_g),
+                                             jnp.ones((P_, d_loc, d_g)), jnp.tile(jnp.eye(d_loc), (P_, 1, 1)))
+    precisions = _dot_precisions(jaxpr)
+    precisions += _dot_precisions(jax.make_jaxpr(lambda z, o: _project_and_whiten(z, o, 4))(
+        jnp.ones((8, 5, 2)), jnp.ones((8, 5, 3))))
+    full = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)
+    assert len(precisions) >= 8 and all(p == full for p in precisions), precisions
