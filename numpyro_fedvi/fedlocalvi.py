@@ -3,8 +3,7 @@
 The model is the user's SVI model, unchanged (DESIGN.md "The model contract"); the clients are blocks of its data
 plate, given like PD-VI's ``partitions=``::
 
-    FedLocalVI(model, guide, Trace_ELBO(), clients=site_ids, method="local_sgd", local_steps=5,
-               step_size=1e-3).run(key, num_rounds, X, y)
+    FedLocalVI(model, guide, Trace_ELBO(), clients=site_ids, method="local_sgd").run(key, num_rounds, X, y)
 
 Client ``m`` holds the rows ``D_m`` (``N_m`` of ``N``).  Its operator is the gradient, in the guide's unconstrained
 GLOBAL params θ, of its share of the federated negative ELBO (``objectives.client_loss_from_blocks`` — or
@@ -32,8 +31,10 @@ import numpy as np
 from jax import random
 from numpyro.infer import Trace_ELBO
 
+from . import preconditioning as _pre
 from . import sharding as _sharding
 from . import vi_solvers as vs
+from .curvature import diag_hessian
 from .federated import ClientData, check_clients, client_minibatch
 from .fedmm.engine import strong_types
 from .inputs import InputJit, check_static_kwargs, prepare_inputs, prepare_value
@@ -47,6 +48,11 @@ __all__ = ["METHODS", "FedLocalVI"]
 METHODS = ("local_sgd", "lesgd", "lippax", "slippax", "local_dual_averaging")
 _CRN_FOLD = 0x5EED  # fold of the state key that gives the fixed Monte-Carlo key (crn=True)
 _EVAL_FOLD = 0xE7A1  # fold that gives the key of the reported loss (the same every round: comparable losses)
+_FISHER_FOLD = 0xF15E  # fold of the state key that gives the guide's Fisher draws (fixed: D(θ) deterministic)
+_CURVATURE_FOLD = 0xC0A7  # fold (then the round) that gives the Monte-Carlo key of a step_size="auto" refresh
+# step_size="auto": η = STEP_SCALE / λ̂ (λ̂: the largest eigenvalue of a client's preconditioned Hessian).  0.5 left
+# one of five eight-schools seeds with a non-finite estimate after a log-scale collapsed; 0.25 none (README)
+STEP_SCALE = 0.25
 
 
 def _positive_float(value, name: str) -> float:
@@ -81,8 +87,7 @@ class FedLocalVI:
     **The user's model, unchanged** (the same ``model(X, y)`` as for ``numpyro.infer.SVI``, observations in a data
     plate ``numpyro.plate("data", N)`` with or without ``subsample_size``)::
 
-        engine = FedLocalVI(model, guide, Trace_ELBO(), clients=site_ids, method="local_sgd", local_steps=5,
-                            step_size=1e-3)
+        engine = FedLocalVI(model, guide, Trace_ELBO(), clients=site_ids, method="local_sgd")
         result = engine.run(random.key(0), 300, X, y)
         Predictive(model, guide=guide, params=result.params, num_samples=1000)(random.key(1), X, y)
 
@@ -103,9 +108,17 @@ class FedLocalVI:
     :param clients: client ids / index arrays of the data plate, or a ClientData (see above).
     :param num_clients: M contiguous clients (instead of ``clients``).
     :param method: ``"local_sgd"``, ``"lesgd"``, ``"lippax"``, ``"slippax"`` or ``"local_dual_averaging"``.
-    :param local_steps: K, local steps per round.
-    :param step_size: η (on the full-data negative ELBO: η ≤ 1/L of ``F``; see ``vi_solvers.theory_step_size``).
-    :param L: Lipschitz constant of ∇F for (S)LIPPAX's inner step γ = η/(1+ηL)²; default ``1/step_size`` (η = 1/L).
+    :param local_steps: K, local steps per round (default 5).
+    :param step_size: ``"auto"`` (default): the solver runs on the preconditioned operator
+        ``η D(θ) V_m(θ)``, ``D(θ) = 1/(F(θ) + |diag ∇²F̄|)`` with ``F(θ)`` the guide's Fisher diagonal (natural-gradient
+        VI, at every call, from the guide alone) and ``∇²F̄`` the full-data curvature, and ``η = 0.25/λ̂`` (``λ̂``: the
+        largest eigenvalue of a client's ``D^{1/2}∇V_m D^{1/2}``, up to 8 evenly spaced clients) — ``∇²F̄`` and η
+        re-estimated after rounds 1, 2, 4, 8, … (:mod:`numpyro_fedvi.preconditioning`); a round that leaves non-finite
+        values is not taken and halves η.  Same zeros as the plain operator (a positive diagonal rescaling, equal on
+        every client at one θ).  A float: the paper's constant η on the unconstrained params (on the full-data
+        negative ELBO: η ≤ 1/L of ``F``; see ``vi_solvers.theory_step_size``); needed over Flower and with ``prox``.
+    :param L: Lipschitz constant of ∇F for (S)LIPPAX's inner step γ = η/(1+ηL)²; default ``1/step_size`` (η = 1/L;
+        1 with ``"auto"``, whose operator is scaled to λ̂ ≤ 0.25).
     :param inner_steps: H of (S)LIPPAX, an int or ``"auto"`` = ``inner_steps_for(η, L, inner_eps)``.
     :param sigma: SLIPPAX's oracle noise level σ (smoothing radius δ = ησ/d^{1/4}); ``delta`` overrides δ.
     :param prox: local dual averaging only: ``prox(θ, s) = prox_{sφ}(θ)`` of a convex term φ on the unconstrained
@@ -140,7 +153,8 @@ class FedLocalVI:
     """
 
     def __init__(self, model, guide, loss=None, *legacy, clients=None, num_clients: int | None = None,
-                 method: str = "local_sgd", local_steps: int, step_size: float, L: float | None = None,
+                 method: str = "local_sgd", local_steps: int = 5, step_size: float | str = "auto",
+                 L: float | None = None,
                  inner_steps="auto", inner_eps: float = 1e-3, sigma: float | None = None, delta: float | None = None,
                  prox: Callable | None = None, batch_size: int | None = None, crn: bool = False,
                  output: str = "last", drift_correction: str | None = "scaffnew", control_step: float = 0.2,
@@ -160,7 +174,15 @@ class FedLocalVI:
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}.")
         self.local_steps = vs._positive_int(local_steps, "local_steps")
-        self.step_size = _positive_float(step_size, "step_size")
+        self.auto_step = isinstance(step_size, str)
+        if self.auto_step and step_size != "auto":
+            raise ValueError(f"step_size must be 'auto' or a float > 0, got {step_size!r}.")
+        if self.auto_step and prox is not None:
+            raise ValueError("prox= (a composite term on θ) takes a float step_size: its prox scale is the step in θ's "
+                             "units, which step_size='auto' rescales per coordinate.")
+        # with "auto" the step lives in the operator (η·D(θ)·V, see numpyro_fedvi.preconditioning): the solvers run
+        # the preconditioned operator with η = 1
+        self.step_size = 1.0 if self.auto_step else _positive_float(step_size, "step_size")
         self.L = 1.0 / self.step_size if L is None else _positive_float(L, "L")
         if method in ("lippax", "slippax"):
             if inner_steps == "auto":
@@ -365,13 +387,92 @@ class FedLocalVI:
         setup_key, rng_key = random.split(rng_key)
         structure = self._setup(setup_key, args, kwargs, init_params)
         z0 = strong_types(self._initial_point(structure.init_global))  # no weak types: no retrace after round 1
-        return self._place_state(self.solver.init(z0, self.num_clients, rng_key))
+        state = self._place_state(self.solver.init(z0, self.num_clients, rng_key))
+        if self.auto_step:
+            state = self._refresh(state, self._inputs(args, kwargs))
+        return state
+
+    # -- step_size="auto" (numpyro_fedvi.preconditioning) -------------------------------------------------------------
+    def refresh_rounds(self) -> list[int]:
+        """Rounds (``state.round``) after which ``step_size="auto"`` re-estimates the curvature and η: 1, 2, 4, 8, …
+        (empty with a float step size)."""
+        return [2**k for k in range(40)] if self.auto_step else []
+
+    def _guide_args(self, inputs):
+        """The guide's arguments: the model's own (blocks of its data plate) or client 0's rows (a ClientData)."""
+        cd, args, kwargs = inputs
+        if not self._plate_mode:
+            args = (jax.tree.map(lambda a: a[0], cd.data), *args)
+        return args, {**kwargs, **self.static_kwargs}
+
+    def _fisher(self, state, theta, inputs):
+        args, kwargs = self._guide_args(inputs)
+        return _pre.guide_fisher_diagonal(self.guide, self.structure.constrain_global, theta, args, kwargs,
+                                          random.fold_in(state.key, _FISHER_FOLD))
+
+    def _preconditioned(self, operator, state, inputs) -> vs.Operator:
+        """``T_m(θ) = η D(θ) V_m(θ)``, ``D(θ) = 1/(F(θ) + |H|)`` (``η``, ``H``: ``state.precond``)."""
+        eta, curvature = state.precond["eta"], state.precond["curvature"]
+
+        def preconditioned(theta, key, m):
+            scale = _pre.preconditioner(self._fisher(state, theta, inputs), curvature)
+            return jax.tree.map(lambda d, g: (eta * d * g).astype(g.dtype), scale, operator(theta, key, m))
+
+        return preconditioned
+
+    def _refresh(self, state, inputs):
+        return self._place_state(self._compiled("refresh", self._refreshed)(state, inputs))
+
+    def _refreshed(self, state, inputs):
+        """``state.precond`` re-estimated at the synchronised iterate θ̄: ``H = diag ∇²F̄(θ̄)`` (full-data negative
+        ELBO, one Monte-Carlo key), ``η = STEP_SCALE / λ̂`` with ``λ̂`` the largest eigenvalue of
+        ``D^{1/2} ∇V_m(θ̄) D^{1/2}`` over up to 8 evenly spaced clients; the control variates (operator units) are
+        rescaled from the old ``η D(θ̄)`` to the new one.  A non-finite estimate keeps the previous one."""
+        loss = self._client_loss(inputs)
+        theta = self._iterate(state, "last")
+        key = random.fold_in(random.fold_in(state.key, _CURVATURE_FOLD), state.round)
+        curvature = jax.tree.map(jnp.abs, diag_hessian(lambda t: self._objective(loss, t, key, inputs), theta,
+                                                       key=key))
+        fisher = self._fisher(state, theta, inputs)
+        scale = _pre.preconditioner(fisher, curvature)
+        raw = self._operator(loss, None, inputs[0])
+
+        def largest(m):
+            hvp = lambda v: jax.jvp(lambda t: raw(t, key, m), (theta,), (v,))[1]  # noqa: E731
+            return _pre.max_preconditioned_eigenvalue(hvp, scale, theta, random.fold_in(key, m))
+
+        units = jnp.asarray(_pre.evenly_spaced(self.num_clients))
+        lam = jnp.max(jax.lax.map(largest, units))
+        eta = STEP_SCALE / jnp.maximum(lam, _pre.FLOOR)
+        control = state.control
+        if control is not None and state.precond is not None:
+            old = _pre.preconditioner(fisher, state.precond["curvature"])
+            ratio = jax.tree.map(lambda n, o: eta * n / (state.precond["eta"] * o), scale, old)
+            control = jax.tree.map(lambda h, r: (h * r).astype(h.dtype), control, ratio)
+        dtype = jnp.result_type(*jax.tree.leaves(theta))
+        new = state._replace(control=control, precond={"eta": eta.astype(dtype), "curvature": curvature})
+        if state.precond is None:  # the initial estimate: nothing to fall back on
+            return new
+        ok = jnp.isfinite(eta) & tree_all_finite(curvature) & tree_all_finite(control)
+        return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, state)  # a non-finite estimate keeps the last
 
     def _step(self, state, inputs):
         """One round: ``(state, loss)`` with the loss at the new iterate."""
         loss = self._client_loss(inputs)
-        state, _ = self.solver.round(state, self._operator(loss, self._mc_key(state), inputs[0]))
-        return state, self._objective(loss, self._iterate(state), self._eval_key(state), inputs)
+        operator = self._operator(loss, self._mc_key(state), inputs[0])
+        if not self.auto_step:
+            state, _ = self.solver.round(state, operator)
+            return state, self._objective(loss, self._iterate(state), self._eval_key(state), inputs)
+        new, _ = self.solver.round(state, self._preconditioned(operator, state, inputs))
+        value = self._objective(loss, self._iterate(new), self._eval_key(new), inputs)
+        # step_size="auto": a round that leaves non-finite values is not taken; η halves and the counters move on
+        ok = jnp.isfinite(value) & tree_all_finite(new.z) & tree_all_finite(new.control)
+        precond = {**state.precond, "eta": state.precond["eta"] / 2}
+        kept = state._replace(step=new.step, round=new.round, precond=precond)
+        state = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, kept)
+        value = jax.lax.cond(ok, lambda: value,
+                             lambda: self._objective(loss, self._iterate(kept), self._eval_key(kept), inputs))
+        return state, value
 
     def _require_init(self):
         if self.structure is None:
@@ -383,7 +484,11 @@ class FedLocalVI:
         comparable losses)."""
         self._require_init()
         args, kwargs = prepare_inputs(args, kwargs)
-        return self._compiled("update", self._step)(self._place_state(state), self._inputs(args, kwargs))
+        inputs = self._inputs(args, kwargs)
+        state, loss = self._compiled("update", self._step)(self._place_state(state), inputs)
+        if int(state.round) in self.refresh_rounds():  # as run() does (same results)
+            state = self._refresh(state, inputs)
+        return state, loss
 
     def stable_update(self, state: vs.VIState, *args, **kwargs):
         """Like ``update`` but keeps the old iterates when the loss or the new state is not finite."""
@@ -418,7 +523,11 @@ class FedLocalVI:
             init_state = self.init(rng_key, *args, init_params=init_params, **kwargs)
         elif self.structure is None:
             self._setup(random.split(rng_key)[0], args, kwargs, init_params)
-        result = run_loop(self._step, self._place_state(init_state), num_steps, inputs=self._inputs(args, kwargs),
+        inputs = self._inputs(args, kwargs)
+        r0 = int(init_state.round)
+        end = r0 + num_steps if isinstance(num_steps, (int, np.integer)) else r0  # run_loop checks num_steps
+        hooks = [(k - r0, lambda s: self._refresh(s, inputs)) for k in self.refresh_rounds() if r0 < k <= end]
+        result = run_loop(self._step, self._place_state(init_state), num_steps, inputs=inputs, hooks=hooks,
                           get_params=self.get_params, progress_bar=progress_bar, callbacks=callbacks,
                           early_stopping=early_stopping, stable_update=stable_update, chunk_size=chunk_size,
                           desc=f"{type(self).__name__}[{self.method}]",

@@ -38,6 +38,7 @@ from .curvature import diag_hessian
 from .federated.participation import sample_without_replacement
 from .objectives import block_loss_fn, check_elbo, full_loss_fn
 from .particles import SCHEMES, ControlledDraws
+from .preconditioning import evenly_spaced
 from .inputs import InputJit, check_positive, check_static_kwargs, prepare_inputs
 from .newton import newton_solve
 from .runner import EarlyStopping, RunResult, run_loop, tree_all_finite
@@ -715,7 +716,7 @@ class PDVI:
     @staticmethod
     def curvature_units(num_units: int) -> list[int]:
         """The units whose curvature ``eta="auto"`` uses: up to 8, evenly spaced."""
-        return np.unique(np.linspace(0, num_units - 1, min(8, num_units)).astype(int)).tolist()
+        return evenly_spaced(num_units)
 
     def eta_from_curvatures(self, curvatures: dict) -> dict:
         """``η_j = c / L̂_j`` with ``L̂_j`` the max (``eta_curvature="max"``) or median (``"median"``) over the units

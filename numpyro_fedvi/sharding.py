@@ -141,7 +141,7 @@ def shard_fedmm_state(state, mesh):
 
 def shard_vi_state(state, mesh):
     """A ``vi_solvers.VIState`` (FedLocalVI): the per-client iterates ``z`` and control variates along the client
-    axis, the rest replicated."""
+    axis, the rest (the synchronised output, keys, counters, the preconditioner) replicated."""
     rest = replicate(state._replace(z=None, control=None), mesh)
     what = "the number of clients"
     return rest._replace(z=shard_rows(state.z, mesh, what=what), control=shard_rows(state.control, mesh, what=what))

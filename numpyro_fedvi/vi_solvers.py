@@ -88,7 +88,8 @@ class VIState(NamedTuple):
     (t); ``round``: rounds done; ``key``: base key (never split in place: every call folds in its indices);
     ``control``: the clients' control variates h_m of :func:`drift_corrected` (``None`` without it);
     ``clients``: the indices of the clients on the leading axis (``None``: ``0..M−1``; a client that runs its own
-    part of a round — Flower — holds ``[m]`` and draws client m's keys).
+    part of a round — Flower — holds ``[m]`` and draws client m's keys).  ``precond``: an engine's preconditioner
+    data (FedLocalVI's ``step_size="auto"``), read by its operator, never touched by the solvers (``None``: none).
     """
 
     z: Any
@@ -99,6 +100,7 @@ class VIState(NamedTuple):
     key: jax.Array
     control: Any = None
     clients: Any = None
+    precond: Any = None
 
 
 class RoundInfo(NamedTuple):

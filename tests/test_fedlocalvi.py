@@ -272,3 +272,122 @@ def test_drift_correction_reaches_the_centralised_optimum_on_sorted_sites():
         assert mean < tol and scale < tol, (K, mean, scale)
     mean, _ = errors(fit(5, None, clients=sites))
     assert mean > 0.3
+    # every default (K = 5, step_size="auto": the Fisher-and-curvature preconditioned step): the same optimum
+    auto = FedLocalVI(logistic, AutoNormal(logistic), Trace_ELBO(num_particles=4), clients=sites, crn=True)
+    mean, scale = errors(auto.run(key, 300, X, y=y, progress_bar=False).params)
+    assert mean < 0.02 and scale < 0.02, (mean, scale)
+
+
+def test_guide_fisher_diagonal_is_the_gaussian_fisher():
+    """AutoNormal's Fisher diagonal in its unconstrained params: a location's is 1/σ² exactly (moment-matched draws),
+    a softplus scale's ≈ 2(σ'/σ)² (the fourth moment of 32 draws); deterministic in the key."""
+    from numpyro_fedvi.preconditioning import guide_fisher_diagonal
+
+    guide, structure = constants().GUIDE, None
+    engine = FedLocalVI(model, guide, iid_clients(), ELBO)
+    engine.init(random.key(0))
+    structure = engine.structure
+    theta = {"w_auto_loc": jnp.array([0.3, -1.0, 2.0]), "w_auto_scale": jnp.array([-1.0, 0.0, 1.5])}
+    rows = jax.tree.map(lambda a: a[0], iid_clients().data)
+    fisher = guide_fisher_diagonal(guide, structure.constrain_global, theta, (rows,), {}, random.key(3))
+    sigma = np.asarray(SOFTPLUS(theta["w_auto_scale"]))
+    np.testing.assert_allclose(np.asarray(fisher["w_auto_loc"]), 1 / sigma**2, rtol=1e-4)
+    slope = 1 / (1 + np.exp(-np.asarray(theta["w_auto_scale"])))  # softplus'
+    ratio = np.asarray(fisher["w_auto_scale"]) / (2 * (slope / sigma) ** 2)
+    assert np.all((ratio > 0.5) & (ratio < 2.0)), ratio
+    again = guide_fisher_diagonal(guide, structure.constrain_global, theta, (rows,), {}, random.key(3))
+    assert all(np.array_equal(fisher[k], again[k]) for k in fisher)
+
+
+def test_auto_step_refreshes_rejects_non_finite_rounds_and_resumes_bitwise():
+    """step_size="auto": η and the curvature are re-estimated after rounds 1, 2, 4 (update() as run()); a round that
+    leaves non-finite values is not taken (the iterates stay, the counters move on, η halves); a resumed run is
+    bitwise the uninterrupted one."""
+    engine = FedLocalVI(model, constants().GUIDE, iid_clients(), ELBO)
+    assert engine.step_size == 1.0 and engine.local_steps == 5 and engine.refresh_rounds()[:4] == [1, 2, 4, 8]
+    state = engine.init(random.key(0))
+    etas = [float(state.precond["eta"])]
+    for _ in range(5):
+        state, loss = engine.update(state)
+        etas.append(float(state.precond["eta"]))
+    assert np.isfinite(float(loss))
+    assert etas[1] != etas[0] and etas[2] != etas[1] and etas[3] == etas[2] and etas[4] != etas[3] and etas[5] == etas[4]
+    whole = engine.run(random.key(0), 5, progress_bar=False).state
+    np.testing.assert_allclose(np.asarray(whole.precond["eta"]), etas[-1], rtol=1e-5)
+    first = engine.run(random.key(0), 3, progress_bar=False).state
+    resumed = engine.run(random.key(0), 2, init_state=first, progress_bar=False).state
+    for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(whole)):
+        assert np.array_equal(np.asarray(jax.random.key_data(a) if jnp.issubdtype(a.dtype, jax.dtypes.prng_key)
+                                         else a), np.asarray(jax.random.key_data(b)
+                                                             if jnp.issubdtype(b.dtype, jax.dtypes.prng_key) else b))
+    blown = whole._replace(precond={**whole.precond, "eta": jnp.asarray(1e30, jnp.float32)})
+    new, loss = engine.update(blown)
+    assert np.isfinite(float(loss)) and int(new.round) == int(blown.round) + 1
+    assert float(new.precond["eta"]) == float(np.float32(1e30) / 2)
+    for a, b in zip(jax.tree.leaves(new.z), jax.tree.leaves(blown.z)):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_power_method_finds_the_largest_preconditioned_eigenvalue():
+    """``λ_max(S A S)``, ``S = diag(√scale)``, of a symmetric matrix given by its products, against numpy."""
+    from numpyro_fedvi.preconditioning import max_preconditioned_eigenvalue
+
+    rng = np.random.default_rng(0)
+    B = rng.normal(size=(5, 5))
+    A = jnp.asarray(B @ B.T + np.diag([10.0, 0, 0, 0, 0]), jnp.float32)
+    theta = {"a": jnp.zeros(2), "b": jnp.zeros(3)}
+    scale = {"a": jnp.array([0.5, 2.0]), "b": jnp.array([1.0, 0.1, 3.0])}
+
+    def hvp(v):
+        flat = jnp.concatenate([v["a"], v["b"]])
+        out = A @ flat
+        return {"a": out[:2], "b": out[2:]}
+
+    s = np.sqrt(np.concatenate([np.asarray(scale["a"]), np.asarray(scale["b"])]))
+    expected = np.linalg.eigvalsh(s[:, None] * np.asarray(A) * s[None])[-1]
+    got = float(max_preconditioned_eigenvalue(hvp, scale, theta, random.key(0), num_iterations=200))
+    np.testing.assert_allclose(got, expected, rtol=1e-3)
+
+
+def test_auto_step_refresh_rescales_the_control_variates_and_keeps_a_finite_estimate():
+    """At a refresh the control variates (operator units) move from the old ``η D(θ̄)`` to the new one; an estimate
+    that is not finite (here: a NaN iterate) keeps the previous one."""
+    from numpyro_fedvi.preconditioning import preconditioner
+
+    engine = FedLocalVI(model, constants().GUIDE, iid_clients(), ELBO)
+    state = engine.run(random.key(0), 3, progress_bar=False).state
+    inputs = engine._inputs((), {})
+    new = engine._refresh(state, inputs)  # compiled, as run() calls it
+    theta = engine._iterate(state, "last")
+    fisher = engine._fisher(state, theta, inputs)
+    old_d, new_d = (preconditioner(fisher, p["curvature"]) for p in (state.precond, new.precond))
+    for k in state.control:
+        expected = state.control[k] * (new.precond["eta"] * new_d[k]) / (state.precond["eta"] * old_d[k])
+        np.testing.assert_allclose(np.asarray(new.control[k]), np.asarray(expected), rtol=1e-5, atol=1e-7)
+    assert float(new.precond["eta"]) != float(state.precond["eta"])
+    broken = state._replace(z=jax.tree.map(lambda a: jnp.full_like(a, jnp.nan), state.z))
+    kept = engine._refresh(broken, inputs)
+    assert float(kept.precond["eta"]) == float(state.precond["eta"])
+    assert all(np.array_equal(kept.precond["curvature"][k], state.precond["curvature"][k]) for k in state.precond["curvature"])
+
+
+def test_auto_step_first_round_is_a_preconditioned_gradient_step():
+    """Round 1 of LocalSGD with K = 1, no drift correction and common random numbers (every client's operator at one
+    Monte-Carlo key): ``θ_1 = θ_0 − η D(θ_0) ∇F(θ_0)``, ``D = 1/(F_q(θ_0) + |H|)``, the client mean of the
+    preconditioned operators (``∇F``: the gradient of the full-data objective at that key)."""
+    from numpyro_fedvi.fedlocalvi import _CRN_FOLD
+    from numpyro_fedvi.preconditioning import preconditioner
+
+    engine = FedLocalVI(model, constants().GUIDE, iid_clients(), ELBO, local_steps=1, drift_correction=None, crn=True)
+    state = engine.init(random.key(0))
+    inputs = engine._inputs((), {})
+    theta0 = engine._iterate(state, "last")
+    loss = engine._client_loss(inputs)
+    grad = jax.grad(lambda t: engine._objective(loss, t, random.fold_in(state.key, _CRN_FOLD), inputs))(theta0)
+    scale = preconditioner(engine._fisher(state, theta0, inputs), state.precond["curvature"])
+    new, _ = engine.update(state)
+    for k in theta0:
+        expected = theta0[k] - state.precond["eta"] * scale[k] * grad[k]
+        np.testing.assert_allclose(np.asarray(engine._iterate(new, "last")[k]), np.asarray(expected), rtol=1e-4,
+                                   atol=1e-6)
+        assert float(jnp.max(jnp.abs(expected - theta0[k]))) > 1e-3  # a step that moves

@@ -220,6 +220,10 @@ def test_strategy_rejects_what_it_cannot_run():
                              num_clients=NUM_CLIENTS, init_stat=s0)
     with pytest.raises(TypeError, match="FedMM, FedSVI, FedLocalVI, RobustFedVI or PDVI"):
         flower.make_client_app(object(), lambda ctx: None)
+    X, y, site = _sorted_sites()
+    with pytest.raises(ValueError, match="step_size='auto'"):  # its refreshes need every client at once
+        flower.FedLocalVIStrategy(nfv.FedLocalVI(logistic, AutoNormal(logistic), clients=site), random.key(0),
+                                  X[:1], y[:1], num_clients=3)
     strategy = flower.FedMMStrategy(_gmm_engine(FixedSize(2)), random.key(0), num_clients=NUM_CLIENTS, init_stat=s0)
     with pytest.raises(RuntimeError, match="handshake"):
         strategy.configure_train(1, None, None, None)
