@@ -66,8 +66,8 @@ def fit_all(num_steps=3000, seed=0):
         "MPSGD": (nfv.MPSGD(eight_schools, nfv.AutoLocationScale(eight_schools)), num_steps),
         "FedSVI": (nfv.FedSVI(eight_schools, AutoMultivariateNormal(eight_schools), clients=np.arange(8)),
                    num_steps),
-        "FedLocalVI": (nfv.FedLocalVI(eight_schools, AutoMultivariateNormal(eight_schools), clients=np.arange(8),
-                                      local_steps=5, step_size=0.01), num_steps // 5),
+        "FedLocalVI": (nfv.FedLocalVI(eight_schools, AutoMultivariateNormal(eight_schools), clients=np.arange(8)),
+                       num_steps // 5),
     }
     for name, (engine, steps) in engines.items():
         result = timed(name, lambda e=engine, s=steps: e.run(key, s, SIGMA, y=Y, progress_bar=False))

@@ -484,10 +484,18 @@ class FedLocalVI:
         comparable losses)."""
         self._require_init()
         args, kwargs = prepare_inputs(args, kwargs)
-        inputs = self._inputs(args, kwargs)
-        state, loss = self._compiled("update", self._step)(self._place_state(state), inputs)
-        if int(state.round) in self.refresh_rounds():  # as run() does (same results)
-            state = self._refresh(state, inputs)
+        state, loss = self._compiled("update", self._update_step)(self._place_state(state), self._inputs(args, kwargs))
+        return self._place_state(state), loss
+
+    def _update_step(self, state, inputs):
+        """:meth:`_step`, then (``step_size="auto"``) the refresh when the round is one of :meth:`refresh_rounds`
+        (a power of 2), inside the compiled step, so ``update`` stays a pure, jit-able function; ``run`` refreshes
+        between its compiled chunks (same results)."""
+        state, loss = self._step(state, inputs)
+        if self.auto_step:
+            r = state.round
+            state = jax.lax.cond((r > 0) & ((r & (r - 1)) == 0), lambda s: self._refreshed(s, inputs), lambda s: s,
+                                 state)
         return state, loss
 
     def stable_update(self, state: vs.VIState, *args, **kwargs):

@@ -90,8 +90,8 @@ ENGINES = {
                             participation=FixedSize(2), batch_size=4), _run_fedmm),
     "fedsvi": _svi_like(lambda: nfv.FedSVI(logistic, AutoNormal(logistic), Trace_ELBO(), clients=CLIENTS),
                         (X, Y)),
-    "fedlocalvi": _svi_like(lambda: nfv.FedLocalVI(logistic, AutoNormal(logistic), Trace_ELBO(), clients=CLIENTS,
-                                                   method="local_sgd", local_steps=2, step_size=1e-2), (X, Y)),
+    "fedlocalvi": _svi_like(lambda: nfv.FedLocalVI(logistic, AutoNormal(logistic), Trace_ELBO(), clients=CLIENTS),
+                            (X, Y)),  # defaults
     "robustfedvi": _svi_like(lambda: nfv.RobustFedVI(logistic, AutoNormal(logistic), Trace_ELBO(), clients=CLIENTS,
                                                      tau=1.0, local_steps=2, step_size=0.1), (X, Y)),
 }

@@ -131,8 +131,8 @@ CASES = {
                                            schedule="theory", num_particles=4), **LOGREG),
     "fedsvi": Case(lambda: nfv.FedSVI(logistic, AutoNormal(logistic), Trace_ELBO(), clients=CLIENTS),  # defaults
                    **LOGREG),
-    "fedlocalvi": Case(lambda: nfv.FedLocalVI(logistic, AutoNormal(logistic), Trace_ELBO(), clients=CLIENTS,
-                                              method="local_sgd", local_steps=3, step_size=1e-2), **LOGREG),
+    "fedlocalvi": Case(lambda: nfv.FedLocalVI(logistic, AutoNormal(logistic), Trace_ELBO(), clients=CLIENTS),
+                       **LOGREG),  # defaults (step_size="auto": refreshes inside a resumed run)
     "robustfedvi": Case(lambda: nfv.RobustFedVI(logistic, AutoNormal(logistic), Trace_ELBO(), clients=CLIENTS,
                                                 tau=1.0, local_steps=3, step_size=0.1), **LOGREG),
 }
