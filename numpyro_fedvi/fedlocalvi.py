@@ -390,6 +390,10 @@ class FedLocalVI:
         state = self._place_state(self.solver.init(z0, self.num_clients, rng_key))
         if self.auto_step:
             state = self._refresh(state, self._inputs(args, kwargs))
+            if not math.isfinite(float(state.precond["eta"])):
+                raise FloatingPointError("step_size='auto': the curvature estimate at the initial params is not finite "
+                                         "(check the model's log density there, or init_params=); pass a float "
+                                         "step_size to run without it.")
         return state
 
     # -- step_size="auto" (numpyro_fedvi.preconditioning) -------------------------------------------------------------

@@ -391,3 +391,13 @@ def test_auto_step_first_round_is_a_preconditioned_gradient_step():
         np.testing.assert_allclose(np.asarray(engine._iterate(new, "last")[k]), np.asarray(expected), rtol=1e-4,
                                    atol=1e-6)
         assert float(jnp.max(jnp.abs(expected - theta0[k]))) > 1e-3  # a step that moves
+
+
+def test_auto_step_refuses_a_non_finite_initial_estimate(monkeypatch):
+    """A step size that cannot be estimated at the initial params is an error at init, not a silently frozen run
+    (every round rejected)."""
+    import numpyro_fedvi.fedlocalvi as fl
+
+    monkeypatch.setattr(fl, "STEP_SCALE", float("nan"))
+    with pytest.raises(FloatingPointError, match="step_size='auto'"):
+        FedLocalVI(model, constants().GUIDE, iid_clients(), ELBO).init(random.key(0))
