@@ -464,19 +464,21 @@ class FedLocalVI:
         """One round: ``(state, loss)`` with the loss at the new iterate."""
         loss = self._client_loss(inputs)
         operator = self._operator(loss, self._mc_key(state), inputs[0])
+
+        def objective(s):
+            return self._objective(loss, self._iterate(s), self._eval_key(s), inputs)
+
         if not self.auto_step:
             state, _ = self.solver.round(state, operator)
-            return state, self._objective(loss, self._iterate(state), self._eval_key(state), inputs)
+            return state, objective(state)
         new, _ = self.solver.round(state, self._preconditioned(operator, state, inputs))
-        value = self._objective(loss, self._iterate(new), self._eval_key(new), inputs)
+        value = objective(new)
         # step_size="auto": a round that leaves non-finite values is not taken; η halves and the counters move on
         ok = jnp.isfinite(value) & tree_all_finite(new.z) & tree_all_finite(new.control)
         precond = {**state.precond, "eta": state.precond["eta"] / 2}
         kept = state._replace(step=new.step, round=new.round, precond=precond)
         state = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, kept)
-        value = jax.lax.cond(ok, lambda: value,
-                             lambda: self._objective(loss, self._iterate(kept), self._eval_key(kept), inputs))
-        return state, value
+        return state, jax.lax.cond(ok, lambda: value, lambda: objective(kept))
 
     def _require_init(self):
         if self.structure is None:

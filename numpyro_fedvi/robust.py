@@ -94,7 +94,8 @@ class RobustFedVI(FedLocalVI):
                  batch_size: int | None = None, crn=False, output: str = "last", drift_correction: str | None = None,
                  data_plate: str | None = None, mesh=None, **static_kwargs):
         self.tau = _positive_float(tau, "tau")
-        self.weight_step_size = (min(_positive_float(step_size, "step_size"), 1.0 / self.tau)
+        step_size = _positive_float(step_size, "step_size")  # a float: the saddle operator takes no "auto"
+        self.weight_step_size = (min(step_size, 1.0 / self.tau)
                                  if weight_step_size is None else _positive_float(weight_step_size, "weight_step_size"))
         super().__init__(model, guide, loss, *legacy, clients=clients, num_clients=num_clients,
                          method="local_dual_averaging", local_steps=local_steps, step_size=step_size,

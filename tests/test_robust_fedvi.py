@@ -173,4 +173,6 @@ def test_bad_inputs():
         RobustFedVI(model, GUIDE, ClientData.from_list(GROUPS[:1]), tau=1.0, **ok)
     with pytest.raises(TypeError, match="clients"):
         RobustFedVI(model, GUIDE, GROUPS, tau=1.0, **ok)
+    with pytest.raises(ValueError, match="step_size"):  # FedLocalVI's "auto" preconditions θ only: not the saddle
+        RobustFedVI(model, GUIDE, CLIENTS, tau=1.0, local_steps=2, step_size="auto", weight_step_size=0.1)
     assert nfv.RobustFedVI is RobustFedVI
