@@ -439,7 +439,7 @@ def _client_type(engine):
         return _FedMMClient
     if isinstance(engine, FedLocalVI):
         if engine.auto_step:
-            raise ValueError("over Flower FedLocalVI / RobustFedVI take a float step_size (η): step_size='auto' "
+            raise ValueError("over Flower FedLocalVI takes a float step_size (η): step_size='auto' "
                              "re-estimates the curvature of the full objective at rounds 1, 2, 4, ..., which needs "
                              "every client at once; run it in process, or pass step_size=η.")
         return _FedLocalVIClient
