@@ -55,6 +55,27 @@ _CURVATURE_FOLD = 0xC0A7  # fold (then the round) that gives the Monte-Carlo key
 STEP_SCALE = 0.25
 
 
+def refreshed_step(eigenvalues, theta) -> jax.Array:
+    """``η = STEP_SCALE / λ̂``, ``λ̂`` the largest of the clients' preconditioned eigenvalues (dtype of ``θ``)."""
+    dtype = jnp.result_type(*jax.tree.leaves(theta))
+    return (STEP_SCALE / jnp.maximum(jnp.max(eigenvalues), _pre.FLOOR)).astype(dtype)
+
+
+def client_eigenvalue(raw: vs.Operator, scale: dict, theta, key, m) -> jax.Array:
+    """``λ_m``: the largest eigenvalue of ``S ∇V_m(θ) S``, ``S = diag(√scale)`` (``scale = D(θ)``), by the power
+    method from ``fold_in(key, m)``; ``raw`` the plain operator ``V`` (its Monte-Carlo key: ``key``)."""
+    hvp = lambda v: jax.jvp(lambda t: raw(t, key, m), (theta,), (v,))[1]  # noqa: E731
+    return _pre.max_preconditioned_eigenvalue(hvp, scale, theta, random.fold_in(key, m))
+
+
+def rescaled_control(control, fisher: dict, old: dict, new: dict):
+    """Control variates (operator units) moved from ``η_old D_old(θ̄)`` to ``η_new D_new(θ̄)`` at a refresh
+    (``old``, ``new``: ``{"eta", "curvature"}``; ``fisher``: ``F(θ̄)``)."""
+    ratio = jax.tree.map(lambda n, o: new["eta"] * n / (old["eta"] * o),
+                         _pre.preconditioner(fisher, new["curvature"]), _pre.preconditioner(fisher, old["curvature"]))
+    return jax.tree.map(lambda h, r: (h * r).astype(h.dtype), control, ratio)
+
+
 def _positive_float(value, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
             or not math.isfinite(value) or value <= 0:
@@ -431,34 +452,32 @@ class FedLocalVI:
         """``state.precond`` re-estimated at the synchronised iterate θ̄: ``H = diag ∇²F̄(θ̄)`` (full-data negative
         ELBO, one Monte-Carlo key), ``η = STEP_SCALE / λ̂`` with ``λ̂`` the largest eigenvalue of
         ``D^{1/2} ∇V_m(θ̄) D^{1/2}`` over up to 8 evenly spaced clients; the control variates (operator units) are
-        rescaled from the old ``η D(θ̄)`` to the new one.  A non-finite estimate keeps the previous one."""
+        rescaled from the old ``η D(θ̄)`` to the new one.  A non-finite estimate keeps the previous one.  (Over
+        Flower the clients compute the parts — their Hessian diagonal, their λ_m, their control's rescaling — and
+        the server sums and maxes: the same functions, :mod:`numpyro_fedvi.flower`.)"""
         loss = self._client_loss(inputs)
         theta = self._iterate(state, "last")
-        key = random.fold_in(random.fold_in(state.key, _CURVATURE_FOLD), state.round)
+        key = self._refresh_key(state)
         curvature = jax.tree.map(jnp.abs, diag_hessian(lambda t: self._objective(loss, t, key, inputs), theta,
                                                        key=key))
         fisher = self._fisher(state, theta, inputs)
         scale = _pre.preconditioner(fisher, curvature)
         raw = self._operator(loss, None, inputs[0])
-
-        def largest(m):
-            hvp = lambda v: jax.jvp(lambda t: raw(t, key, m), (theta,), (v,))[1]  # noqa: E731
-            return _pre.max_preconditioned_eigenvalue(hvp, scale, theta, random.fold_in(key, m))
-
         units = jnp.asarray(_pre.evenly_spaced(self.num_clients))
-        lam = jnp.max(jax.lax.map(largest, units))
-        eta = STEP_SCALE / jnp.maximum(lam, _pre.FLOOR)
-        control = state.control
-        if control is not None and state.precond is not None:
-            old = _pre.preconditioner(fisher, state.precond["curvature"])
-            ratio = jax.tree.map(lambda n, o: eta * n / (state.precond["eta"] * o), scale, old)
-            control = jax.tree.map(lambda h, r: (h * r).astype(h.dtype), control, ratio)
-        dtype = jnp.result_type(*jax.tree.leaves(theta))
-        new = state._replace(control=control, precond={"eta": eta.astype(dtype), "curvature": curvature})
+        lams = jax.lax.map(lambda m: client_eigenvalue(raw, scale, theta, key, m), units)
+        precond = {"eta": refreshed_step(lams, theta), "curvature": curvature}
         if state.precond is None:  # the initial estimate: nothing to fall back on
-            return new
-        ok = jnp.isfinite(eta) & tree_all_finite(curvature) & tree_all_finite(control)
+            return state._replace(precond=precond)
+        control = state.control
+        if control is not None:
+            control = rescaled_control(control, fisher, state.precond, precond)
+        new = state._replace(control=control, precond=precond)
+        ok = jnp.isfinite(precond["eta"]) & tree_all_finite(curvature) & tree_all_finite(control)
         return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, state)  # a non-finite estimate keeps the last
+
+    def _refresh_key(self, state):
+        """The Monte-Carlo key of the refresh after round ``state.round`` (curvature and power method)."""
+        return random.fold_in(random.fold_in(state.key, _CURVATURE_FOLD), state.round)
 
     def _step(self, state, inputs):
         """One round: ``(state, loss)`` with the loss at the new iterate."""

@@ -17,7 +17,9 @@ with the SAME functional core as the in-process engines (no duplicated math):
   message to that client), so V_t = Σ_i μ_i V_{t,i} holds even when replies are dropped.
 * :class:`FedLocalVIStrategy` — FedLocalVI (every solver, drift correction included) and RobustFedVI: the clients
   run the round's K local steps with the engine's solver, the server averages; a two-sync solver (LESGD, local
-  dual averaging) takes two Flower rounds per engine round (``vi_solvers.Solver.halves``).
+  dual averaging) takes two Flower rounds per engine round (``vi_solvers.Solver.halves``); FedLocalVI's default
+  ``step_size="auto"`` refreshes its preconditioner with QUERY messages (the clients' Hessian diagonals, then
+  their eigenvalues: ``FedLocalVIStrategy._refresh``).
 * :class:`PDVIStrategy` — PD-VI / P²D-VI in federated form: a client is one block with its local rows and dual
   in ``Context.state``; the server runs :func:`~numpyro_fedvi.pdvi.consensus_update` on their λ_i.
 * :func:`make_server_app` and :func:`simulate` (Flower's simulation engine on loopback, telemetry off).
@@ -54,9 +56,10 @@ from .fedmm.core import (
     server_optimizer_init,
     server_update,
 )
+from . import preconditioning as _pre
 from . import vi_solvers as vs
 from .federated import ClientData
-from .fedlocalvi import FedLocalVI
+from .fedlocalvi import FedLocalVI, client_eigenvalue, refreshed_step, rescaled_control
 from .fedmm.engine import FedMM, strong_types
 from .fedmm.fedsvi import FedSVI
 from .pdvi import PDVI, _accum, _check_eta, consensus_update, dual_step, pdvi_init
@@ -64,9 +67,10 @@ from .robust import RobustFedVI, dro_objective, dro_weights
 from .structure import inspect_model
 from .inputs import InputJit, prepare_inputs, split_inputs
 from .objectives import block_loss_fn
+from .curvature import diag_hessian
 from .runner import RunResult
 
-__all__ = ["LOCAL_SIMULATION", "FedLocalVIStrategy", "FedMMStrategy", "PDVIStrategy", "from_record",
+__all__ = ["LOCAL_SIMULATION", "FedLocalVIStrategy", "FedMMStrategy", "NonFiniteRecord", "PDVIStrategy", "from_record",
            "make_client_app", "make_server_app", "simulate", "to_record"]
 
 log = logging.getLogger("numpyro_fedvi.flower")
@@ -122,6 +126,10 @@ def _like(leaf):
     return arr.shape, arr.dtype
 
 
+class NonFiniteRecord(ValueError):
+    """A record with NaN or inf where ``from_record(..., check_finite=True)`` expects finite values."""
+
+
 def from_record(record, template, *, check_finite: bool = False):
     """The pytree of ``template`` (arrays or ``jax.ShapeDtypeStruct`` leaves) with the arrays of ``record`` (see the
     module docstring for what is rejected)."""
@@ -147,7 +155,7 @@ def from_record(record, template, *, check_finite: bool = False):
             raise ValueError(f"malformed record: {name!r} is {data.dtype}{list(data.shape)}, expected "
                              f"{dtype}{list(shape)}.")
         if check_finite and data.dtype.kind in "fc" and not np.all(np.isfinite(data)):
-            raise ValueError(f"malformed record: {name!r} holds NaN or inf.")
+            raise NonFiniteRecord(f"malformed record: {name!r} holds NaN or inf.")
         values.append(jnp.asarray(data) if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)) else data)
     return jax.tree_util.tree_unflatten(treedef, values)
 
@@ -257,21 +265,34 @@ class _FedLocalVIClient:
         z0 = strong_types(engine._initial_point(local.structure.init_global))
         self.z_template = z0
         self.base = engine.base_solver()
-        self.broadcast_template = _local_broadcast_template(z0, self.base)
+        self.broadcast_template = _local_broadcast_template(z0, self.base, engine.auto_step)
         self.carry_template = {"z": z0, "out_sum": z0}
-        self.round, self.first_half, self.second_half = _shared_programs(
+        (self.round, self.first_half, self.second_half, self.curvature, self.eigenvalue,
+         self.rescale) = _shared_programs(
             (app_token, num_total, num_clients, _shapes(self.inputs), _shapes(z0)), lambda: (
                 InputJit(lambda s, inputs: self._round(*s, inputs)),
                 InputJit(lambda s, inputs: self._first_half(*s, inputs)),
-                InputJit(lambda s, inputs: self._second_half(*s, inputs))))
+                InputJit(lambda s, inputs: self._second_half(*s, inputs)),
+                InputJit(lambda s, inputs: self._curvature(*s, inputs)),
+                InputJit(lambda s, inputs: self._eigenvalue(*s, inputs)),
+                InputJit(lambda s, inputs: self._rescale(*s, inputs))))
+
+    def _state(self, b, m):
+        """The one-client solver state of the broadcast ``b`` (client ``m``)."""
+        precond = {"eta": b["eta"], "curvature": b["curvature"]} if self.engine.auto_step else None
+        return vs.VIState(z=jax.tree.map(lambda a: a[None], b["z"]), output=b["output"], anchor=b.get("anchor"),
+                          step=b["step"], round=b["round"], key=b["key"], clients=jnp.reshape(m, (1,)),
+                          precond=precond)
 
     def _setup(self, b, h, m, inputs):
-        """The one-client solver state of the broadcast ``b``, the client loss and its (corrected) operator."""
+        """The one-client solver state of the broadcast ``b``, the client loss and its (preconditioned, corrected)
+        operator."""
         e = self.engine
-        st = vs.VIState(z=jax.tree.map(lambda a: a[None], b["z"]), output=b["output"], anchor=b.get("anchor"),
-                        step=b["step"], round=b["round"], key=b["key"], clients=jnp.reshape(m, (1,)))
+        st = self._state(b, m)
         loss = e._client_loss(inputs)
         op = e._operator(loss, e._mc_key(st), self.rows, self.weight, row=lambda _: 0)
+        if e.auto_step:
+            op = e._preconditioned(op, st, inputs)
         if h is not None:
             op = vs.corrected_operator(op, jax.tree.map(lambda a: a[None], h), row=lambda _: 0)
         return st, loss, op
@@ -280,6 +301,39 @@ class _FedLocalVIClient:
         """The client's objective F_m at the round's synchronised (primal) iterate."""
         e = self.engine
         return loss(e._eval_key(st), e._theta(e._iterate(st, "last")), self.rows.data[0], self.rows.mask[0])
+
+    # -- step_size="auto": this client's parts of FedLocalVI._refreshed at the broadcast's θ̄ and round -----------
+    def _curvature(self, b, m, inputs):
+        """``diag ∇²F_m(θ̄)`` of this client's objective (the server sums ``μ_m`` times it: ``H``)."""
+        e, st = self.engine, self._state(b, m)
+        loss, key = e._client_loss(inputs), e._refresh_key(st)
+        return diag_hessian(lambda t: loss(key, e._theta(t), self.rows.data[0], self.rows.mask[0]),
+                            e._iterate(st, "last"), key=key)
+
+    def _eigenvalue(self, b, m, inputs):
+        """``λ_m`` at θ̄ with the server's new ``H`` (``b["curvature"]``)."""
+        e, st = self.engine, self._state(b, m)
+        theta, key = e._iterate(st, "last"), e._refresh_key(st)
+        scale = _pre.preconditioner(e._fisher(st, theta, inputs), b["curvature"])
+        raw = e._operator(e._client_loss(inputs), None, self.rows, self.weight, row=lambda _: 0)
+        return client_eigenvalue(raw, scale, theta, key, m)
+
+    def _rescale(self, b, h, m, inputs):
+        """This client's control variate moved from the old preconditioner to the new one (at θ̄)."""
+        e, st = self.engine, self._state(b, m)
+        theta = e._iterate(st, "last")
+        old = {"eta": b["old_eta"], "curvature": b["old_curvature"]}
+        return rescaled_control(h, e._fisher(st, theta, inputs), old, st.precond)
+
+    def query(self, i, b, cfg, state):
+        """A ``step_size="auto"`` refresh: ``cfg["query"]`` is ``"curvature"`` (this client's Hessian diagonal) or
+        ``"eigenvalue"`` (its λ_m)."""
+        kind = cfg.get("query")
+        if kind == "curvature":
+            return {"curvature": self.curvature((b, i), self.inputs)}
+        if kind == "eigenvalue":
+            return {"eigenvalue": self.eigenvalue((b, i), self.inputs)}
+        raise ValueError(f"unknown FedLocalVI query {kind!r}.")
 
     def _round(self, b, h, m, inputs):
         """The round's K local steps of client m from the broadcast ``b``, and its objective at ``b["z"]``."""
@@ -307,16 +361,20 @@ class _FedLocalVIClient:
         saved = from_record(state[_STATE], keep) if _STATE in state else None
         h, presync = (saved["h"], saved["presync"]) if saved else (_zeros(self.z_template), None)
         presync_round = int(state[_META]["round"]) if saved else -1   # -1: no presync value to use
+        rescaled = int(state[_META].get("rescaled-round", -1)) if saved else -1
         if phase == 0 and presync_round >= 0 and int(b["round"]) == presync_round + 1:
             # Scaffnew's step with the server's average of the round this client's presync value came from
             h = vs.control_update(h, presync, b["z"], e.local_steps, e.step_size, e.control_step)
             presync_round = -1   # taken: a repeated phase 0 (a skipped round) does not take it twice
+        if phase == 0 and int(cfg.get("rescale", 0)) and e.drift_correction and rescaled != int(b["round"]):
+            # the refresh after the previous round (in process: after its Scaffnew step), once per round
+            h, rescaled = self.rescale((b, h, i), self.inputs), int(b["round"])
         h_used = h if e.drift_correction else None
         if phase == 0 and self.base.halves is not None:
             carry, x = self.first_half((b, h_used, i), self.inputs)
             state[_CARRY] = to_record(carry)
             _save(state, {"h": h, "presync": _zeros(self.z_template) if presync is None else presync},
-                  {"round": presync_round, "carry-round": int(b["round"])})
+                  {"round": presync_round, "carry-round": int(b["round"]), "rescaled-round": rescaled})
             return {"x": x}, {}
         if phase == 1:
             if _CARRY not in state or int(state[_META]["carry-round"]) != int(b["round"]):
@@ -325,7 +383,8 @@ class _FedLocalVIClient:
             z, output, objective = self.second_half((b, h_used, i, carry), self.inputs)
         else:
             z, output, objective = self.round((b, h_used, i), self.inputs)
-        _save(state, {"h": h, "presync": z}, {"round": int(b["round"]), "carry-round": -1})
+        _save(state, {"h": h, "presync": z},
+              {"round": int(b["round"]), "carry-round": -1, "rescaled-round": rescaled})
         return {"z": z, "output": output}, {"objective": float(objective)}
 
 
@@ -403,11 +462,15 @@ def _eta_template(engine, init_global):
     return _check_eta(spec, init_global)
 
 
-def _local_broadcast_template(z0, solver):
+def _local_broadcast_template(z0, solver, auto_step: bool = False):
     """What a FedLocalVI client receives: the synchronised iterate, output mean, counters, key (and the anchor w0
-    of dual averaging); phase 1 of a two-sync round adds the server's x̄."""
+    of dual averaging); phase 1 of a two-sync round adds the server's x̄; ``step_size="auto"`` adds the
+    preconditioner (η, H) and the one before the last refresh (``old_eta``, ``old_curvature``)."""
     b = {"z": z0, "output": z0, "step": jnp.zeros((), jnp.int32), "round": jnp.zeros((), jnp.int32),
          "key": random.key(0)}
+    if auto_step:
+        eta = jnp.zeros((), jnp.result_type(*jax.tree.leaves(z0)))
+        b.update(eta=eta, curvature=z0, old_eta=eta, old_curvature=z0)
     if solver.name == "local_dual_averaging":
         b["anchor"] = z0
     if solver.halves is not None:
@@ -438,10 +501,6 @@ def _client_type(engine):
                              "not run.")
         return _FedMMClient
     if isinstance(engine, FedLocalVI):
-        if engine.auto_step:
-            raise ValueError("over Flower FedLocalVI takes a float step_size (η): step_size='auto' "
-                             "re-estimates the curvature of the full objective at rounds 1, 2, 4, ..., which needs "
-                             "every client at once; run it in process, or pass step_size=η.")
         return _FedLocalVIClient
     if isinstance(engine, PDVI):
         if engine.dual_granularity != "partition":
@@ -631,6 +690,27 @@ class _EngineStrategy(_strategy_base()):
         self.counts = np.asarray([counts[i] for i in range(self.num_clients)], np.int32)
         self.weights = np.asarray(client_weights(self.counts))
 
+    def _query(self, grid, clients, broadcast, template, timeout: float, **config) -> dict:
+        """Send ``broadcast`` (and ``config``) to ``clients`` as QUERY messages: ``{client: reply}`` of the
+        well-formed, finite replies (the others logged)."""
+        from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+
+        payload = to_record(broadcast)
+        cfg = ConfigRecord({"num-total": int(self.counts.sum()), "num-clients": self.num_clients, **config})
+        messages = [Message(RecordDict({"broadcast": payload, "config": cfg}), message_type=MessageType.QUERY,
+                            dst_node_id=self.nodes[i]) for i in clients]
+        out = {}
+        for reply in grid.send_and_receive(messages, timeout=timeout):
+            i = self._client_of.get(reply.metadata.src_node_id)
+            try:
+                if reply.has_error():
+                    raise ValueError(f"client error: {reply.error.reason}")
+                i = int(reply.content["meta"]["partition-id"])
+                out[i] = from_record(reply.content["message"], template, check_finite=True)
+            except (KeyError, ValueError, TypeError) as err:
+                log.warning("query %s: dropped the reply of client %s: %s", config or "", i, err)
+        return out
+
     def configure_train(self, server_round, arrays, config, grid):
         from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 
@@ -656,6 +736,7 @@ class _EngineStrategy(_strategy_base()):
         got = [jax.tree.map(jnp.zeros_like, template) for _ in idx]
         received = np.zeros(len(idx), bool)
         objectives = {}
+        self.non_finite_replies = 0
         for reply in replies:
             i, reason = self._client_of.get(reply.metadata.src_node_id), None
             try:
@@ -674,6 +755,8 @@ class _EngineStrategy(_strategy_base()):
                     objectives[i] = float(reply.content["metrics"]["objective"])
             except KeyError as err:
                 reason = f"malformed reply: no entry {err}"
+            except NonFiniteRecord as err:
+                reason, self.non_finite_replies = str(err), self.non_finite_replies + 1
             except (ValueError, TypeError) as err:
                 reason = str(err)
             if reason is not None:
@@ -822,7 +905,9 @@ class FedLocalVIStrategy(_EngineStrategy):
     each client keeps h_m in ``Context.state`` and takes Scaffnew's step when the next round's z̄ arrives.  A
     dropped reply is left out of that average.  The losses are the answering clients' objective at the round's
     starting iterate (one round behind ``FedLocalVI.run``'s); RobustFedVI's is the robust objective ψ(θ) when every
-    group answered (NaN otherwise: ψ needs every group's loss).
+    group answered (NaN otherwise: ψ needs every group's loss).  ``step_size="auto"``: the preconditioner (η, H) is
+    estimated at the handshake and refreshed before the round after rounds 1, 2, 4, … (:meth:`_refresh`); it
+    travels with every broadcast.
 
     :param engine: a ``FedLocalVI`` / ``RobustFedVI`` built with ``clients=`` / ``num_clients=`` (blocks of the
         data plate).
@@ -844,9 +929,72 @@ class FedLocalVIStrategy(_EngineStrategy):
         self.state = engine.solver.init(z0, self.num_clients, rng_key)
         base = engine.base_solver()
         self.phases = 1 if base.halves is None else 2
-        self._template = _local_broadcast_template(z0, base)
+        self._template = _local_broadcast_template(z0, base, engine.auto_step)
         self._x_mean = z0
         self._mean = jax.jit(_client_average)
+        # step_size="auto": the preconditioner before the last refresh, the round of the last refresh attempt and
+        # the round whose clients rescale their control variates to the new one
+        self._old_precond, self._refreshed_round, self._rescale_round = None, None, None
+
+    # -- step_size="auto": FedLocalVI._refreshed with the clients' parts ----------------------------------------------
+    def handshake(self, grid, timeout: float | None = None) -> None:
+        """The set-up handshake, then (``step_size="auto"``) the initial preconditioner, as ``FedLocalVI.init``."""
+        super().handshake(grid, timeout)
+        if self.engine.auto_step:
+            self._refresh(grid, self.timeout if timeout is None else timeout)
+
+    def configure_train(self, server_round, arrays, config, grid):
+        r = int(self.state.round)
+        if (self.engine.auto_step and self.phase == 0 and r != self._refreshed_round
+                and r in self.engine.refresh_rounds()):
+            self._refresh(grid, self.timeout)
+        return super().configure_train(server_round, arrays, config, grid)
+
+    def _refresh(self, grid, timeout):
+        """``H = |Σ_m μ_m diag ∇²F_m(θ̄)|`` from every client's Hessian diagonal, then ``η = STEP_SCALE / max λ_m``
+        from up to 8 evenly spaced clients' eigenvalues with that ``H`` (FedLocalVI's clients and keys); the
+        clients rescale their control variates in the next round.  The initial estimate needs every reply and
+        finite values (``FedLocalVI.init``'s errors); a later one that fails keeps the last estimate (logged)."""
+        r, initial = int(self.state.round), self.state.precond is None
+        self._refreshed_round = r
+        theta = jax.tree.map(lambda a: a[0], self.state.z)
+        everyone, units = list(range(self.num_clients)), _pre.evenly_spaced(self.num_clients)
+        parts = self._query(grid, everyone, self._broadcast(), {"curvature": theta}, timeout, query="curvature")
+        lams, curvature, eta = {}, None, None
+        if sorted(parts) == everyone:
+            w = jnp.asarray(self.weights)
+            curvature = jax.tree.map(lambda *d: jnp.abs(jnp.tensordot(w.astype(d[0].dtype), jnp.stack(d), axes=1)),
+                                     *[parts[m]["curvature"] for m in everyone])
+            lams = self._query(grid, units, {**self._broadcast(), "curvature": curvature},
+                               {"eigenvalue": jnp.zeros((), jnp.result_type(*jax.tree.leaves(theta)))}, timeout,
+                               query="eigenvalue")
+        if sorted(lams) == units:
+            eta = refreshed_step(jnp.stack([lams[m]["eigenvalue"] for m in units]), theta)
+        if eta is None:
+            if initial:
+                raise RuntimeError(f"step_size='auto' needs every client's curvature and the eigenvalues of clients "
+                                   f"{units}; got curvature from {sorted(parts)}, eigenvalues from {sorted(lams)}.")
+            log.warning("round %d: step_size='auto' refresh incomplete (missing replies); the last estimate is kept", r)
+            return
+        if not bool(_finite((eta, curvature))):
+            if initial:
+                raise FloatingPointError("step_size='auto': the curvature estimate at the initial params is not "
+                                         "finite (check the model's log density there, or init_params=); pass a "
+                                         "float step_size to run without it.")
+            log.warning("round %d: step_size='auto' refresh not finite; the last estimate is kept", r)
+            return
+        new = {"eta": eta, "curvature": curvature}
+        self._old_precond = new if initial else self.state.precond
+        self._rescale_round = None if initial else r
+        self.state = self.state._replace(precond=new)
+
+    def _halve_step(self):
+        """``step_size="auto"``: a round with non-finite values is not taken and η halves (as in process)."""
+        if self.engine.auto_step:
+            self.state = self.state._replace(precond={**self.state.precond, "eta": self.state.precond["eta"] / 2})
+
+    def _config(self, i):
+        return {"rescale": int(self._rescale_round is not None and int(self.state.round) == self._rescale_round)}
 
     def _active(self):
         return int(self.state.round), np.arange(self.num_clients), np.ones(self.num_clients, bool)
@@ -855,6 +1003,10 @@ class FedLocalVIStrategy(_EngineStrategy):
         s = self.state
         b = {"z": jax.tree.map(lambda a: a[0], s.z), "output": s.output, "step": s.step, "round": s.round,
              "key": s.key, "anchor": s.anchor, "x": self._x_mean}
+        if self.engine.auto_step:   # before the initial estimate: placeholders of its shapes
+            new = s.precond or {"eta": self._template["eta"], "curvature": self._template["curvature"]}
+            old = self._old_precond or new
+            b.update(eta=new["eta"], curvature=new["curvature"], old_eta=old["eta"], old_curvature=old["curvature"])
         return {k: b[k] for k in self._template}
 
     def _reply_template(self):
@@ -864,13 +1016,19 @@ class FedLocalVIStrategy(_EngineStrategy):
     def _aggregate(self, replies, received):
         if not received.any():
             return False
+        if self.engine.auto_step and self.non_finite_replies:   # a client's steps diverged: the round is not taken
+            self._halve_step()
+            return False
         if self.phases == 2 and self.phase == 0:   # the first synchronisation of a two-sync round: x̄
             (x,), ok = self._mean(replies, jnp.asarray(received))
             if bool(ok):
                 self._x_mean, self.phase = x, 1
+            else:
+                self._halve_step()
             return bool(ok)
         (z, output), ok = self._mean(replies, jnp.asarray(received))
         if not bool(ok):
+            self._halve_step()
             return False
         K = self.engine.local_steps
         self.state = self.state._replace(z=jax.tree.map(lambda a, b: jnp.broadcast_to(a, b.shape), z, self.state.z),
@@ -955,20 +1113,10 @@ class PDVIStrategy(_EngineStrategy):
             self.state = self.state._replace(eta=self._auto_eta(grid, self.timeout if timeout is None else timeout))
 
     def _auto_eta(self, grid, timeout):
-        from flwr.app import ConfigRecord, Message, MessageType, RecordDict
-
-        n, e = self.num_clients, self.engine
-        units = e.curvature_units(n)
-        payload = to_record({**self._broadcast(), "rng_key": self._eta_key})
-        cfg = ConfigRecord({"num-total": int(self.counts.sum()), "num-clients": n})
-        messages = [Message(RecordDict({"broadcast": payload, "config": cfg}), message_type=MessageType.QUERY,
-                            dst_node_id=self.nodes[i]) for i in units]
+        e = self.engine
+        units = e.curvature_units(self.num_clients)
         template = {k: jnp.zeros((), jnp.result_type(float)) for k in self.state.lam0}
-        curv = {}
-        for reply in grid.send_and_receive(messages, timeout=timeout):
-            if not reply.has_error():
-                curv[int(reply.content["meta"]["partition-id"])] = from_record(reply.content["message"], template,
-                                                                               check_finite=True)
+        curv = self._query(grid, units, {**self._broadcast(), "rng_key": self._eta_key}, template, timeout)
         if sorted(curv) != units:
             raise RuntimeError(f"eta='auto' needs the curvature of clients {units}; got {sorted(curv)}.")
         stacked = {k: jnp.stack([curv[i][k] for i in units]) for k in template}

@@ -220,10 +220,6 @@ def test_strategy_rejects_what_it_cannot_run():
                              num_clients=NUM_CLIENTS, init_stat=s0)
     with pytest.raises(TypeError, match="FedMM, FedSVI, FedLocalVI, RobustFedVI or PDVI"):
         flower.make_client_app(object(), lambda ctx: None)
-    X, y, site = _sorted_sites()
-    with pytest.raises(ValueError, match="step_size='auto'"):  # its refreshes need every client at once
-        flower.FedLocalVIStrategy(nfv.FedLocalVI(logistic, AutoNormal(logistic), clients=site), random.key(0),
-                                  X[:1], y[:1], num_clients=3)
     strategy = flower.FedMMStrategy(_gmm_engine(FixedSize(2)), random.key(0), num_clients=NUM_CLIENTS, init_stat=s0)
     with pytest.raises(RuntimeError, match="handshake"):
         strategy.configure_train(1, None, None, None)
@@ -299,6 +295,50 @@ def test_fedlocalvi_rounds_equal_the_in_process_engine(method, drift):
                                               engine.local_steps, engine.step_size, engine.control_step)
             for a, b in zip(jax.tree.leaves(h), jax.tree.leaves(jax.tree.map(lambda c: c[m], state.control))):
                 np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_fedlocalvi_default_step_size_over_flower_equals_in_process():
+    """FedLocalVI with its default ``step_size="auto"`` (preconditioned operator, η and H refreshed after rounds 1,
+    2, 4) and Scaffnew drift correction over Flower: the initial estimate at the handshake, the refreshes at the
+    next round's configure (every client's Hessian diagonal summed with μ_m, the eigenvalues of the evenly spaced
+    clients maxed) and the clients' control-variate rescaling equal four in-process ``update`` rounds: η, H, z̄,
+    the output mean and every h_m.  A round with a non-finite reply is not taken and η halves (as in process)."""
+    X, y, site = _sorted_sites()
+
+    def make():
+        return nfv.FedLocalVI(logistic, AutoNormal(logistic), Trace_ELBO(), clients=site, local_steps=3,
+                              drift_correction="scaffnew")
+
+    expected = make()
+    state = expected.init(random.key(5), X, y)
+    for _ in range(4):
+        state, _ = expected.update(state, X, y)
+    engine = make()
+    strategy = flower.FedLocalVIStrategy(engine, random.key(5), X[:1], y[:1], num_clients=3)
+    grid = _Grid(flower.make_client_app(engine, lambda ctx: (X[site == ctx.node_config["partition-id"]],
+                                                             y[site == ctx.node_config["partition-id"]])), 3)
+    strategy.handshake(grid)
+    for r in range(1, 5):
+        strategy.aggregate_train(r, grid.send_and_receive(strategy.configure_train(r, None, None, grid)))
+    messages = strategy.configure_train(5, None, None, grid)   # the refresh after round 4, then round 5's messages
+    assert strategy.dropped == [] and int(strategy.state.round) == 4
+    assert [int(m.content["config"]["rescale"]) for m in messages] == [1, 1, 1]
+    for a, b in zip(jax.tree.leaves((strategy.state.z, strategy.state.output, strategy.state.precond)),
+                    jax.tree.leaves((state.z, state.output, state.precond))):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    replies = grid.send_and_receive(messages)   # each client takes its Scaffnew step and the rescaling first
+    template = jax.tree.map(lambda a: a[0], state.z)
+    for m, ctx in enumerate(grid.contexts.values()):
+        h = flower.from_record(ctx.state["numpyro_fedvi.state"], {"h": template, "presync": template})["h"]
+        for a, b in zip(jax.tree.leaves(h), jax.tree.leaves(jax.tree.map(lambda c: c[m], state.control))):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    eta = float(strategy.state.precond["eta"])
+    bad = replies[1].content["message"]
+    name = next(iter(bad.keys()))
+    bad[name] = type(bad[name])(np.full_like(bad[name].numpy(), np.nan))
+    strategy.aggregate_train(5, replies)
+    assert int(strategy.state.round) == 4 and float(strategy.state.precond["eta"]) == eta / 2
+    assert [t for t, _, _ in strategy.dropped] == [4, 4] and "NaN" in strategy.dropped[0][2]
 
 
 @pytest.mark.slow
