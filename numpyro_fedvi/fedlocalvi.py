@@ -418,10 +418,16 @@ class FedLocalVI:
         return state
 
     # -- step_size="auto" (numpyro_fedvi.preconditioning) -------------------------------------------------------------
-    def refresh_rounds(self) -> list[int]:
-        """Rounds (``state.round``) after which ``step_size="auto"`` re-estimates the curvature and η: 1, 2, 4, 8, …
-        (empty with a float step size)."""
-        return [2**k for k in range(40)] if self.auto_step else []
+    def is_refresh_round(self, r):
+        """Whether ``step_size="auto"`` re-estimates the curvature and η after round ``r`` (``state.round``): after
+        rounds 1, 2, 4, 8, … (never with a float step size).  ``r`` a Python int or a traced integer."""
+        return self.auto_step & (r > 0) & ((r & (r - 1)) == 0)
+
+    def refresh_rounds(self, start: int = 0, stop: int = 2**40) -> list[int]:
+        """The refresh rounds in ``(start, stop]``."""
+        first = max(start + 1, 1)
+        return [2**k for k in range(first.bit_length() - 1, stop.bit_length()) if start < 2**k <= stop
+                and self.is_refresh_round(2**k)]
 
     def _guide_args(self, inputs):
         """The guide's arguments: the model's own (blocks of its data plate) or client 0's rows (a ClientData)."""
@@ -513,14 +519,12 @@ class FedLocalVI:
         return self._place_state(state), loss
 
     def _update_step(self, state, inputs):
-        """:meth:`_step`, then (``step_size="auto"``) the refresh when the round is one of :meth:`refresh_rounds`
-        (a power of 2), inside the compiled step, so ``update`` stays a pure, jit-able function; ``run`` refreshes
+        """:meth:`_step`, then (``step_size="auto"``) the refresh when the round is one of :meth:`is_refresh_round`, inside the compiled step, so ``update`` stays a pure, jit-able function; ``run`` refreshes
         between its compiled chunks (same results)."""
         state, loss = self._step(state, inputs)
         if self.auto_step:
-            r = state.round
-            state = jax.lax.cond((r > 0) & ((r & (r - 1)) == 0), lambda s: self._refreshed(s, inputs), lambda s: s,
-                                 state)
+            state = jax.lax.cond(self.is_refresh_round(state.round), lambda s: self._refreshed(s, inputs),
+                                 lambda s: s, state)
         return state, loss
 
     def stable_update(self, state: vs.VIState, *args, **kwargs):
@@ -559,7 +563,7 @@ class FedLocalVI:
         inputs = self._inputs(args, kwargs)
         r0 = int(init_state.round)
         end = r0 + num_steps if isinstance(num_steps, (int, np.integer)) else r0  # run_loop checks num_steps
-        hooks = [(k - r0, lambda s: self._refresh(s, inputs)) for k in self.refresh_rounds() if r0 < k <= end]
+        hooks = [(k - r0, lambda s: self._refresh(s, inputs)) for k in self.refresh_rounds(r0, end)]
         result = run_loop(self._step, self._place_state(init_state), num_steps, inputs=inputs, hooks=hooks,
                           get_params=self.get_params, progress_bar=progress_bar, callbacks=callbacks,
                           early_stopping=early_stopping, stable_update=stable_update, chunk_size=chunk_size,

@@ -946,7 +946,7 @@ class FedLocalVIStrategy(_EngineStrategy):
     def configure_train(self, server_round, arrays, config, grid):
         r = int(self.state.round)
         if (self.engine.auto_step and self.phase == 0 and r != self._refreshed_round
-                and r in self.engine.refresh_rounds()):
+                and self.engine.is_refresh_round(r)):
             self._refresh(grid, self.timeout)
         return super().configure_train(server_round, arrays, config, grid)
 

@@ -235,6 +235,20 @@ def _sorted_sites():
     return X, y, np.repeat(np.arange(3), [15, 15, 20])
 
 
+def _fedlocalvi_pair(make, X, y, site, rounds=4):
+    """(an engine ``make()``, its state after ``rounds`` in-process rounds, a second engine, its strategy, a grid of
+    its client apps over the 3 sites)."""
+    expected = make()
+    state = expected.init(random.key(5), X, y)
+    for _ in range(rounds):
+        state, _ = expected.update(state, X, y)
+    engine = make()
+    strategy = flower.FedLocalVIStrategy(engine, random.key(5), X[:1], y[:1], num_clients=3)
+    grid = _Grid(flower.make_client_app(engine, lambda ctx: (X[site == ctx.node_config["partition-id"]],
+                                                             y[site == ctx.node_config["partition-id"]])), 3)
+    return expected, state, engine, strategy, grid
+
+
 _SLOW = pytest.mark.slow   # the default suite keeps one method: LESGD with Scaffnew drift correction, two syncs per
 #                           round (the x̄ round trip between two Flower rounds) and the control variates; the rest slow
 
@@ -261,14 +275,7 @@ def test_fedlocalvi_rounds_equal_the_in_process_engine(method, drift):
         return nfv.FedLocalVI(logistic, AutoNormal(logistic), Trace_ELBO(), clients=site, method=method,
                               local_steps=3, step_size=0.02, drift_correction=drift, **extra)
 
-    expected = make()
-    state = expected.init(random.key(5), X, y)
-    for _ in range(4):
-        state, _ = expected.update(state, X, y)
-    engine = make()
-    strategy = flower.FedLocalVIStrategy(engine, random.key(5), X[:1], y[:1], num_clients=3)
-    grid = _Grid(flower.make_client_app(engine, lambda ctx: (X[site == ctx.node_config["partition-id"]],
-                                                             y[site == ctx.node_config["partition-id"]])), 3)
+    expected, state, engine, strategy, grid = _fedlocalvi_pair(make, X, y, site)
     before = set(flower._CLIENTS)
     strategy.handshake(grid)
     assert strategy.phases == (2 if method in ("lesgd", "local_dual_averaging", "robust") else 1)
@@ -309,14 +316,7 @@ def test_fedlocalvi_default_step_size_over_flower_equals_in_process():
         return nfv.FedLocalVI(logistic, AutoNormal(logistic), Trace_ELBO(), clients=site, local_steps=3,
                               drift_correction="scaffnew")
 
-    expected = make()
-    state = expected.init(random.key(5), X, y)
-    for _ in range(4):
-        state, _ = expected.update(state, X, y)
-    engine = make()
-    strategy = flower.FedLocalVIStrategy(engine, random.key(5), X[:1], y[:1], num_clients=3)
-    grid = _Grid(flower.make_client_app(engine, lambda ctx: (X[site == ctx.node_config["partition-id"]],
-                                                             y[site == ctx.node_config["partition-id"]])), 3)
+    expected, state, engine, strategy, grid = _fedlocalvi_pair(make, X, y, site)
     strategy.handshake(grid)
     for r in range(1, 5):
         strategy.aggregate_train(r, grid.send_and_receive(strategy.configure_train(r, None, None, grid)))
