@@ -62,7 +62,7 @@ from .federated import ClientData
 from .fedlocalvi import FedLocalVI, client_eigenvalue, refreshed_step, rescaled_control
 from .fedmm.engine import FedMM, strong_types
 from .fedmm.fedsvi import FedSVI
-from .pdvi import PDVI, _accum, _check_eta, consensus_update, dual_step, pdvi_init
+from .pdvi import PDVI, _accum, _check_eta, consensus_update, dual_step, pdvi_init, refreshed_eta
 from .robust import RobustFedVI, dro_objective, dro_weights
 from .structure import inspect_model
 from .inputs import InputJit, prepare_inputs, split_inputs
@@ -410,14 +410,22 @@ class _PDVIClient:
         self.broadcast_template = {"lam0": lam0, "eta": _eta_template(engine, local.structure.init_global),
                                    "rng_key": random.key(0), "step": jnp.zeros((), jnp.int32)}
         self.keep_template = {"mu": lam0, "rows": self.rows0, "pending_mu": lam0, "pending_rows": self.rows0}
-        self.solve, self.curvature = _shared_programs(
+        self.solve, self.curvature, self.dual = _shared_programs(
             (app_token, num_total, num_clients, _shapes(self.inputs), _shapes(self.keep_template)), lambda: (
                 InputJit(lambda s, inputs: self._solve(*s, inputs)),
-                InputJit(lambda s, inputs: self._curvature(*s, inputs))))
+                InputJit(lambda s, inputs: self._curvature(*s, inputs)),
+                InputJit(lambda s, inputs: self._dual(*s, inputs))))
+
+    def _params(self, lam0):
+        """λ_0 in the guide's param dtypes (as ``PDVI._global_params``)."""
+        return {k: v.astype(self.engine.structure.init_global[k].dtype) for k, v in lam0.items()}
 
     def _curvature(self, lam0, rows, key, unit, inputs):
-        return jax.tree.map(lambda c: c[0], self.engine._curvatures((lam0, rows, key, jnp.reshape(unit, (1,))),
-                                                                    inputs))
+        return jax.tree.map(lambda c: c[0], self.engine._curvatures(
+            (self._params(lam0), rows, key, jnp.reshape(unit, (1,))), inputs))
+
+    def _dual(self, lam0, rows, key, unit, inputs):
+        return self.engine._dual(unit, self._params(lam0), rows, key, inputs)
 
     def _solve(self, b, mu, rows, unit, inputs):
         """Unit ``unit``'s oracle call of iteration ``b["step"]`` (keys as :func:`~numpyro_fedvi.pdvi.pdvi_step`)."""
@@ -449,9 +457,18 @@ class _PDVIClient:
         return {"lam": lam}, {"objective": float(value)}
 
     def query(self, i, b, cfg, state):
-        """η="auto" before round 1: this unit's max |diagonal Hessian| per global site at λ_0 (``_curvatures``)."""
-        mu, rows = self._saved(state, -2)
-        return self.curvature((b["lam0"], rows, b["rng_key"], i), self.inputs)
+        """``eta="auto"``, at its committed rows: ``cfg["query"]`` ``"curvature"`` (before round 1 and at a refresh):
+        this unit's max |diagonal Hessian| per global site at λ_0 (``_curvatures``); ``"dual"`` (at a refresh): its
+        dual ``μ_i = −∇_λ f_i(λ_0, φ_i)`` at the broadcast key, kept pending as the step of round
+        ``cfg["refresh-round"]`` (committed when the server accepts the refresh, as a train step)."""
+        mu, rows = self._saved(state, int(cfg.get("accepted-round", -2)))
+        point = (b["lam0"], rows, b["rng_key"], i)
+        if cfg.get("query", "curvature") == "curvature":
+            return self.curvature(point, self.inputs)
+        new_mu = self.dual(point, self.inputs)
+        _save(state, {"mu": mu, "rows": rows, "pending_mu": new_mu, "pending_rows": rows},
+              {"pending-round": int(cfg["refresh-round"])})
+        return {"mu": new_mu}
 
 
 def _eta_template(engine, init_global):
@@ -505,9 +522,6 @@ def _client_type(engine):
     if isinstance(engine, PDVI):
         if engine.dual_granularity != "partition":
             raise ValueError("over Flower a PD-VI client is one block with one dual (dual_granularity='partition').")
-        if engine.eta_spec == "auto" and engine.eta_refresh is not False:
-            raise ValueError("over Flower, eta='auto' is estimated once before round 1 (a refresh would need every "
-                             "client's dual at once): pass eta_refresh=False, or a fixed eta.")
         return _PDVIClient
     raise TypeError(f"engine must be a numpyro_fedvi FedMM, FedSVI, FedLocalVI, RobustFedVI or PDVI, got "
                     f"{type(engine).__name__}.")
@@ -690,15 +704,15 @@ class _EngineStrategy(_strategy_base()):
         self.counts = np.asarray([counts[i] for i in range(self.num_clients)], np.int32)
         self.weights = np.asarray(client_weights(self.counts))
 
-    def _query(self, grid, clients, broadcast, template, timeout: float, **config) -> dict:
-        """Send ``broadcast`` (and ``config``) to ``clients`` as QUERY messages: ``{client: reply}`` of the
+    def _query(self, grid, clients, broadcast, template, timeout: float, config=lambda i: {}) -> dict:
+        """Send ``broadcast`` (and ``config(i)``) to ``clients`` as QUERY messages: ``{client: reply}`` of the
         well-formed, finite replies (the others logged)."""
         from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 
         payload = to_record(broadcast)
-        cfg = ConfigRecord({"num-total": int(self.counts.sum()), "num-clients": self.num_clients, **config})
-        messages = [Message(RecordDict({"broadcast": payload, "config": cfg}), message_type=MessageType.QUERY,
-                            dst_node_id=self.nodes[i]) for i in clients]
+        messages = [Message(RecordDict({"broadcast": payload, "config": ConfigRecord(
+            {"num-total": int(self.counts.sum()), "num-clients": self.num_clients, **config(i)})}),
+            message_type=MessageType.QUERY, dst_node_id=self.nodes[i]) for i in clients]
         out = {}
         for reply in grid.send_and_receive(messages, timeout=timeout):
             i = self._client_of.get(reply.metadata.src_node_id)
@@ -708,7 +722,7 @@ class _EngineStrategy(_strategy_base()):
                 i = int(reply.content["meta"]["partition-id"])
                 out[i] = from_record(reply.content["message"], template, check_finite=True)
             except (KeyError, ValueError, TypeError) as err:
-                log.warning("query %s: dropped the reply of client %s: %s", config or "", i, err)
+                log.warning("query: dropped the reply of client %s: %s", i, err)
         return out
 
     def configure_train(self, server_round, arrays, config, grid):
@@ -959,7 +973,8 @@ class FedLocalVIStrategy(_EngineStrategy):
         self._refreshed_round = r
         theta = jax.tree.map(lambda a: a[0], self.state.z)
         everyone, units = list(range(self.num_clients)), _pre.evenly_spaced(self.num_clients)
-        parts = self._query(grid, everyone, self._broadcast(), {"curvature": theta}, timeout, query="curvature")
+        parts = self._query(grid, everyone, self._broadcast(), {"curvature": theta}, timeout,
+                            lambda i: {"query": "curvature"})
         lams, curvature, eta = {}, None, None
         if sorted(parts) == everyone:
             w = jnp.asarray(self.weights)
@@ -967,7 +982,7 @@ class FedLocalVIStrategy(_EngineStrategy):
                                      *[parts[m]["curvature"] for m in everyone])
             lams = self._query(grid, units, {**self._broadcast(), "curvature": curvature},
                                {"eigenvalue": jnp.zeros((), jnp.result_type(*jax.tree.leaves(theta)))}, timeout,
-                               query="eigenvalue")
+                               lambda i: {"query": "eigenvalue"})
         if sorted(lams) == units:
             eta = refreshed_step(jnp.stack([lams[m]["eigenvalue"] for m in units]), theta)
         if eta is None:
@@ -1075,8 +1090,9 @@ class PDVIStrategy(_EngineStrategy):
     trust region, which with ``eta="auto"`` also shrinks η: the next round sends the new η), the in-process step's
     own code.  A dropped reply counts as a unit the round did not select (its client does not commit its
     step).  ``eta="auto"`` is estimated before round 1 from up to 8 evenly spaced clients (their curvature at the
-    initial λ_0 and rows, as ``PDVI.init``); no refresh (``eta_refresh=False``: a refresh needs every client's
-    dual at once).  Losses: ``(n/|S_t|) Σ f_i`` of the answering units, as ``PDVI.run``'s.
+    initial λ_0 and rows, as ``PDVI.init``) and refreshed at the engine's ``eta_refresh`` iterations (:meth:`_refresh`:
+    the curvature again, then every client's dual).  Losses: ``(n/|S_t|) Σ f_i`` of the answering units, as
+    ``PDVI.run``'s.
 
     :param engine: a ``PDVI`` (model, guide, ELBO and settings; ``partitions`` / ``num_partitions`` are ignored:
         the blocks are the clients).
@@ -1104,6 +1120,7 @@ class PDVIStrategy(_EngineStrategy):
         self.state = pdvi_init(lam0, 1, None, eta, rng_key)._replace(mu=None)
         self.accepted = np.full(self.num_clients, -1, np.int64)
         self._select = jax.jit(lambda key, step: engine._select_units(self.num_clients, key, step))
+        self._refresh_steps, self._refreshed_step = set(engine.refresh_schedule(self.num_clients)), 0
         self._consensus = jax.jit(partial(consensus_update, num_units=self.num_clients, **engine._consensus_options))
 
     def handshake(self, grid, timeout: float | None = None) -> None:
@@ -1113,14 +1130,56 @@ class PDVIStrategy(_EngineStrategy):
             self.state = self.state._replace(eta=self._auto_eta(grid, self.timeout if timeout is None else timeout))
 
     def _auto_eta(self, grid, timeout):
+        eta = self._curvature_eta(grid, self._eta_key, timeout)
+        if eta is None:
+            units = self.engine.curvature_units(self.num_clients)
+            raise RuntimeError(f"eta='auto' needs the curvature of clients {units}.")
+        return _check_eta(eta, self.structure.init_global)
+
+    def _curvature_eta(self, grid, key, timeout):
+        """``η̂ = c / L̂`` from the curvature of up to 8 evenly spaced clients at λ_0 and their committed rows
+        (``PDVI._eta_hat`` at ``key``), or None when one did not answer."""
         e = self.engine
         units = e.curvature_units(self.num_clients)
         template = {k: jnp.zeros((), jnp.result_type(float)) for k in self.state.lam0}
-        curv = self._query(grid, units, {**self._broadcast(), "rng_key": self._eta_key}, template, timeout)
+        curv = self._query(grid, units, {**self._broadcast(), "rng_key": key}, template, timeout,
+                           lambda i: {"query": "curvature", "accepted-round": int(self.accepted[i])})
         if sorted(curv) != units:
-            raise RuntimeError(f"eta='auto' needs the curvature of clients {units}; got {sorted(curv)}.")
-        stacked = {k: jnp.stack([curv[i][k] for i in units]) for k in template}
-        return _check_eta(e.eta_from_curvatures(stacked), self.structure.init_global)
+            return None
+        return e.eta_from_curvatures({k: jnp.stack([curv[i][k] for i in units]) for k in template})
+
+    def configure_train(self, server_round, arrays, config, grid):
+        t = int(self.state.step)
+        if t in self._refresh_steps and t != self._refreshed_step:
+            self._refresh(grid, self.timeout)
+        return super().configure_train(server_round, arrays, config, grid)
+
+    def _refresh(self, grid, timeout):
+        """``PDVI._refreshed`` over the clients after iteration ``t``: η̂ from the curvature clients at
+        ``fold_in(key, t)`` (``refreshed_eta`` guards it), then every client's fresh dual at ``fold_in(·, 1)``
+        (pending on the client as the step of a refresh round), ``h = η mean(μ)``, and the duals accepted.  A
+        missing or non-finite reply keeps the old duals (``h = η · h_old/η_old``: Remark 3.1's mean(μ); in process
+        only a site whose duals are non-finite keeps them) or, without the curvature, the old η (logged)."""
+        s, t = self.state, int(self.state.step)
+        self._refreshed_step = t
+        key = random.fold_in(s.rng_key, t)
+        new = self._curvature_eta(grid, key, timeout)
+        if new is None:
+            log.warning("iteration %d: eta refresh without every curvature client; η and the duals are kept", t)
+            return
+        eta = refreshed_eta(new, s.eta)
+        refresh_round = -(t + 3)   # a round number no train round has (they are ≥ 0; -1, -2: none)
+        everyone = list(range(self.num_clients))
+        duals = self._query(grid, everyone, {**self._broadcast(), "eta": eta, "rng_key": random.fold_in(key, 1)},
+                            {"mu": s.lam0}, timeout, lambda i: {"query": "dual", "refresh-round": refresh_round,
+                                                                "accepted-round": int(self.accepted[i])})
+        if sorted(duals) == everyone:
+            mean = {k: jnp.mean(jnp.stack([duals[i]["mu"][k] for i in everyone]), 0) for k in s.h}
+            self.accepted[:] = refresh_round
+        else:
+            log.warning("iteration %d: dual refresh without every client; the duals are kept", t)
+            mean = {k: s.h[k] / s.eta[k] for k in s.h}
+        self.state = s._replace(eta=eta, h={k: eta[k] * mean[k] for k in s.h})
 
     def _active(self):
         t = int(self.state.step)

@@ -761,11 +761,16 @@ class PDVI:
 
     def refresh_steps(self) -> list[int]:
         """Iteration numbers (``state.step``) after which ``eta="auto"`` is re-estimated (empty without refresh)."""
+        self._require_init()
+        return self.refresh_schedule(self.blocks.num_blocks)
+
+    def refresh_schedule(self, num_blocks: int) -> list[int]:
+        """:meth:`refresh_steps` for ``num_blocks`` blocks: after epochs 1, 2, 4, 8, … (an epoch: ⌈blocks /
+        partitions_per_step⌉ iterations) with ``eta_refresh=True``, the given list, or none."""
         if self.eta_spec != "auto" or self.eta_refresh is False:
             return []
-        self._require_init()
         if self.eta_refresh is True:
-            epoch = -(-self.blocks.num_blocks // self.partitions_per_step)
+            epoch = -(-num_blocks // self.partitions_per_step)
             return [epoch * 2**k for k in range(40)]
         return sorted(int(k) for k in self.eta_refresh)
 
@@ -779,13 +784,13 @@ class PDVI:
         """``μ_i = −∇_λ f_i(λ_0, φ_i)`` for every unit at ``point = (λ_0, local, key)``: the gradient table an exact
         oracle leaves after visiting every unit at λ_0 (one gradient per unit, units in sequence: O(N) once)."""
         lam0, local, key = point
+        return jax.lax.map(lambda unit: self._dual(unit, lam0, local, key, inputs), jnp.arange(self.num_units),
+                           batch_size=min(self.num_units, 64) if self.dual_granularity == "datum" else None)
 
-        def one(unit):
-            grad = jax.grad(self._unit_objective(unit, local, key, inputs)[0])(lam0)
-            return jax.tree.map(lambda g: -_accum(g), grad)
-
-        return jax.lax.map(one, jnp.arange(self.num_units), batch_size=min(self.num_units, 64)
-                           if self.dual_granularity == "datum" else None)
+    def _dual(self, unit, lam0, local, key, inputs):
+        """``μ_unit = −∇_λ f_unit(λ_0, φ_unit)`` at ``key`` (one entry of :meth:`_duals`; a Flower client's own)."""
+        grad = jax.grad(self._unit_objective(unit, local, key, inputs)[0])(lam0)
+        return jax.tree.map(lambda g: -_accum(g), grad)
 
     def _refresh(self, state, inputs):
         state = self._compiled("refresh", self._refreshed)((state, random.fold_in(state.rng_key, state.step)),

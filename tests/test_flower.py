@@ -368,19 +368,26 @@ def test_two_sync_round_survives_a_dropped_reply_in_either_phase():
     assert all(np.all(np.isfinite(a)) for a in jax.tree.leaves((strategy.state.z, strategy.state.output)))
 
 
-@pytest.mark.parametrize("eta", [pytest.param("auto", marks=pytest.mark.slow), 0.05])
-def test_pdvi_rounds_equal_the_in_process_engine(eta):
+@pytest.mark.parametrize("eta, refresh", [pytest.param("auto", False, marks=pytest.mark.slow), ("auto", True),
+                                          pytest.param(0.05, False, marks=pytest.mark.slow)])
+def test_pdvi_rounds_equal_the_in_process_engine(eta, refresh):
     """Federated PD-VI: 3 clients = 3 fixed blocks of a random-effects model with one local latent per datum; four
     iterations (2 blocks each) through the strategy and client apps equal four in-process ``PDVI`` iterations: η
     (estimated from the clients' curvature for eta="auto"), λ_0, h, and every client's dual μ_i and local rows φ_i
-    (committed once accepted).  Remark 3.1's invariant h = D_η mean(μ) holds across the federation."""
-    x, site, make = _pdvi_problem(eta)
+    (committed once accepted).  Remark 3.1's invariant h = D_η mean(μ) holds across the federation.  With the
+    default ``eta_refresh`` (after iterations 2 and 4 here) the server's refreshes (the curvature clients again, then
+    every client's fresh dual, committed when accepted) equal the engine's."""
+    x, site, make = _pdvi_problem(eta, refresh)
     expected = make()
     state = expected.init(random.key(2), x)
     for _ in range(4):
         state, _ = expected.update(state, x)
     before = set(flower._CLIENTS)
     strategy, grid = _pdvi_federation(make(), x, site, rounds=4)
+    if refresh:   # the refresh after iteration 4 (in process: inside update 4) runs at the next round's configure
+        assert strategy._refresh_steps >= {2, 4} and strategy._refreshed_step == 2
+        strategy.configure_train(5, None, None, grid)
+        assert strategy._refreshed_step == 4 and set(strategy.accepted) == {-7}
     assert strategy.dropped == [] and int(strategy.state.step) == 4 and len(strategy.losses) == 4
     clients = [flower._CLIENTS[k] for k in set(flower._CLIENTS) - before if k[2:] == (30, 3)]   # 3 x 10 rows
     assert len(clients) == 3 and all(c.solve is clients[0].solve for c in clients)   # one program
@@ -403,14 +410,14 @@ def test_pdvi_rounds_equal_the_in_process_engine(eta):
     assert set(strategy.get_params()) == {"m"}
 
 
-def _pdvi_problem(eta):
+def _pdvi_problem(eta, refresh=False):
     rng = np.random.default_rng(3)
     x = jnp.asarray(rng.normal(1.0, 1.2, size=30), jnp.float32)
     site = np.repeat(np.arange(3), 10)
 
     def make():
         return nfv.PDVI(random_effects, random_effects_guide, Trace_ELBO(), partitions=site, partitions_per_step=2,
-                        eta=eta, eta_refresh=False)
+                        eta=eta, eta_refresh=refresh)
 
     return x, site, make
 
@@ -463,9 +470,6 @@ def test_pdvi_dropped_reply_is_a_unit_not_selected():
 
 def test_pdvi_strategy_refuses_what_it_cannot_run():
     x = jnp.zeros(6)
-    with pytest.raises(ValueError, match="eta_refresh=False"):
-        flower.PDVIStrategy(nfv.PDVI(random_effects, random_effects_guide, num_partitions=3), random.key(0), x[:1],
-                            num_clients=3)
     with pytest.raises(ValueError, match="dual_granularity"):
         flower.make_client_app(nfv.PDVI(random_effects, random_effects_guide, num_partitions=3, eta=0.1,
                                         dual_granularity="datum"), lambda ctx: None)
