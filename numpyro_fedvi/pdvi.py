@@ -761,6 +761,8 @@ class PDVI:
 
     def refresh_steps(self) -> list[int]:
         """Iteration numbers (``state.step``) after which ``eta="auto"`` is re-estimated (empty without refresh)."""
+        if self.eta_spec != "auto" or self.eta_refresh is False:
+            return []
         self._require_init()
         return self.refresh_schedule(self.blocks.num_blocks)
 
