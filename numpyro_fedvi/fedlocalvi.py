@@ -41,7 +41,7 @@ from .inputs import InputJit, check_static_kwargs, prepare_inputs, prepare_value
 from .objectives import block_loss_fn, check_elbo, client_loss_fn, client_loss_from_blocks, full_loss_fn
 from .prox import as_prox, zero_prox
 from .runner import EarlyStopping, RunResult, revert_non_finite, run_loop, tree_all_finite
-from .structure import Partitions, inspect_global_model
+from .structure import Partitions, inspect_global_model, warn_if_unsubsampled
 
 __all__ = ["METHODS", "FedLocalVI"]
 
@@ -306,6 +306,7 @@ class FedLocalVI:
             structure = self.inspect(rng_key, args, kwargs, init_params)
             plate = structure.data_plate
             clients = ClientData.from_plate(plate.size, *self._plate_clients, plate_name=plate.name)
+            warn_if_unsubsampled(plate, clients.num_clients, type(self).__name__)
         else:
             structure = self.inspect(rng_key, (self.clients.client(0), *args), kwargs, init_params)
         if self._plate_mode:

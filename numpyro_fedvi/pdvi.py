@@ -42,7 +42,7 @@ from .preconditioning import evenly_spaced
 from .inputs import InputJit, check_positive, check_static_kwargs, prepare_inputs
 from .newton import newton_solve
 from .runner import EarlyStopping, RunResult, run_loop, tree_all_finite
-from .structure import ModelStructure, Partitions, inspect_model, make_partitions
+from .structure import ModelStructure, Partitions, inspect_model, make_partitions, warn_if_unsubsampled
 
 __all__ = ["Block", "NEWTON_MAX_HVPS", "PDVI", "PDVIState", "consensus_update", "dual_step", "pdvi_init", "pdvi_step",
            "prox_solve", "refreshed_eta"]
@@ -557,6 +557,8 @@ class PDVI:
         if not 1 <= self.partitions_per_step <= blocks.num_blocks:
             raise ValueError(f"partitions_per_step must be in [1, {blocks.num_blocks}], "
                              f"got {self.partitions_per_step}.")
+        if self._client_block is None:   # a Flower client's plate is its own rows, one block
+            warn_if_unsubsampled(structure.data_plate, blocks.num_blocks, "PDVI")
         self.structure, self.blocks = structure, blocks
         self._solver, self._solver_steps = self._resolve_solver(structure)
         self._block_loss = block_loss_fn(self._oracle_loss_for(structure, args, kwargs), self.model, self.guide,

@@ -51,6 +51,24 @@ class DataPlate:
     subsampled: bool = True
 
 
+#: a data plate at least this large, cut into at least UNSUBSAMPLED_WARN_BLOCKS blocks or clients, and declared without
+#: a subsample size gets :func:`warn_if_unsubsampled`'s warning (smaller ones: the O(N) mask costs little)
+UNSUBSAMPLED_WARN_SIZE = 10_000
+UNSUBSAMPLED_WARN_BLOCKS = 4
+
+
+def warn_if_unsubsampled(plate: DataPlate, num_blocks: int, engine: str) -> None:
+    """Warn when the blocks (or clients) of a large data plate declared without ``subsample_size`` are each to be
+    evaluated on all N rows under a mask: correct, but O(N) per evaluation instead of O(block) (measured 22× per
+    PD-VI iteration on benchmarks/gmm_biased at N = 10⁴, 20 blocks)."""
+    if plate.subsampled or plate.size < UNSUBSAMPLED_WARN_SIZE or num_blocks < UNSUBSAMPLED_WARN_BLOCKS:
+        return
+    warnings.warn(f"{engine}: the data plate {plate.name!r} (N = {plate.size}) has no subsample_size, so each of its "
+                  f"{num_blocks} blocks is evaluated on all N rows under a mask (O(N) per evaluation). Declare "
+                  f"numpyro.plate({plate.name!r}, N, subsample_size=...) (any size: the engine passes each block's "
+                  "indices) for O(block) evaluations.", stacklevel=3)
+
+
 @dataclass(frozen=True)
 class ParamInfo:
     """One ``numpyro.param`` site."""

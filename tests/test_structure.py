@@ -381,3 +381,49 @@ def test_partitions_as_2d_index_array_or_empty_list():
         np.testing.assert_array_equal(np.asarray(p.indices), blocks)
     with pytest.raises(ValueError, match="partition"):
         make_partitions(6, partitions=[])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the O(N) warning of an unsubsampled data plate
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _mean_model(x, batch_size=None):
+    mu = numpyro.sample("mu", dist.Normal(0.0, 10.0))
+    with numpyro.plate("data", x.shape[0], subsample_size=batch_size):
+        numpyro.sample("obs", dist.Normal(mu, 1.0), obs=numpyro.subsample(x, event_dim=0))
+
+
+@pytest.mark.parametrize("engine", ["PDVI", "FedSVI", "FedLocalVI"])
+def test_large_unsubsampled_plate_warns_once_per_setup(engine):
+    """Blocks / clients of a data plate of N ≥ 10⁴ rows without subsample_size: every evaluation runs on all N rows
+    (the mask path), so the engine says how to get O(block); a subsampled plate, a small one, or fewer than 4 blocks
+    stay silent."""
+    import warnings
+
+    import numpyro_fedvi as nfv
+    from numpyro_fedvi.structure import UNSUBSAMPLED_WARN_SIZE, DataPlate, warn_if_unsubsampled
+
+    n = UNSUBSAMPLED_WARN_SIZE
+    x = np.zeros(n, np.float32)
+    ids = np.arange(n) % 8
+
+    def setup(**kw):
+        guide = AutoNormal(_mean_model)
+        if engine == "PDVI":
+            e = nfv.PDVI(_mean_model, guide, partitions=ids, eta=0.1)
+            e._setup(random.key(0), (x,), kw, None)
+        elif engine == "FedSVI":
+            e = nfv.FedSVI(_mean_model, guide, clients=ids)
+            e._build(random.key(0), None, (x,), kw)
+        else:
+            e = nfv.FedLocalVI(_mean_model, guide, clients=ids, step_size=0.1)
+            e._setup(random.key(0), (x,), kw)
+
+    with pytest.warns(UserWarning, match=r"'data' \(N = 10000\) has no subsample_size.*8 blocks"):
+        setup()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        setup(batch_size=100)
+        warn_if_unsubsampled(DataPlate("data", n - 1, -1, subsampled=False), 8, engine)
+        warn_if_unsubsampled(DataPlate("data", n, -1, subsampled=False), 3, engine)

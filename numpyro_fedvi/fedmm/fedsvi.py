@@ -39,7 +39,7 @@ from ..inputs import check_positive, check_static_kwargs, prepare_inputs, prepar
 from ..objectives import block_loss_fn, check_elbo, client_loss_fn, client_loss_from_blocks, full_loss_fn
 from ..prox import as_prox
 from ..runner import EarlyStopping, RunResult
-from ..structure import Partitions, inspect_global_model
+from ..structure import Partitions, inspect_global_model, warn_if_unsubsampled
 from .core import SurrogateFamily
 from .engine import FedMM, with_projection
 
@@ -236,6 +236,7 @@ class FedSVI(FedMM):
             structure = self.inspect(rng_key, args, kwargs, init_params)
             plate = structure.data_plate
             client_data = ClientData.from_plate(plate.size, *self._plate_clients, plate_name=plate.name)
+            warn_if_unsubsampled(plate, client_data.num_clients, type(self).__name__)
             self._block_loss = block_loss_fn(self.elbo, self.model, self.guide, structure, self.static_kwargs)
         else:
             structure = self.inspect(rng_key, (client_data.client(0), *args), kwargs, init_params)
