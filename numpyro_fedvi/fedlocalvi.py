@@ -53,6 +53,8 @@ _CURVATURE_FOLD = 0xC0A7  # fold (then the round) that gives the Monte-Carlo key
 # step_size="auto": η = STEP_SCALE / λ̂ (λ̂: the largest eigenvalue of a client's preconditioned Hessian).  0.5 left
 # one of five eight-schools seeds with a non-finite estimate after a log-scale collapsed; 0.25 none (README)
 STEP_SCALE = 0.25
+NON_FINITE_INITIAL_ESTIMATE = ("step_size='auto': the curvature estimate at the initial params is not finite (check the "
+                               "model's log density there, or init_params=); pass a float step_size to run without it.")
 
 
 def refreshed_step(eigenvalues, theta) -> jax.Array:
@@ -413,9 +415,7 @@ class FedLocalVI:
         if self.auto_step:
             state = self._refresh(state, self._inputs(args, kwargs))
             if not math.isfinite(float(state.precond["eta"])):
-                raise FloatingPointError("step_size='auto': the curvature estimate at the initial params is not finite "
-                                         "(check the model's log density there, or init_params=); pass a float "
-                                         "step_size to run without it.")
+                raise FloatingPointError(NON_FINITE_INITIAL_ESTIMATE)
         return state
 
     # -- step_size="auto" (numpyro_fedvi.preconditioning) -------------------------------------------------------------

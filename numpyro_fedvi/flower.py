@@ -59,7 +59,8 @@ from .fedmm.core import (
 from . import preconditioning as _pre
 from . import vi_solvers as vs
 from .federated import ClientData
-from .fedlocalvi import FedLocalVI, client_eigenvalue, refreshed_step, rescaled_control
+from .fedlocalvi import (NON_FINITE_INITIAL_ESTIMATE, FedLocalVI, client_eigenvalue, refreshed_step,
+                         rescaled_control)
 from .fedmm.engine import FedMM, strong_types
 from .fedmm.fedsvi import FedSVI
 from .pdvi import PDVI, _accum, _check_eta, consensus_update, dual_step, pdvi_init, refreshed_eta
@@ -993,9 +994,7 @@ class FedLocalVIStrategy(_EngineStrategy):
             return
         if not bool(_finite((eta, curvature))):
             if initial:
-                raise FloatingPointError("step_size='auto': the curvature estimate at the initial params is not "
-                                         "finite (check the model's log density there, or init_params=); pass a "
-                                         "float step_size to run without it.")
+                raise FloatingPointError(NON_FINITE_INITIAL_ESTIMATE)
             log.warning("round %d: step_size='auto' refresh not finite; the last estimate is kept", r)
             return
         new = {"eta": eta, "curvature": curvature}
