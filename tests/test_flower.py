@@ -486,6 +486,30 @@ def _logistic_data():
     return X, y, np.repeat(np.arange(_M), _N // _M)
 
 
+@pytest.mark.slow
+def test_simulation_of_fedlocalvi_defaults_equals_in_process_run():
+    """FedLocalVI with every default (``step_size="auto"``: the preconditioner's QUERY rounds at the handshake and
+    after rounds 1, 2, 4) and drift correction, 3 Flower nodes on Ray: 5 rounds equal the in-process run."""
+    os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+    X, y, ids = _logistic_data()
+    order = np.argsort(X[:, 0])   # sorted: heterogeneous sites
+    X, y = X[order], y[order]
+
+    def make():
+        return nfv.FedLocalVI(logistic, AutoNormal(logistic), Trace_ELBO(), clients=ids, drift_correction="scaffnew")
+
+    expected = make().run(random.key(0), 5, X, y, progress_bar=False)
+    engine = make()
+    strategy = flower.FedLocalVIStrategy(engine, random.key(0), X[:1], y[:1], num_clients=_M)
+    got = flower.simulate(strategy, flower.make_client_app(
+        engine, lambda ctx: (X[ids == int(ctx.node_config["partition-id"])],
+                             y[ids == int(ctx.node_config["partition-id"])])), 5)
+    assert got.diagnostics["dropped"] == [] and len(got.losses) == 5
+    np.testing.assert_allclose(got.state.precond["eta"], expected.state.precond["eta"], rtol=1e-5)
+    for k in expected.params:
+        np.testing.assert_allclose(got.params[k], expected.params[k], rtol=1e-5, atol=1e-6)
+
+
 def _faulty_app(engine, data_fn):
     """The client app, except that client 1 raises in round 0 and client 2 replies NaN in round 1."""
     app = flower.make_client_app(engine, data_fn)
