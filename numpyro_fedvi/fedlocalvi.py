@@ -53,8 +53,9 @@ _CURVATURE_FOLD = 0xC0A7  # fold (then the round) that gives the Monte-Carlo key
 # step_size="auto": η = STEP_SCALE / λ̂ (λ̂: the largest eigenvalue of a client's preconditioned Hessian).  0.5 left
 # one of five eight-schools seeds with a non-finite estimate after a log-scale collapsed; 0.25 none (README)
 STEP_SCALE = 0.25
-NON_FINITE_INITIAL_ESTIMATE = ("step_size='auto': the curvature estimate at the initial params is not finite (check the "
-                               "model's log density there, or init_params=); pass a float step_size to run without it.")
+NON_FINITE_INITIAL_ESTIMATE = ("step_size='auto': the curvature estimate at the initial params is not finite (check "
+                               "the model's log density there, or init_params=); pass a float step_size to run "
+                               "without it.")
 
 
 def refreshed_step(eigenvalues, theta) -> jax.Array:
@@ -426,9 +427,7 @@ class FedLocalVI:
 
     def refresh_rounds(self, start: int = 0, stop: int = 2**40) -> list[int]:
         """The refresh rounds in ``(start, stop]``."""
-        first = max(start + 1, 1)
-        return [2**k for k in range(first.bit_length() - 1, stop.bit_length()) if start < 2**k <= stop
-                and self.is_refresh_round(2**k)]
+        return [2**k for k in range(stop.bit_length()) if start < 2**k <= stop and self.is_refresh_round(2**k)]
 
     def _guide_args(self, inputs):
         """The guide's arguments: the model's own (blocks of its data plate) or client 0's rows (a ClientData)."""
@@ -520,8 +519,9 @@ class FedLocalVI:
         return self._place_state(state), loss
 
     def _update_step(self, state, inputs):
-        """:meth:`_step`, then (``step_size="auto"``) the refresh when the round is one of :meth:`is_refresh_round`, inside the compiled step, so ``update`` stays a pure, jit-able function; ``run`` refreshes
-        between its compiled chunks (same results)."""
+        """:meth:`_step`, then (``step_size="auto"``) the refresh when :meth:`is_refresh_round`, inside the compiled
+        step, so ``update`` stays a pure, jit-able function; ``run`` refreshes between its compiled chunks (same
+        results)."""
         state, loss = self._step(state, inputs)
         if self.auto_step:
             state = jax.lax.cond(self.is_refresh_round(state.round), lambda s: self._refreshed(s, inputs),

@@ -298,18 +298,20 @@ class _FedLocalVIClient:
             op = vs.corrected_operator(op, jax.tree.map(lambda a: a[None], h), row=lambda _: 0)
         return st, loss, op
 
-    def _objective(self, st, loss):
-        """The client's objective F_m at the round's synchronised (primal) iterate."""
+    def _objective(self, st, loss, key=None, z=None):
+        """The client's objective F_m at ``z`` (default: the round's synchronised primal iterate) with ``key``
+        (default: the engine's evaluation key)."""
         e = self.engine
-        return loss(e._eval_key(st), e._theta(e._iterate(st, "last")), self.rows.data[0], self.rows.mask[0])
+        key = e._eval_key(st) if key is None else key
+        z = e._iterate(st, "last") if z is None else z
+        return loss(key, e._theta(z), self.rows.data[0], self.rows.mask[0])
 
     # -- step_size="auto": this client's parts of FedLocalVI._refreshed at the broadcast's θ̄ and round -----------
     def _curvature(self, b, m, inputs):
         """``diag ∇²F_m(θ̄)`` of this client's objective (the server sums ``μ_m`` times it: ``H``)."""
         e, st = self.engine, self._state(b, m)
         loss, key = e._client_loss(inputs), e._refresh_key(st)
-        return diag_hessian(lambda t: loss(key, e._theta(t), self.rows.data[0], self.rows.mask[0]),
-                            e._iterate(st, "last"), key=key)
+        return diag_hessian(lambda z: self._objective(st, loss, key, z), e._iterate(st, "last"), key=key)
 
     def _eigenvalue(self, b, m, inputs):
         """``λ_m`` at θ̄ with the server's new ``H`` (``b["curvature"]``)."""
