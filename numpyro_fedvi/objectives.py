@@ -55,7 +55,9 @@ def elbo_loss(elbo, rng_key, param_map, model, guide, *args, **kwargs):
     i.e. a different XLA program.  On one process that is float reassociation only; over several processes
     (``jax.distributed``) the processes then run different compiled programs whose collectives pair up wrongly
     (measured, issue 14: λ_0 wrong after 8 PD-VI iterations on 2 CPU processes whenever the two hash seeds gave
-    different orders).  Sorted, the traced program is the same in every process.  Other ELBOs are called as given."""
+    different orders).  Sorted, every process compiles the same program (the lowered text still lists NumPyro's
+    per-site subtractions in hash order, which only JAX's persistent cache key sees).  Other ELBOs are called as
+    given."""
     if isinstance(elbo, Trace_ELBO) and getattr(elbo, "sum_sites", False) and (
             type(elbo).loss_with_mutable_state is Trace_ELBO.loss_with_mutable_state):
         elbo = copy.copy(elbo)
