@@ -252,7 +252,8 @@ class FedLocalVI:
         self.model, self.guide, self.clients = model, guide, clients
         self.elbo = Trace_ELBO() if loss is None else loss
         self.method, self.inner_steps, self.sigma, self.delta = method, inner_steps, sigma, delta
-        self.prox = (zero_prox() if prox is None else as_prox(prox)) if method == "local_dual_averaging" else None
+        self.prox = (self._default_prox() if prox is None else as_prox(prox)) if method == "local_dual_averaging" \
+            else None
         self.batch_size, self.crn, self.output = batch_size, crn, output
         check_static_kwargs(static_kwargs)
         self.data_plate, self.static_kwargs = data_plate, static_kwargs
@@ -464,13 +465,13 @@ class FedLocalVI:
         loss = self._client_loss(inputs)
         theta = self._iterate(state, "last")
         key = self._refresh_key(state)
-        curvature = jax.tree.map(jnp.abs, diag_hessian(lambda t: self._objective(loss, t, key, inputs), theta,
-                                                       key=key))
+        curvature = jax.tree.map(jnp.abs, diag_hessian(lambda t: self._curvature_objective(loss, t, key, inputs),
+                                                       theta, key=key))
         fisher = self._fisher(state, theta, inputs)
         scale = _pre.preconditioner(fisher, curvature)
         raw = self._operator(loss, None, inputs[0])
         units = jnp.asarray(_pre.evenly_spaced(self.num_clients))
-        lams = jax.lax.map(lambda m: client_eigenvalue(raw, scale, theta, key, m), units)
+        lams = jax.lax.map(lambda m: self._client_lambda(raw, scale, theta, key, m), units)
         precond = {"eta": refreshed_step(lams, theta), "curvature": curvature}
         if state.precond is None:  # the initial estimate: nothing to fall back on
             return state._replace(precond=precond)
@@ -480,6 +481,20 @@ class FedLocalVI:
         new = state._replace(control=control, precond=precond)
         ok = jnp.isfinite(precond["eta"]) & tree_all_finite(curvature) & tree_all_finite(control)
         return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, state)  # a non-finite estimate keeps the last
+
+    def _curvature_objective(self, loss, z, key, inputs):
+        """The objective whose diagonal Hessian at the synchronised iterate is the preconditioner's ``H``."""
+        return self._objective(loss, z, key, inputs)
+
+    @staticmethod
+    def _client_lambda(raw: vs.Operator, scale: dict, z, key, m) -> jax.Array:
+        """``λ_m``: the size of client m's preconditioned operator Jacobian that η is measured against."""
+        return client_eigenvalue(raw, scale, z, key, m)
+
+    @staticmethod
+    def _default_prox():
+        """Local dual averaging's composite term without ``prox=``: none."""
+        return zero_prox()
 
     def _refresh_key(self, state):
         """The Monte-Carlo key of the refresh after round ``state.round`` (curvature and power method)."""

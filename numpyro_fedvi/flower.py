@@ -520,6 +520,10 @@ def _client_type(engine):
                              "'full' needs an exact pass over every client before round 1, which the strategy does "
                              "not run.")
         return _FedMMClient
+    if isinstance(engine, RobustFedVI) and engine.auto_step:
+        raise ValueError("over Flower RobustFedVI takes a float step_size (and weight_step_size): its step_size='auto' "
+                         "preconditions the saddle operator with the current group weights and measures its "
+                         "largest singular value, which runs in process only.")
     if isinstance(engine, FedLocalVI):
         return _FedLocalVIClient
     if isinstance(engine, PDVI):

@@ -31,7 +31,8 @@ from numpyro.infer.util import log_density
 
 from .particles import _ControlledNoise
 
-__all__ = ["FISHER_DRAWS", "evenly_spaced", "guide_fisher_diagonal", "max_preconditioned_eigenvalue", "preconditioner"]
+__all__ = ["FISHER_DRAWS", "evenly_spaced", "guide_fisher_diagonal", "max_preconditioned_eigenvalue",
+           "max_preconditioned_singular_value", "preconditioner"]
 
 FISHER_DRAWS = 32     # draws of q for its Fisher diagonal (moment-matched: exact second moments per coordinate)
 POWER_ITERATIONS = 20
@@ -63,16 +64,9 @@ def guide_fisher_diagonal(guide, constrain: Callable, theta: dict, args, kwargs,
     return jax.tree.map(lambda a: jnp.mean(a, 0), jax.vmap(draw)(jnp.arange(num_draws)))
 
 
-def max_preconditioned_eigenvalue(hvp: Callable, scale: dict, theta: dict, key,
-                                  num_iterations: int = POWER_ITERATIONS) -> jax.Array:
-    """``λ_max(S ∇² S)`` by the power method, ``S = diag(√scale)``, ``hvp(v) = ∇² v`` at ``theta`` (pytrees like
-    ``theta``); the start vector is drawn from ``key``."""
-    s = jnp.sqrt(ravel_pytree(scale)[0])
-    flat, unravel = ravel_pytree(theta)
-
-    def apply(v):
-        return s * ravel_pytree(hvp(unravel(s * v)))[0]
-
+def _power_method(apply: Callable, flat, key, num_iterations: int) -> jax.Array:
+    """The largest eigenvalue in modulus of a symmetric linear map ``apply`` on vectors like ``flat``:
+    ``num_iterations`` power steps from a draw of ``key``."""
     def body(_, carry):
         v, _ = carry
         w = apply(v)
@@ -82,6 +76,32 @@ def max_preconditioned_eigenvalue(hvp: Callable, scale: dict, theta: dict, key,
     v0 = random.normal(key, flat.shape, flat.dtype)
     _, lam = jax.lax.fori_loop(0, num_iterations, body, (v0 / jnp.linalg.norm(v0), jnp.zeros((), flat.dtype)))
     return lam
+
+
+def max_preconditioned_eigenvalue(hvp: Callable, scale: dict, theta: dict, key,
+                                  num_iterations: int = POWER_ITERATIONS) -> jax.Array:
+    """``λ_max(S ∇² S)`` by the power method, ``S = diag(√scale)``, ``hvp(v) = ∇² v`` at ``theta`` (pytrees like
+    ``theta``); the start vector is drawn from ``key``."""
+    s = jnp.sqrt(ravel_pytree(scale)[0])
+    flat, unravel = ravel_pytree(theta)
+    return _power_method(lambda v: s * ravel_pytree(hvp(unravel(s * v)))[0], flat, key, num_iterations)
+
+
+def max_preconditioned_singular_value(operator: Callable, scale: dict, theta: dict, key,
+                                      num_iterations: int = POWER_ITERATIONS) -> jax.Array:
+    """``σ_max(S J S)`` by the power method on ``(S J S)ᵀ(S J S)``, ``S = diag(√scale)``, ``J = ∇operator(theta)``
+    (a non-symmetric Jacobian: a saddle operator's Lipschitz constant in the preconditioned metric; for a
+    symmetric ``J`` the largest ``|eigenvalue|``).  The start vector is drawn from ``key``."""
+    s = jnp.sqrt(ravel_pytree(scale)[0])
+    flat, unravel = ravel_pytree(theta)
+    _, jvp = jax.linearize(operator, theta)
+    vjp = jax.linear_transpose(jvp, theta)
+
+    def apply(v):
+        u = s * ravel_pytree(jvp(unravel(s * v)))[0]
+        return s * ravel_pytree(vjp(unravel(s * u))[0])[0]
+
+    return jnp.sqrt(_power_method(apply, flat, key, num_iterations))
 
 
 def preconditioner(fisher: dict, curvature: dict) -> dict:

@@ -4,8 +4,7 @@
 The model is the user's SVI model, unchanged (DESIGN.md "The model contract"); the groups are blocks of its data plate,
 given like PD-VI's ``partitions=``::
 
-    RobustFedVI(model, guide, Trace_ELBO(8), clients=site_ids, tau=0.5, local_steps=5, step_size=0.2
-                ).run(key, num_rounds, X, y)
+    RobustFedVI(model, guide, Trace_ELBO(8), clients=site_ids, tau=0.5).run(key, num_rounds, X, y)
 
 Groups g = 1..G (one per client: hospitals, sites) with ``N_g`` rows; ``L_g(θ)`` is group g's negative ELBO per datum
 (``objectives.client_loss_from_blocks`` / ``client_loss_fn``: the group's likelihood scaled to ``N`` rows and the KL
@@ -24,8 +23,17 @@ the inner max is ``w*(θ) = Π_Δ(1/G + L(θ)/τ)`` (:func:`dro_weights`), so th
 ``ψ(θ) = Φ(θ, w*(θ))``; τ → ∞ gives w → 1/G and the average (ERM with equal groups) posterior.
 
 Client drift: client g sees only L_g, so during its K local steps its own w_g rises toward 1 and its θ-steps lose the
-robust reweighting until the next synchronisation; the fixed point moves O(ηK) from the saddle point (exact for
-K = 1, where x is averaged before the second oracle call of every step).  Keep K·η small (tests, README).
+robust reweighting until the next synchronisation; the published solver's fixed point moves O(ηK) from the saddle
+point (exact for K = 1, where x is averaged before the second oracle call of every step).  The default
+``drift_correction="scaffnew"`` (FedLocalVI's control variates h_g → V_g(z*)) makes the saddle point a fixed point of
+every client's local steps; ``None`` is the paper's solver.
+
+Step size (default ``"auto"``, FedLocalVI's preconditioning extended to the saddle operator): the solver runs
+``η D(z) V_g(z)`` with ``D = 1/(F(θ)/N + |diag ∇²Φ(θ̄, w̄)|)`` — the guide's Fisher diagonal per datum on θ plus
+``Σ_g w̄_g diag ∇²L_g`` there, and ``|−τ|`` on w (so w moves by ``η/τ`` times its operator) — and
+``η = 0.25/σ̂``, ``σ̂`` the largest singular value of ``D^{1/2} ∇V_g D^{1/2}`` (not symmetric: the θ–w coupling is in
+it) over up to 8 groups, re-estimated after rounds 1, 2, 4, 8, …  The simplex projection is the same in that
+metric (one scale for every w_g).  In process only: over Flower pass a float ``step_size``.
 """
 
 from __future__ import annotations
@@ -40,11 +48,14 @@ from . import vi_solvers as vs
 from .federated import ClientData
 from .fedlocalvi import FedLocalVI, _positive_float
 from .inputs import prepare_inputs
+from .preconditioning import max_preconditioned_singular_value
 from .projections import project_simplex
 from .prox import Prox, simplex_prox
 from .runner import RunResult
 
 __all__ = ["RobustFedVI", "RobustResult", "dro_objective", "dro_weights", "robust_federated_vi", "simplex_weight_prox"]
+
+LOCAL_STEPS = 5  # K, local steps per round by default (FedLocalVI's)
 
 
 def dro_weights(group_losses, tau):
@@ -69,8 +80,8 @@ class RobustFedVI(FedLocalVI):
     """Worst-group-robust federated VI (see module docstring) on NumPyro's SVI surface; one step = one round of
     local dual averaging on the saddle operator, every group/client running K local steps.
 
-    ``RobustFedVI(model, guide, Trace_ELBO(num_particles=8), clients=group_ids, tau=0.5, local_steps=5,
-    step_size=0.2)`` on the user's SVI model; ``run(key, num_rounds, X, y)``; ``get_params(state)`` gives the robust
+    ``RobustFedVI(model, guide, Trace_ELBO(num_particles=8), clients=group_ids, tau=0.5)`` on the user's SVI model;
+    ``run(key, num_rounds, X, y)``; ``get_params(state)`` gives the robust
     guide params (``Predictive(model, guide=guide, params=...)(key, X, y)``), ``group_weights(state)`` the group
     weights w ∈ Δ, ``group_losses(params, X, y)`` the per-datum L_g of any params.
 
@@ -79,28 +90,38 @@ class RobustFedVI(FedLocalVI):
         :class:`~numpyro_fedvi.federated.ClientData` of each group's rows (also accepted as the third positional
         argument, ``RobustFedVI(model, guide, groups, loss, ...)``, with ``model(rows, *args)``).
     :param tau: τ > 0, the strength of the pull of w toward 1/G (τ → ∞: the average posterior).
-    :param step_size: η of dual averaging for θ, on the PER-DATUM scale (``L_g`` is per datum; η ≲ 1/L_θ).
-    :param weight_step_size: η_w for w (default ``min(η, 1/τ)``: the w-block is τ-strongly concave and τ-smooth):
-        dual averaging with ``h(θ, w) = ½‖θ − θ0‖² + ‖w − w0‖²/(2c)``, c = η_w/η, i.e. the w-operator scaled by c
-        (a block scaling leaves the VI's solutions unchanged).
+    :param local_steps: K, local steps per round (default 5).
+    :param step_size: ``"auto"`` (default; module docstring: preconditioned θ and w, η from the operator's largest
+        preconditioned singular value, in process only), or a float: η of dual averaging for θ, on the PER-DATUM
+        scale (``L_g`` is per datum; η ≲ 1/L_θ), the paper's constant step.
+    :param weight_step_size: with a float ``step_size``: η_w for w (default ``min(η, 1/τ)``: the w-block is
+        τ-strongly concave and τ-smooth): dual averaging with ``h(θ, w) = ½‖θ − θ0‖² + ‖w − w0‖²/(2c)``,
+        c = η_w/η, i.e. the w-operator scaled by c (a block scaling leaves the VI's solutions unchanged).
+    :param drift_correction: ``"scaffnew"`` (default) or ``None`` (the paper's solver, with its O(ηK) client drift).
     :param output: ``"last"`` (default: the synchronised primal iterate) or ``"average"`` (Thm 7's output of eq. (13),
         the mean of v over all local steps: carries the transient from the start, so it needs longer runs).
-    Other arguments as :class:`~numpyro_fedvi.FedLocalVI` (``batch_size``, ``crn``, ``data_plate``, ``mesh``;
-    ``drift_correction`` defaults to ``None`` here: the paper's saddle-point solver as published).
+    Other arguments as :class:`~numpyro_fedvi.FedLocalVI` (``batch_size``, ``crn``, ``data_plate``, ``mesh``).
     """
 
     def __init__(self, model, guide, loss=None, *legacy, clients=None, num_clients: int | None = None, tau: float,
-                 local_steps: int, step_size: float, weight_step_size: float | None = None,
-                 batch_size: int | None = None, crn=False, output: str = "last", drift_correction: str | None = None,
-                 data_plate: str | None = None, mesh=None, **static_kwargs):
+                 local_steps: int = LOCAL_STEPS, step_size: float | str = "auto",
+                 weight_step_size: float | None = None, batch_size: int | None = None, crn=False,
+                 output: str = "last", drift_correction: str | None = "scaffnew", data_plate: str | None = None,
+                 mesh=None, **static_kwargs):
         self.tau = _positive_float(tau, "tau")
-        step_size = _positive_float(step_size, "step_size")  # a float: the saddle operator takes no "auto"
-        self.weight_step_size = (min(step_size, 1.0 / self.tau)
-                                 if weight_step_size is None else _positive_float(weight_step_size, "weight_step_size"))
+        if isinstance(step_size, str):  # "auto" (checked by FedLocalVI): the w-block is preconditioned by 1/τ
+            if weight_step_size is not None:
+                raise ValueError("weight_step_size goes with a float step_size; with step_size='auto' the w-block's "
+                                 "step comes from its curvature τ (see RobustFedVI).")
+            self.weight_step_size = 1.0
+        else:
+            step_size = _positive_float(step_size, "step_size")
+            self.weight_step_size = (min(step_size, 1.0 / self.tau) if weight_step_size is None
+                                     else _positive_float(weight_step_size, "weight_step_size"))
         super().__init__(model, guide, loss, *legacy, clients=clients, num_clients=num_clients,
                          method="local_dual_averaging", local_steps=local_steps, step_size=step_size,
-                         prox=simplex_weight_prox(), batch_size=batch_size, crn=crn, output=output,
-                         drift_correction=drift_correction, data_plate=data_plate, mesh=mesh, **static_kwargs)
+                         batch_size=batch_size, crn=crn, output=output, drift_correction=drift_correction,
+                         data_plate=data_plate, mesh=mesh, **static_kwargs)
         if self.num_clients < 2:
             raise ValueError(f"the clients must form at least 2 groups (one client each), got {self.num_clients}.")
 
@@ -131,6 +152,30 @@ class RobustFedVI(FedLocalVI):
             return {"theta": v_theta, "w": v_w}
 
         return operator
+
+    # -- step_size="auto": the preconditioner of the saddle operator ---------------------------------------------
+    @staticmethod
+    def _default_prox():
+        """The simplex on w (an indicator: its projection does not depend on the step, and with one scale for every
+        coordinate of w, 1/τ, it is also the preconditioned metric's projection)."""
+        return simplex_weight_prox()
+
+    def _fisher(self, state, z, inputs):
+        """The guide's Fisher diagonal on θ per datum (``L_g`` is per datum: ``F(θ)/N``); none on w."""
+        fisher = super()._fisher(state, z["theta"], inputs)
+        return {"theta": jax.tree.map(lambda f: f / self.num_total, fisher), "w": jnp.zeros_like(z["w"])}
+
+    def _curvature_objective(self, loss, z, key, inputs):
+        """``Φ(θ, w)`` at the synchronised (θ̄, w̄): its diagonal Hessian is ``Σ_g w̄_g diag ∇²L_g`` on θ (the
+        θ-block of the mean operator's Jacobian) and ``−τ`` on w, so ``D = 1/(F/N + |H|)`` scales w by 1/τ."""
+        losses = self._group_losses(loss, z["theta"], key, inputs[0])
+        return dro_objective(losses, z["w"], self.tau)
+
+    @staticmethod
+    def _client_lambda(raw: vs.Operator, scale: dict, z, key, g) -> jax.Array:
+        """The largest singular value of group g's preconditioned saddle-operator Jacobian (not symmetric: the
+        coupling ``G∇L_g`` between θ and w is in it)."""
+        return max_preconditioned_singular_value(lambda t: raw(t, key, g), scale, z, random.fold_in(key, g))
 
     def _group_losses(self, loss, theta, key, cd: ClientData):
         return jax.vmap(loss, in_axes=(None, None, 0, 0))(key, theta, cd.data, cd.mask) / self.num_total
@@ -173,7 +218,8 @@ class RobustResult(NamedTuple):
 
 
 def robust_federated_vi(rng_key, model, guide, groups, num_rounds: int, *args, loss=None, tau: float,
-                        local_steps: int = 5, step_size: float, progress_bar: bool = False, **options) -> RobustResult:
+                        local_steps: int = LOCAL_STEPS, step_size: float | str = "auto", progress_bar: bool = False,
+                        **options) -> RobustResult:
     """Run :class:`RobustFedVI` for ``num_rounds`` rounds and collect the robust posterior and the group weights.
 
     ``groups``: group ids / index arrays of the model's data plate (``*args`` = the model's arguments, e.g. X, y),

@@ -349,6 +349,28 @@ def test_power_method_finds_the_largest_preconditioned_eigenvalue():
     np.testing.assert_allclose(got, expected, rtol=1e-3)
 
 
+def test_power_method_finds_the_largest_preconditioned_singular_value():
+    """``σ_max(S J S)`` of a NON-symmetric linear operator given as a function (RobustFedVI's saddle operators),
+    against numpy's SVD; its spectral radius is well below it here (the power method on J itself would miss)."""
+    from numpyro_fedvi.preconditioning import max_preconditioned_singular_value
+
+    rng = np.random.default_rng(1)
+    J = jnp.asarray(rng.normal(size=(5, 5)) + np.triu(3.0 * np.ones((5, 5)), 1), jnp.float32)
+    theta = {"a": jnp.ones(2), "b": jnp.ones(3)}
+    scale = {"a": jnp.array([0.5, 2.0]), "b": jnp.array([1.0, 0.1, 3.0])}
+
+    def operator(z):  # affine: the Jacobian is J
+        out = J @ jnp.concatenate([z["a"], z["b"]]) + 1.0
+        return {"a": out[:2], "b": out[2:]}
+
+    s = np.sqrt(np.concatenate([np.asarray(scale["a"]), np.asarray(scale["b"])]))
+    M = s[:, None] * np.asarray(J, np.float64) * s[None]
+    expected = np.linalg.svd(M, compute_uv=False)[0]
+    assert expected > 1.5 * np.max(np.abs(np.linalg.eigvals(M)))
+    got = float(max_preconditioned_singular_value(operator, scale, theta, random.key(0), num_iterations=200))
+    np.testing.assert_allclose(got, expected, rtol=1e-3)
+
+
 def test_auto_step_refresh_rescales_the_control_variates_and_keeps_a_finite_estimate():
     """At a refresh the control variates (operator units) move from the old ``η D(θ̄)`` to the new one; an estimate
     that is not finite (here: a NaN iterate) keeps the previous one."""

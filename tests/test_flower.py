@@ -220,6 +220,12 @@ def test_strategy_rejects_what_it_cannot_run():
                              num_clients=NUM_CLIENTS, init_stat=s0)
     with pytest.raises(TypeError, match="FedMM, FedSVI, FedLocalVI, RobustFedVI or PDVI"):
         flower.make_client_app(object(), lambda ctx: None)
+    X, y, site = _sorted_sites()
+    robust = nfv.RobustFedVI(logistic, AutoNormal(logistic), Trace_ELBO(), clients=site, tau=0.5)  # step "auto"
+    with pytest.raises(ValueError, match="RobustFedVI takes a float step_size"):
+        flower.FedLocalVIStrategy(robust, random.key(0), X[:1], y[:1], num_clients=int(site.max()) + 1)
+    with pytest.raises(ValueError, match="RobustFedVI takes a float step_size"):
+        flower.make_client_app(robust, lambda ctx: None)
     strategy = flower.FedMMStrategy(_gmm_engine(FixedSize(2)), random.key(0), num_clients=NUM_CLIENTS, init_stat=s0)
     with pytest.raises(RuntimeError, match="handshake"):
         strategy.configure_train(1, None, None, None)
