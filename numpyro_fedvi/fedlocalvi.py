@@ -487,6 +487,12 @@ class FedLocalVI:
         return self._objective(loss, z, key, inputs)
 
     @staticmethod
+    def _federated_curvature(parts: list, mu, z, num_total: float) -> dict:
+        """``H`` from the clients' Hessian diagonals ``d_m`` of their objectives at z̄ (over Flower, where no process
+        holds the data): ``|Σ_m μ_m d_m|``, the in-process ``|diag ∇²F̄|``."""
+        return jax.tree.map(lambda *d: jnp.abs(jnp.tensordot(mu.astype(d[0].dtype), jnp.stack(d), axes=1)), *parts)
+
+    @staticmethod
     def _client_lambda(raw: vs.Operator, scale: dict, z, key, m) -> jax.Array:
         """``λ_m``: the size of client m's preconditioned operator Jacobian that η is measured against."""
         return client_eigenvalue(raw, scale, z, key, m)

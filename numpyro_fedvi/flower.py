@@ -17,9 +17,9 @@ with the SAME functional core as the in-process engines (no duplicated math):
   message to that client), so V_t = Σ_i μ_i V_{t,i} holds even when replies are dropped.
 * :class:`FedLocalVIStrategy` — FedLocalVI (every solver, drift correction included) and RobustFedVI: the clients
   run the round's K local steps with the engine's solver, the server averages; a two-sync solver (LESGD, local
-  dual averaging) takes two Flower rounds per engine round (``vi_solvers.Solver.halves``); FedLocalVI's default
+  dual averaging) takes two Flower rounds per engine round (``vi_solvers.Solver.halves``); the engines' default
   ``step_size="auto"`` refreshes its preconditioner with QUERY messages (the clients' Hessian diagonals, then
-  their eigenvalues: ``FedLocalVIStrategy._refresh``).
+  their eigenvalues — RobustFedVI's groups: singular values: ``FedLocalVIStrategy._refresh``).
 * :class:`PDVIStrategy` — PD-VI / P²D-VI in federated form: a client is one block with its local rows and dual
   in ``Context.state``; the server runs :func:`~numpyro_fedvi.pdvi.consensus_update` on their λ_i.
 * :func:`make_server_app` and :func:`simulate` (Flower's simulation engine on loopback, telemetry off).
@@ -59,8 +59,7 @@ from .fedmm.core import (
 from . import preconditioning as _pre
 from . import vi_solvers as vs
 from .federated import ClientData
-from .fedlocalvi import (NON_FINITE_INITIAL_ESTIMATE, FedLocalVI, client_eigenvalue, refreshed_step,
-                         rescaled_control)
+from .fedlocalvi import NON_FINITE_INITIAL_ESTIMATE, FedLocalVI, refreshed_step, rescaled_control
 from .fedmm.engine import FedMM, strong_types
 from .fedmm.fedsvi import FedSVI
 from .pdvi import PDVI, _accum, _check_eta, consensus_update, dual_step, pdvi_init, refreshed_eta
@@ -319,7 +318,7 @@ class _FedLocalVIClient:
         theta, key = e._iterate(st, "last"), e._refresh_key(st)
         scale = _pre.preconditioner(e._fisher(st, theta, inputs), b["curvature"])
         raw = e._operator(e._client_loss(inputs), None, self.rows, self.weight, row=lambda _: 0)
-        return client_eigenvalue(raw, scale, theta, key, m)
+        return e._client_lambda(raw, scale, theta, key, m)
 
     def _rescale(self, b, h, m, inputs):
         """This client's control variate moved from the old preconditioner to the new one (at θ̄)."""
@@ -520,10 +519,6 @@ def _client_type(engine):
                              "'full' needs an exact pass over every client before round 1, which the strategy does "
                              "not run.")
         return _FedMMClient
-    if isinstance(engine, RobustFedVI) and engine.auto_step:
-        raise ValueError("over Flower RobustFedVI takes a float step_size (and weight_step_size): its step_size='auto' "
-                         "preconditions the saddle operator with the current group weights and measures its "
-                         "largest singular value, which runs in process only.")
     if isinstance(engine, FedLocalVI):
         return _FedLocalVIClient
     if isinstance(engine, PDVI):
@@ -972,21 +967,22 @@ class FedLocalVIStrategy(_EngineStrategy):
         return super().configure_train(server_round, arrays, config, grid)
 
     def _refresh(self, grid, timeout):
-        """``H = |Σ_m μ_m diag ∇²F_m(θ̄)|`` from every client's Hessian diagonal, then ``η = STEP_SCALE / max λ_m``
-        from up to 8 evenly spaced clients' eigenvalues with that ``H`` (FedLocalVI's clients and keys); the
+        """``H`` from every client's Hessian diagonal (``engine._federated_curvature``: ``|Σ_m μ_m diag ∇²F_m(θ̄)|``;
+        RobustFedVI: weighted by w̄/N, τ on w), then ``η = STEP_SCALE / max λ_m`` from up to 8 evenly spaced clients'
+        ``λ_m`` with that ``H`` (``engine._client_lambda``: FedLocalVI's eigenvalues, RobustFedVI's singular values,
+        the engine's keys); the
         clients rescale their control variates in the next round.  The initial estimate needs every reply and
         finite values (``FedLocalVI.init``'s errors); a later one that fails keeps the last estimate (logged)."""
         r, initial = int(self.state.round), self.state.precond is None
         self._refreshed_round = r
-        theta = jax.tree.map(lambda a: a[0], self.state.z)
+        theta = self.engine._iterate(self.state, "last")   # the primal z̄ (dual averaging keeps a dual sum in z)
         everyone, units = list(range(self.num_clients)), _pre.evenly_spaced(self.num_clients)
         parts = self._query(grid, everyone, self._broadcast(), {"curvature": theta}, timeout,
                             lambda i: {"query": "curvature"})
         lams, curvature, eta = {}, None, None
         if sorted(parts) == everyone:
-            w = jnp.asarray(self.weights)
-            curvature = jax.tree.map(lambda *d: jnp.abs(jnp.tensordot(w.astype(d[0].dtype), jnp.stack(d), axes=1)),
-                                     *[parts[m]["curvature"] for m in everyone])
+            curvature = self.engine._federated_curvature([parts[m]["curvature"] for m in everyone],
+                                                         jnp.asarray(self.weights), theta, float(self.counts.sum()))
             lams = self._query(grid, units, {**self._broadcast(), "curvature": curvature},
                                {"eigenvalue": jnp.zeros((), jnp.result_type(*jax.tree.leaves(theta)))}, timeout,
                                lambda i: {"query": "eigenvalue"})

@@ -33,7 +33,8 @@ Step size (default ``"auto"``, FedLocalVI's preconditioning extended to the sadd
 ``Σ_g w̄_g diag ∇²L_g`` there, and ``|−τ|`` on w (so w moves by ``η/τ`` times its operator) — and
 ``η = 0.25/σ̂``, ``σ̂`` the largest singular value of ``D^{1/2} ∇V_g D^{1/2}`` (not symmetric: the θ–w coupling is in
 it) over up to 8 groups, re-estimated after rounds 1, 2, 4, 8, …  The simplex projection is the same in that
-metric (one scale for every w_g).  In process only: over Flower pass a float ``step_size``.
+metric (one scale for every w_g).  Over Flower the groups compute the parts (their Hessian diagonal, their σ̂_g;
+:meth:`RobustFedVI._federated_curvature`).
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ class RobustFedVI(FedLocalVI):
     :param tau: τ > 0, the strength of the pull of w toward 1/G (τ → ∞: the average posterior).
     :param local_steps: K, local steps per round (default 5).
     :param step_size: ``"auto"`` (default; module docstring: preconditioned θ and w, η from the operator's largest
-        preconditioned singular value, in process only), or a float: η of dual averaging for θ, on the PER-DATUM
+        preconditioned singular value), or a float: η of dual averaging for θ, on the PER-DATUM
         scale (``L_g`` is per datum; η ≲ 1/L_θ), the paper's constant step.
     :param weight_step_size: with a float ``step_size``: η_w for w (default ``min(η, 1/τ)``: the w-block is
         τ-strongly concave and τ-smooth): dual averaging with ``h(θ, w) = ½‖θ − θ0‖² + ‖w − w0‖²/(2c)``,
@@ -170,6 +171,13 @@ class RobustFedVI(FedLocalVI):
         θ-block of the mean operator's Jacobian) and ``−τ`` on w, so ``D = 1/(F/N + |H|)`` scales w by 1/τ."""
         losses = self._group_losses(loss, z["theta"], key, inputs[0])
         return dro_objective(losses, z["w"], self.tau)
+
+    def _federated_curvature(self, parts: list, mu, z, num_total: float) -> dict:
+        """Over Flower, from the groups' Hessian diagonals ``d_g`` of their objectives ``F_g = N L_g``:
+        ``Σ_g w̄_g d_g / N`` on θ and τ on w, the in-process ``|diag ∇²Φ(θ̄, w̄)|``."""
+        w = z["w"]
+        theta = FedLocalVI._federated_curvature([p["theta"] for p in parts], w / num_total, z, num_total)
+        return {"theta": theta, "w": jnp.full_like(w, self.tau)}
 
     @staticmethod
     def _client_lambda(raw: vs.Operator, scale: dict, z, key, g) -> jax.Array:

@@ -220,12 +220,6 @@ def test_strategy_rejects_what_it_cannot_run():
                              num_clients=NUM_CLIENTS, init_stat=s0)
     with pytest.raises(TypeError, match="FedMM, FedSVI, FedLocalVI, RobustFedVI or PDVI"):
         flower.make_client_app(object(), lambda ctx: None)
-    X, y, site = _sorted_sites()
-    robust = nfv.RobustFedVI(logistic, AutoNormal(logistic), Trace_ELBO(), clients=site, tau=0.5)  # step "auto"
-    with pytest.raises(ValueError, match="RobustFedVI takes a float step_size"):
-        flower.FedLocalVIStrategy(robust, random.key(0), X[:1], y[:1], num_clients=int(site.max()) + 1)
-    with pytest.raises(ValueError, match="RobustFedVI takes a float step_size"):
-        flower.make_client_app(robust, lambda ctx: None)
     strategy = flower.FedMMStrategy(_gmm_engine(FixedSize(2)), random.key(0), num_clients=NUM_CLIENTS, init_stat=s0)
     with pytest.raises(RuntimeError, match="handshake"):
         strategy.configure_train(1, None, None, None)
@@ -345,6 +339,35 @@ def test_fedlocalvi_default_step_size_over_flower_equals_in_process():
     strategy.aggregate_train(5, replies)
     assert int(strategy.state.round) == 4 and float(strategy.state.precond["eta"]) == eta / 2
     assert [t for t, _, _ in strategy.dropped] == [4, 4] and "NaN" in strategy.dropped[0][2]
+
+
+@pytest.mark.slow   # 54 s
+def test_robust_default_step_size_over_flower_equals_in_process():
+    """RobustFedVI with every default (step_size="auto" on the saddle operator, K = 5, Scaffnew) over Flower: the
+    server's H from the groups' Hessian diagonals (weighted by w̄/N on θ, τ on w), the singular values of the evenly
+    spaced groups, two synchronisations per round and the clients' control variates equal four in-process rounds."""
+    X, y, site = _sorted_sites()
+
+    def make():
+        return nfv.RobustFedVI(logistic, AutoNormal(logistic), Trace_ELBO(), clients=site, tau=0.5)
+
+    expected, state, engine, strategy, grid = _fedlocalvi_pair(make, X, y, site)
+    assert strategy.phases == 2
+    strategy.handshake(grid)
+    for r in range(1, 9):   # 4 engine rounds of 2 Flower rounds
+        strategy.aggregate_train(r, grid.send_and_receive(strategy.configure_train(r, None, None, grid)))
+    messages = strategy.configure_train(9, None, None, grid)   # the refresh after round 4, then round 5's
+    assert strategy.dropped == [] and int(strategy.state.round) == 4
+    np.testing.assert_allclose(strategy.state.precond["curvature"]["w"], 0.5, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves((strategy.state.z, strategy.state.output, strategy.state.precond)),
+                    jax.tree.leaves((state.z, state.output, state.precond))):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    grid.send_and_receive(messages)   # each client takes its Scaffnew step and the rescaling first
+    template = jax.tree.map(lambda a: a[0], state.z)
+    for m, ctx in enumerate(grid.contexts.values()):
+        h = flower.from_record(ctx.state["numpyro_fedvi.state"], {"h": template, "presync": template})["h"]
+        for a, b in zip(jax.tree.leaves(h), jax.tree.leaves(jax.tree.map(lambda c: c[m], state.control))):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.slow
