@@ -181,8 +181,7 @@ def test_bad_inputs():
 
 def test_default_step_size_reaches_the_saddle_point_with_local_steps(references):
     """Every default (step_size="auto", K = 5, Scaffnew drift correction; only τ given) under common random numbers
-    reaches the centralised saddle point in 100 rounds; the paper's plain solver (drift_correction=None) with the same
-    step rule stays O(ηK) away (measured: 0.57 posterior sd, ψ 2.9e-3 above ψ*)."""
+    reaches the centralised saddle point in 100 rounds."""
     u_star = references["robust"]
     psi_star = float(psi(u_star, TAU))
     w_star = dro_weights(group_losses(u_star), TAU)
@@ -194,6 +193,14 @@ def test_default_step_size_reaches_the_saddle_point_with_local_steps(references)
     assert abs(float(psi(u, TAU)) - psi_star) < 1e-5
     assert np.max(np.abs(np.asarray(u[:D] - u_star[:D])) / sd) < 0.02
     np.testing.assert_allclose(eng.group_weights(res.state), w_star, atol=2e-3)
+
+
+@pytest.mark.slow
+def test_published_solver_drifts_with_local_steps(references):
+    """Why the default corrects drift: the paper's plain solver (drift_correction=None) with the same step rule and
+    K = 5 stays O(ηK) from the saddle point (measured: 0.57 posterior sd, ψ 2.9e-3 above ψ*)."""
+    u_star = references["robust"]
+    sd = np.asarray(SOFTPLUS(u_star[D:]))
     plain = RobustFedVI(model, GUIDE, CLIENTS, ELBO, tau=TAU, crn=KEY, drift_correction=None)
     u_plain = to_u(plain.run(random.key(0), 100, progress_bar=False).params)
     assert np.max(np.abs(np.asarray(u_plain[:D] - u_star[:D])) / sd) > 0.3
@@ -225,7 +232,7 @@ def test_default_step_size_estimate_is_the_preconditioned_saddle_operators_norm(
         w = unravel(f)["w"]
         return jnp.sum(w * losses(f)) - 0.5 * tau * jnp.sum((w - 1 / G) ** 2)
 
-    H = np.abs(np.diag(np.asarray(jax.hessian(phi)(flat))))
+    H = np.abs(np.diag(np.asarray(jax.jit(jax.hessian(phi))(flat))))
     curvature = np.asarray(jax.flatten_util.ravel_pytree(state.precond["curvature"])[0])
     np.testing.assert_allclose(curvature[n_theta:], tau, rtol=1e-6)
     np.testing.assert_allclose(curvature, H, rtol=2e-3, atol=1e-6)
@@ -242,16 +249,17 @@ def test_default_step_size_estimate_is_the_preconditioned_saddle_operators_norm(
         v_w = tau * (w - 1 / G) - G * losses(f)[g] * jax.nn.one_hot(g, G)
         return jnp.concatenate([v_theta, v_w - jnp.mean(v_w)])
 
+    groups = jnp.arange(G)
+    jacobians = jax.jit(jax.vmap(lambda g: jax.jacfwd(V)(flat, g)))(groups)   # (G, d, d), one compile
     sigmas, radii = [], []
     for g in range(G):
-        J = s[:, None] * np.asarray(jax.jacfwd(lambda f: V(f, g))(flat), np.float64) * s[None]
+        J = s[:, None] * np.asarray(jacobians[g], np.float64) * s[None]
         sigmas.append(np.linalg.svd(J, compute_uv=False)[0])
         radii.append(np.max(np.abs(np.linalg.eigvals(J))))
     if tau < 1:  # measured 8.68 vs 7.47 (at τ = 2: 1.75 vs 1.73)
         assert max(sigmas) > 1.1 * max(radii)  # the singular value, not the spectral radius, is what this checks
     np.testing.assert_allclose(float(state.precond["eta"]), STEP_SCALE / max(sigmas), rtol=1e-3)
     preconditioned = eng._preconditioned(eng._operator(loss, None, cd), state, inputs)  # what the solver steps on
-    for g in range(G):
-        got = jax.flatten_util.ravel_pytree(preconditioned(z, key, g))[0]
-        np.testing.assert_allclose(got, float(state.precond["eta"]) * D_ * np.asarray(V(flat, g)), rtol=1e-4,
-                                   atol=1e-7)
+    got, expected = jax.jit(jax.vmap(lambda g: (jax.flatten_util.ravel_pytree(preconditioned(z, key, g))[0],
+                                                V(flat, g))))(groups)
+    np.testing.assert_allclose(got, float(state.precond["eta"]) * D_ * np.asarray(expected), rtol=1e-4, atol=1e-7)
