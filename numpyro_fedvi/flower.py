@@ -970,9 +970,9 @@ class FedLocalVIStrategy(_EngineStrategy):
         """``H`` from every client's Hessian diagonal (``engine._federated_curvature``: ``|Σ_m μ_m diag ∇²F_m(θ̄)|``;
         RobustFedVI: weighted by w̄/N, τ on w), then ``η = STEP_SCALE / max λ_m`` from up to 8 evenly spaced clients'
         ``λ_m`` with that ``H`` (``engine._client_lambda``: FedLocalVI's eigenvalues, RobustFedVI's singular values,
-        the engine's keys); the
-        clients rescale their control variates in the next round.  The initial estimate needs every reply and
-        finite values (``FedLocalVI.init``'s errors); a later one that fails keeps the last estimate (logged)."""
+        the engine's keys); the clients rescale their control variates in the next round.  The initial estimate
+        needs every reply and finite values (``FedLocalVI.init``'s errors); a later one that fails keeps the last
+        estimate (logged)."""
         r, initial = int(self.state.round), self.state.precond is None
         self._refreshed_round = r
         theta = self.engine._iterate(self.state, "last")   # the primal z̄ (dual averaging keeps a dual sum in z)
