@@ -140,7 +140,7 @@ class FedLocalVI:
         re-estimated after rounds 1, 2, 4, 8, … (:mod:`numpyro_fedvi.preconditioning`); a round that leaves non-finite
         values is not taken and halves η.  Same zeros as the plain operator (a positive diagonal rescaling, equal on
         every client at one θ).  A float: the paper's constant η on the unconstrained params (on the full-data
-        negative ELBO: η ≤ 1/L of ``F``; see ``vi_solvers.theory_step_size``); needed over Flower and with ``prox``.
+        negative ELBO: η ≤ 1/L of ``F``; see ``vi_solvers.theory_step_size``); needed with ``prox``.
     :param L: Lipschitz constant of ∇F for (S)LIPPAX's inner step γ = η/(1+ηL)²; default ``1/step_size`` (η = 1/L;
         1 with ``"auto"``, whose operator is scaled to λ̂ ≤ 0.25).
     :param inner_steps: H of (S)LIPPAX, an int or ``"auto"`` = ``inner_steps_for(η, L, inner_eps)``.
