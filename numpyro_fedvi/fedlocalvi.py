@@ -46,6 +46,7 @@ from .structure import Partitions, inspect_global_model, warn_if_unsubsampled
 __all__ = ["METHODS", "FedLocalVI"]
 
 METHODS = ("local_sgd", "lesgd", "lippax", "slippax", "local_dual_averaging")
+LOCAL_STEPS = 5  # K, local steps per round by default (RobustFedVI's too)
 _CRN_FOLD = 0x5EED  # fold of the state key that gives the fixed Monte-Carlo key (crn=True)
 _EVAL_FOLD = 0xE7A1  # fold that gives the key of the reported loss (the same every round: comparable losses)
 _FISHER_FOLD = 0xF15E  # fold of the state key that gives the guide's Fisher draws (fixed: D(θ) deterministic)
@@ -177,7 +178,7 @@ class FedLocalVI:
     """
 
     def __init__(self, model, guide, loss=None, *legacy, clients=None, num_clients: int | None = None,
-                 method: str = "local_sgd", local_steps: int = 5, step_size: float | str = "auto",
+                 method: str = "local_sgd", local_steps: int = LOCAL_STEPS, step_size: float | str = "auto",
                  L: float | None = None,
                  inner_steps="auto", inner_eps: float = 1e-3, sigma: float | None = None, delta: float | None = None,
                  prox: Callable | None = None, batch_size: int | None = None, crn: bool = False,

@@ -47,7 +47,7 @@ from jax import random
 
 from . import vi_solvers as vs
 from .federated import ClientData
-from .fedlocalvi import FedLocalVI, _positive_float
+from .fedlocalvi import LOCAL_STEPS, FedLocalVI, _positive_float
 from .inputs import prepare_inputs
 from .preconditioning import max_preconditioned_singular_value
 from .projections import project_simplex
@@ -55,8 +55,6 @@ from .prox import Prox, simplex_prox
 from .runner import RunResult
 
 __all__ = ["RobustFedVI", "RobustResult", "dro_objective", "dro_weights", "robust_federated_vi", "simplex_weight_prox"]
-
-LOCAL_STEPS = 5  # K, local steps per round by default (FedLocalVI's)
 
 
 def dro_weights(group_losses, tau):
