@@ -316,6 +316,7 @@ def test_auto_step_refreshes_rejects_non_finite_rounds_and_resumes_bitwise():
     np.testing.assert_allclose(np.asarray(whole.precond["eta"]), etas[-1], rtol=1e-5)
     first = engine.run(random.key(0), 3, progress_bar=False).state
     resumed = engine.run(random.key(0), 2, init_state=first, progress_bar=False).state
+    assert engine._jit_cache["refresh"]._jit._cache_size() == 1   # init's estimate and run()'s refreshes: one program
     for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(whole)):
         assert np.array_equal(np.asarray(jax.random.key_data(a) if jnp.issubdtype(a.dtype, jax.dtypes.prng_key)
                                          else a), np.asarray(jax.random.key_data(b)
