@@ -9,7 +9,7 @@ O(N) once per call — amortised over the 2R iterations; a marginal (T(2R) − T
 machine), the bytes each device holds (state + data + blocks, from the arrays' shards) and, once, the collectives of
 the compiled step (largest element count one moves).
 
-* ``devices_D``: m = 4 fixed, N over the sizes (D = 1, 2, 4 in full mode, D = 1 and 4 in quick): the cost of an
+* ``devices_D``: m = 4 fixed, N over the sizes (D = 1, 2, 4 in full mode, D = 1 in quick): the cost of an
   iteration vs N (claim: it grows at most half as fast as N would make an O(N) step grow).
 * ``weak``: N = N0·D and m = D (the work per device fixed); ideal: a flat time.
 * ``strong``: the largest N of the sweep, m = 4, D = 1, 2, 4; ideal: time ∝ 1/D; the bytes each device holds
@@ -49,10 +49,10 @@ DEVICES = (1, 2, 4)
 # quick: a one-step Newton oracle on the ELBO's own draws (a smaller program to compile); full: the oracle's defaults
 # ``devices``: the simulated device counts (quick: 1 and 4; each count is a process whose every configuration
 # compiles its own programs, ~6 s each, which would take --quick past 60 s on 2 cores); ``sweep``: those whose whole
-# N sweep is run; ``host_sizes``: the N at which the host-table section runs (full: in the D = 1 worker, after each
+# N sweep is run (quick: D = 1; D = 4 runs the largest N only); ``host_sizes``: the N at which the host-table section runs (full: in the D = 1 worker, after each
 # device-table run; quick: in a process of its own, its losses compared with the D = 1 worker's run at that N, and
 # the three quick workers run side by side: their timings share the 2 cores)
-QUICK = {"sizes": [20_000, 80_000], "block": 500, "rounds": 50, "weak_n0": 20_000, "devices": (1, 4), "sweep": (1, 4),
+QUICK = {"sizes": [20_000, 80_000], "block": 500, "rounds": 50, "weak_n0": 20_000, "devices": (1, 4), "sweep": (1,),
          "oracle": {"local_steps": 1, "oracle_draws": None}, "host_sizes": [80_000]}
 FULL = {"sizes": [100_000, 1_000_000, 10_000_000], "block": 1000, "rounds": 100, "weak_n0": 250_000,
         "devices": DEVICES, "sweep": DEVICES, "oracle": {}, "host_sizes": [100_000, 1_000_000, 10_000_000]}
@@ -190,7 +190,6 @@ def _finish(proc: subprocess.Popen, devices: int) -> list[dict]:
     return rows
 
 
-
 def main(argv=None):
     from ._common import parse_args, save_figure, write_result
 
@@ -210,14 +209,14 @@ def main(argv=None):
         batches = [workers + [(1, [[n, M] for n in cfg["host_sizes"]], None, cfg["host_sizes"], True)]]
     else:  # full: one worker at a time, alone on the machine
         batches = [[w] for w in workers]
-    host_rows = None
+    host_only = []   # quick: the host-table worker's rows
     for batch in batches:
         procs = [(w, _start(w[0], w[1], block_rows, rounds, cfg["oracle"], hlo_for=w[2], host_for=w[3],
                             host_only=w[4])) for w in batch]
         for w, proc in procs:
             got = _finish(proc, w[0])
             if w[4]:
-                host_rows = got
+                host_only = got
             else:
                 rows += got
     wall = time.perf_counter() - t_start
@@ -243,8 +242,8 @@ def main(argv=None):
     methods["strong"] = {"devices": list(devices), "N": sizes[-1], "m": M, "iter_s": [r["iter_s"] for r in strong],
                          "speedup": [strong[0]["iter_s"] / r["iter_s"] for r in strong]}
     methods["strong"]["bytes_per_device"] = [r["bytes_per_device"] for r in strong]
-    hosts = [r["host"] for r in host_rows] if args.quick else [find(1, n, M)["host"] for n in cfg["host_sizes"]]
-    host_rows = [find(1, n, M) for n in cfg["host_sizes"]]   # the device-resident runs at the same N
+    host_rows = [find(1, n, M) for n in cfg["host_sizes"]]   # the device-resident runs at the host-table sizes
+    hosts = [r["host"] for r in (host_only if args.quick else host_rows)]
     for h, r in zip(hosts, host_rows):   # the same key and settings: the same losses up to float reassociation
         dev, host = np.asarray(r["losses"], np.float64), np.asarray(h["losses"], np.float64)
         h["max_rel_loss_diff"] = float(np.max(np.abs(host - dev) / np.abs(dev)))
