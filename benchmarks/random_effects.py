@@ -41,7 +41,7 @@ metric evaluation excluded.  One-time costs are measured separately and reported
 CPU version is a sequential Fisher–Yates scan compiled on every call).  Both are measured in the benchmark's
 process, where whichever method runs second finds JAX's compiled eager kernels of the first (the guide's set-up runs
 hundreds of small eager ops): the fair one-time cost is therefore measured again in a FRESH Python process per method
-(``in_fresh_process``): from building the guide and engine to the end of the first epoch, minus a steady epoch
+(``fresh_measurements``): from building the guide and engine to the end of the first epoch, minus a steady epoch
 (PD-VI: read off its ``run_calls_here`` process, whose first two ``run()`` calls are those two epochs).
 Compile time per ``run()`` (issue 10, item 5), also in a fresh process per method (``run_calls_here``): three
 consecutive one-epoch ``run()`` calls through the public APIs (``SVI(...).run`` with NumPyro's own subsampler, as a
@@ -64,7 +64,8 @@ Claims (per N, computed from the numbers):
 - ``pdvi_meets_targets_N{n}`` (issue 10 targets, at the last epoch): global mean within 1 posterior sd, global scale
   within 10 %, rms local-mean error < 0.05, median local-scale error < 10 %.
 
-    python -m benchmarks.random_effects [--quick]      (quick: N = 10⁴ only; full: N = 10⁴, 10⁵, 10⁶, 60 epochs)
+    python -m benchmarks.random_effects [--quick]      (quick: N = 10⁴ only, fresh processes side by side; full: N = 10⁴,
+                                                       10⁵, 10⁶, 60 epochs)
 """
 
 from __future__ import annotations
@@ -316,14 +317,37 @@ def run_calls_here(method, n, seed, lr, calls=3):
     return {"run_call_wall_s": wall, "run_call_compile_s": compile_s}
 
 
-def in_fresh_process(method, n, seed, lr, measure="one_time_here"):
-    """``measure`` (``one_time_here`` or ``run_calls_here``) in a fresh Python process (no compile cache of another
-    method's eager ops or programs), BLAS threads pinned as in this one."""
+def start_fresh_process(method, n, seed, lr, measure="one_time_here") -> subprocess.Popen:
+    """Start ``measure`` (``one_time_here`` or ``run_calls_here``) in a fresh Python process (no compile cache of
+    another method's eager ops or programs), BLAS threads pinned as in this one; :func:`fresh_result` reads it."""
     code = (f"import json; from benchmarks.random_effects import {measure}; "
             f"print(json.dumps({measure}({method!r}, {n}, {seed}, {lr})))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=Path(__file__).resolve().parent.parent, env={**os.environ, "PYTHONHASHSEED": "0"})
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=Path(__file__).resolve().parent.parent, env={**os.environ, "PYTHONHASHSEED": "0"})
+
+
+def fresh_result(proc: subprocess.Popen) -> dict:
+    stdout, stderr = proc.communicate()
+    if proc.returncode:
+        raise RuntimeError(f"fresh-process measurement failed:\n{stderr[-3000:]}")
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+def fresh_measurements(n, seed, lr, side_by_side: bool) -> dict:
+    """Per method, in fresh processes: the compile per ``run()`` call (:func:`run_calls_here`) and the one-time cost
+    (PD-VI: its first two ``run()`` calls, the first and a steady epoch; SVI: :func:`one_time_here`, as ``SVI.run``
+    recompiles at every call).  ``side_by_side`` (``--quick``): PD-VI's process runs beside SVI's two (one core each
+    on 2 cores; the three compile-bound processes then share the machine), else one process at a time."""
+    pdvi = start_fresh_process("pdvi", n, seed, lr, "run_calls_here")
+    if not side_by_side:
+        pdvi = fresh_result(pdvi)
+    svi = fresh_result(start_fresh_process("svi_adam", n, seed, lr, "run_calls_here"))
+    svi.update(fresh_result(start_fresh_process("svi_adam", n, seed, lr)))
+    if side_by_side:
+        pdvi = fresh_result(pdvi)
+    first, steady = pdvi["run_call_wall_s"][:2]
+    pdvi.update(first_epoch_s=first, steady_epoch_s=steady, one_time_s=first - steady)
+    return {"pdvi": pdvi, "svi_adam": svi}
 
 
 def _time_to(records, key, target):
@@ -335,7 +359,7 @@ def _final(records):
     return {k: records[-1][k] for k in (*METRICS, "neg_elbo_gap", "loss")}
 
 
-def bench_n(n, epochs, lrs, seed):
+def bench_n(n, epochs, lrs, seed, side_by_side=False):
     t0 = time.perf_counter()
     batch = n // STEPS_PER_EPOCH
     x_np = make_data(n, seed)
@@ -362,10 +386,7 @@ def bench_n(n, epochs, lrs, seed):
     meets = {k: pd_final[k] < v if k == "rms_local_mean_err" else pd_final[k] <= v for k, v in TARGETS.items()}
     pd_setup, svi_setup = pd_timing["init_s"], svi_timings[best]["init_s"]
     best_lr = float(best.split("=")[1])
-    fresh = {m: in_fresh_process(m, n, seed, best_lr, "run_calls_here") for m in ("pdvi", "svi_adam")}
-    first, steady = fresh["pdvi"]["run_call_wall_s"][:2]   # PD-VI's first two run() calls: one_time_here's epochs
-    fresh["pdvi"].update(first_epoch_s=first, steady_epoch_s=steady, one_time_s=first - steady)
-    fresh["svi_adam"].update(in_fresh_process("svi_adam", n, seed, best_lr))  # SVI.run recompiles: its own epoch
+    fresh = fresh_measurements(n, seed, best_lr, side_by_side)
     compile_calls = {m: fresh[m]["run_call_compile_s"] for m in fresh}
     claims = {f"pdvi_reaches_svi_final_error_faster_N{n}": t_hit is not None and t_hit <= svi_total,
               f"pdvi_one_time_cost_at_most_svi_N{n}": fresh["pdvi"]["one_time_s"] <= fresh["svi_adam"]["one_time_s"],
@@ -424,10 +445,12 @@ def main(argv=None):
                targets=TARGETS,
                wall_time="sum of timed one-epoch chunks; compile, setup (steady init) and metric evaluation "
                          "excluded (compile_s, setup_s reported per method)",
-               epochs_note="60 epochs (600 PD-VI iterations) in quick and full mode")
+               epochs_note="60 epochs (600 PD-VI iterations) in quick and full mode",
+               fresh_processes="PD-VI's beside SVI's two (quick: one core each, the compile timings share the "
+                               "machine)" if quick else "one at a time")
     methods, claims, grids, settings = {}, {}, {}, {}
     for n in cfg["ns"]:
-        m, c, g, s = bench_n(n, cfg["epochs"], cfg["lrs"], cfg["seed"])
+        m, c, g, s = bench_n(n, cfg["epochs"], cfg["lrs"], cfg["seed"], side_by_side=quick)
         methods.update({f"{k}_N{n}": v for k, v in m.items()})
         claims.update(c)
         grids[f"svi_adam_N{n}"] = g
