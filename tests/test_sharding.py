@@ -2,7 +2,7 @@
 
 XLA reads ``--xla_force_host_platform_device_count`` when JAX starts, so the runs happen in two subprocesses (this file
 run as a script) that print their measurements as JSON; the tests check them: "pdvi" (PD-VI, and every engine's
-refusals; the default suite) and "federated" (ten federated engine runs; the slow tests, in ``.ci/run``).  Checked:
+refusals; the default suite) and "federated" (twelve federated engine runs; the slow tests, in ``.ci/run``).  Checked:
 PD-VI with ``mesh=`` equals the single-device run for the same key (``run``) to float tolerance; the local table, the
 duals and the data stay sharded over the 4 devices (``.sharding``, bytes per device = 1/4); the compiled step's
 collectives move at most the selected blocks' rows, never the table; FedMM, FedSVI, FedLocalVI and RobustFedVI with
@@ -51,7 +51,7 @@ def measured():
 
 @pytest.fixture(scope="module")
 def measured_federated():
-    """The federated engines on the mesh against unsharded runs (10 engine runs: the slow tests)."""
+    """The federated engines on the mesh against unsharded runs (12 engine runs: the slow tests)."""
     return _collect(_start("federated"))
 
 
@@ -80,7 +80,7 @@ def test_pdvi_step_moves_selected_rows_only(measured):
     assert moved <= M * (N // B) < N, coll
 
 
-@pytest.mark.slow   # ten engine runs in a second process
+@pytest.mark.slow   # twelve engine runs in a second process
 def test_fedmm_client_axis_sharded_equals_unsharded(measured_federated):
     r = measured_federated["fedmm"]
     np.testing.assert_allclose(r["mesh"]["theta"], r["single"]["theta"], rtol=1e-5, atol=1e-6)
@@ -89,17 +89,21 @@ def test_fedmm_client_axis_sharded_equals_unsharded(measured_federated):
     assert r["specs"]["V_clients"] == ["units"] and r["specs"]["data"] == ["units"]
 
 
-@pytest.mark.slow   # ten engine runs in a second process
-@pytest.mark.parametrize("engine", ["fedsvi", "fedlocalvi", "fedsvi_plate", "robust_plate"])
+@pytest.mark.slow   # twelve engine runs in a second process
+@pytest.mark.parametrize("engine", ["fedsvi", "fedlocalvi", "fedsvi_plate", "robust_plate",
+                                    "fedlocalvi_plate_defaults"])
 def test_fedsvi_fedlocalvi_client_axis_sharded_equal_unsharded(measured_federated, engine):
     """``mesh=`` on the engine: ClientData of rows (``fedsvi``, ``fedlocalvi``) and clients as index arrays into the
-    model's own arguments (``*_plate``: FedSVI resumed half-way, RobustFedVI); per-client state and clients sharded."""
+    model's own arguments (``*_plate``: FedSVI resumed half-way, RobustFedVI, FedLocalVI with every default: its
+    step-size estimate and refreshes in one program); per-client state and clients sharded."""
     r = measured_federated[engine]
     np.testing.assert_allclose(r["mesh"]["params"], r["single"]["params"], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(r["mesh"]["losses"], r["single"]["losses"], rtol=1e-5)
     assert r["spec"] == ["units"]
-    if engine.endswith("_plate"):
+    if "_plate" in engine:
         assert r["data_spec"] == ["units"]  # the clients' row indices
+    if engine == "fedlocalvi_plate_defaults":
+        assert r["refresh_programs"] == 1
 
 
 def test_federated_mesh_refusals(measured):
@@ -281,10 +285,11 @@ def _worker(part):  # runs in a subprocess with 4 CPU devices: part "pdvi" or "f
                 out[name]["spec"] = spec(jax.tree.leaves(per_client)[0])
 
     # the upper layer: clients = index arrays into the model's own arguments (8 sites of 25 rows of one data plate);
-    # FedSVI (resumed half-way) and RobustFedVI (FedLocalVI's subclass)
+    # FedSVI (resumed half-way), RobustFedVI (FedLocalVI's subclass) and FedLocalVI with every default (step_size=
+    # "auto": its initial estimate and the refreshes after rounds 1, 2 and 4, one program, on the mesh)
     xs = rng.normal(np.repeat(np.arange(8.0), 25), 2.0).astype(np.float32)
     sites = np.repeat(np.arange(8), 25)
-    for name in ("fedsvi_plate", "robust_plate"):
+    for name in ("fedsvi_plate", "robust_plate", "fedlocalvi_plate_defaults"):
         out[name] = {}
         for m in (None, mesh):
             if name == "fedsvi_plate":
@@ -294,6 +299,11 @@ def _worker(part):  # runs in a subprocess with 4 CPU devices: part "pdvi" or "f
                 res = engine.run(random.key(1), 3, xs, batch_size=10, progress_bar=False, init_state=half.state)
                 res = type(res)(res.params, res.state, np.concatenate([half.losses, res.losses]))
                 per_client, data = res.state.V_clients, engine.client_data.data
+            elif name == "fedlocalvi_plate_defaults":
+                engine = FedLocalVI(site_model, AutoNormal(site_model), clients=sites, mesh=m)
+                res = engine.run(random.key(1), 4, xs, batch_size=10, progress_bar=False)
+                per_client, data = res.state.z, engine.clients.data
+                out[name]["refresh_programs"] = engine._jit_cache["refresh"]._jit._cache_size()
             else:
                 engine = RobustFedVI(site_model, AutoNormal(site_model), clients=sites, tau=0.5, local_steps=2,
                                      step_size=0.05, mesh=m)
