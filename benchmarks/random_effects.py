@@ -268,7 +268,7 @@ def run_svi_adam(guide, x, batch, epochs, lrs, init_params, opt, opt_ne, seed):
 
 # --- one-time cost in a fresh process ---------------------------------------------------------------------------------
 def one_time_here(method, n, seed, lr):
-    """What a SVI-Adam user pays once, measured in THIS process (run it fresh): from building the guide and SVI to
+    """What an SVI-Adam user pays once, measured in THIS process (run it fresh): from building the guide and SVI to
     the end of the first epoch (guide set-up, tracing, compilation, one epoch), and a second (steady) epoch.  (PD-VI's
     are the first two calls of :func:`run_calls_here`: ``PDVI.run`` keeps its compiled loop; ``SVI.run`` does not,
     so SVI's steady epoch is a jitted epoch of ``svi.update``.)"""
@@ -339,10 +339,15 @@ def fresh_measurements(n, seed, lr, side_by_side: bool) -> dict:
     recompiles at every call).  ``side_by_side`` (``--quick``): PD-VI's process runs beside SVI's two (one core each
     on 2 cores; the three compile-bound processes then share the machine), else one process at a time."""
     pdvi = start_fresh_process("pdvi", n, seed, lr, "run_calls_here")
-    if not side_by_side:
-        pdvi = fresh_result(pdvi)
-    svi = fresh_result(start_fresh_process("svi_adam", n, seed, lr, "run_calls_here"))
-    svi.update(fresh_result(start_fresh_process("svi_adam", n, seed, lr)))
+    try:
+        if not side_by_side:
+            pdvi = fresh_result(pdvi)
+        svi = fresh_result(start_fresh_process("svi_adam", n, seed, lr, "run_calls_here"))
+        svi.update(fresh_result(start_fresh_process("svi_adam", n, seed, lr)))
+    except BaseException:  # an SVI measurement that fails (or Ctrl-C) leaves no PD-VI process behind
+        if isinstance(pdvi, subprocess.Popen):
+            pdvi.kill()
+        raise
     if side_by_side:
         pdvi = fresh_result(pdvi)
     first, steady = pdvi["run_call_wall_s"][:2]
