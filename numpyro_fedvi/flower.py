@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -943,6 +944,8 @@ class FedLocalVIStrategy(_EngineStrategy):
         self.structure = engine.inspect(setup_key, args, kwargs)
         z0 = strong_types(engine._initial_point(self.structure.init_global))
         self.state = engine.solver.init(z0, self.num_clients, rng_key)
+        if engine.auto_step:   # no estimate yet (η = NaN), in the estimate's types: FedLocalVI.init's placeholder
+            self.state = self.state._replace(precond=engine._no_estimate(self.state))
         base = engine.base_solver()
         self.phases = 1 if base.halves is None else 2
         self._template = _local_broadcast_template(z0, base, engine.auto_step)
@@ -973,7 +976,7 @@ class FedLocalVIStrategy(_EngineStrategy):
         the engine's keys); the clients rescale their control variates in the next round.  The initial estimate
         needs every reply and finite values (``FedLocalVI.init``'s errors); a later one that fails keeps the last
         estimate (logged)."""
-        r, initial = int(self.state.round), self.state.precond is None
+        r, initial = int(self.state.round), not math.isfinite(float(self.state.precond["eta"]))
         self._refreshed_round = r
         theta = self.engine._iterate(self.state, "last")   # the primal z̄ (dual averaging keeps a dual sum in z)
         everyone, units = list(range(self.num_clients)), _pre.evenly_spaced(self.num_clients)
@@ -1019,10 +1022,10 @@ class FedLocalVIStrategy(_EngineStrategy):
         s = self.state
         b = {"z": jax.tree.map(lambda a: a[0], s.z), "output": s.output, "step": s.step, "round": s.round,
              "key": s.key, "anchor": s.anchor, "x": self._x_mean}
-        if self.engine.auto_step:   # before the initial estimate: placeholders of its shapes
-            new = s.precond or {"eta": self._template["eta"], "curvature": self._template["curvature"]}
-            old = self._old_precond or new
-            b.update(eta=new["eta"], curvature=new["curvature"], old_eta=old["eta"], old_curvature=old["curvature"])
+        if self.engine.auto_step:   # before the initial estimate: its placeholder (FedLocalVI._no_estimate)
+            old = self._old_precond or s.precond
+            b.update(eta=s.precond["eta"], curvature=s.precond["curvature"], old_eta=old["eta"],
+                     old_curvature=old["curvature"])
         return {k: b[k] for k in self._template}
 
     def _reply_template(self):
