@@ -31,6 +31,14 @@ def parse_args(description: str, argv=None) -> argparse.Namespace:
     return args
 
 
+def with_learning_rate(state, lr):
+    """An SVI state whose optimizer is ``optax.inject_hyperparams(...)``, with its learning rate set to ``lr``: every
+    learning rate of a grid runs on one compiled SVI program."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, leaf: jax.numpy.asarray(lr, leaf.dtype) if "learning_rate" in jax.tree_util.keystr(path) else leaf,
+        state)
+
+
 def block(tree):
     """Wait for every array in ``tree`` (for honest wall-clock timings)."""
     return jax.block_until_ready(tree)

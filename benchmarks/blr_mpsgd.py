@@ -43,7 +43,7 @@ import numpyro_fedvi as nfv
 from numpyro_fedvi.guides import make_base
 from numpyro_fedvi.schedules import theorem4
 
-from ._common import parse_args, save_figure, write_result
+from ._common import parse_args, save_figure, with_learning_rate, write_result
 
 matplotlib.use("Agg")
 
@@ -139,9 +139,7 @@ def run_adam(problem, E, lrs, records=20):
     state0 = svi.init(jax.random.key(0), U, y, alpha)
 
     def with_lr(lr):
-        return jax.tree_util.tree_map_with_path(
-            lambda path, leaf: jnp.asarray(lr, leaf.dtype) if "learning_rate" in jax.tree_util.keystr(path) else leaf,
-            state0)
+        return with_learning_rate(state0, lr)
 
     every = E // records
     chunk = jax.jit(jax.vmap(lambda s: jax.lax.scan(lambda s, _: svi.update(s, U, y, alpha), s, None, length=every)[0]))

@@ -44,7 +44,7 @@ from numpyro.infer import SVI, TraceEnum_ELBO
 import numpyro_fedvi as nfv
 from numpyro_fedvi.models import gmm
 
-from ._common import parse_args, save_figure, write_result
+from ._common import parse_args, save_figure, with_learning_rate, write_result
 
 matplotlib.use("Agg")
 
@@ -105,9 +105,7 @@ def run_svi_adam(data, hyper, guide, cfg, blocks, lrs, seed):
     state0 = svi.init(jax.random.key(seed), data.x, hyper, blocks[0])
 
     def with_lr(lr):
-        return jax.tree_util.tree_map_with_path(
-            lambda path, leaf: jnp.asarray(lr, leaf.dtype) if "learning_rate" in jax.tree_util.keystr(path) else leaf,
-            state0)
+        return with_learning_rate(state0, lr)
 
     states = jax.vmap(with_lr)(jnp.asarray(lrs))
     pick_key = jax.random.key(seed + 7)

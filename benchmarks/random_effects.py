@@ -91,7 +91,7 @@ from numpyro.infer.autoguide import AutoNormal
 import numpyro_fedvi as nfv
 from numpyro_fedvi.models import random_effects as re_model
 
-from ._common import Timer, block, parse_args, save_figure, write_result
+from ._common import Timer, block, parse_args, save_figure, with_learning_rate, write_result
 
 matplotlib.use("Agg")
 
@@ -230,10 +230,7 @@ def run_svi_adam(guide, x, batch, epochs, lrs, init_params, opt, opt_ne, seed):
     idx0 = jnp.arange(batch)
 
     def fresh(lr):
-        state = svi.init(random.key(seed), x, idx0, init_params=init_params)
-        return jax.tree_util.tree_map_with_path(
-            lambda path, leaf: jnp.asarray(lr, leaf.dtype) if "learning_rate" in jax.tree_util.keystr(path) else leaf,
-            state)
+        return with_learning_rate(svi.init(random.key(seed), x, idx0, init_params=init_params), lr)
 
     with Timer() as warm:   # init + compile + one epoch
         s, _ = epoch_fn(fresh(lrs[0]), random.key(seed + 1), x)

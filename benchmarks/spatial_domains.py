@@ -65,7 +65,7 @@ from sklearn.metrics import adjusted_rand_score  # noqa: E402
 import numpyro_fedvi as nfv  # noqa: E402
 from numpyro_fedvi.models import gmm, spatial  # noqa: E402
 
-from ._common import parse_args, save_figure, write_result  # noqa: E402
+from ._common import parse_args, save_figure, with_learning_rate, write_result  # noqa: E402
 
 matplotlib.use("Agg")
 
@@ -160,9 +160,7 @@ def make_svi(guide, optimizer, cfg, blocks):
 def run_svi(svi, chunk, data, hyper, params, cfg, seed, lr, blocks, graph):
     rec = Recorder(data, graph, hyper)
     state = svi.init(jax.random.key(seed), data.x, data.graph, hyper, blocks[0], init_params=params)
-    state = jax.tree_util.tree_map_with_path(
-        lambda path, leaf: jnp.asarray(lr, leaf.dtype) if "learning_rate" in jax.tree_util.keystr(path) else leaf,
-        state)
+    state = with_learning_rate(state, lr)
     rec.start = time.perf_counter()
     rec(0, params["m"], params["s"] ** 2)
     key = jax.random.key(seed + 7)
