@@ -44,6 +44,36 @@ def block(tree):
     return jax.block_until_ready(tree)
 
 
+COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                  "/jax/core/compile/backend_compile_duration")
+_compile_spans: list[list[float]] = []   # the open CompileTime blocks' event durations
+
+
+def _on_compile_event(event, secs, **_):
+    if event in COMPILE_EVENTS:
+        for span in _compile_spans:
+            span.append(secs)
+
+
+class CompileTime:
+    """``with CompileTime() as c: ...; c.seconds``: the time JAX reports tracing, lowering and compiling inside the
+    block (``jax.monitoring`` duration events ``COMPILE_EVENTS``)."""
+
+    _listening = False
+
+    def __enter__(self):
+        if not CompileTime._listening:
+            jax.monitoring.register_event_duration_secs_listener(_on_compile_event)
+            CompileTime._listening = True
+        self._spent = []
+        _compile_spans.append(self._spent)
+        return self
+
+    def __exit__(self, *exc):
+        _compile_spans.remove(self._spent)
+        self.seconds = float(sum(self._spent))
+
+
 class Timer:
     """``with Timer() as t: ...; t.seconds``."""
 

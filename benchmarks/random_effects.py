@@ -91,7 +91,7 @@ from numpyro.infer.autoguide import AutoNormal
 import numpyro_fedvi as nfv
 from numpyro_fedvi.models import random_effects as re_model
 
-from ._common import Timer, block, parse_args, save_figure, with_learning_rate, write_result
+from ._common import CompileTime, Timer, block, parse_args, save_figure, with_learning_rate, write_result
 
 matplotlib.use("Agg")
 
@@ -285,10 +285,6 @@ def one_time_here(method, n, seed, lr):
             "one_time_s": first.seconds - steady.seconds}
 
 
-COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
-                  "/jax/core/compile/backend_compile_duration")
-
-
 def run_calls_here(method, n, seed, lr, calls=3):
     """Compile time per ``run()`` through the public APIs, measured in THIS process (run it fresh): ``calls``
     consecutive one-epoch ``run()`` calls, each resuming the last (``SVI(model, guide, optax.adam(lr),
@@ -296,21 +292,17 @@ def run_calls_here(method, n, seed, lr, calls=3):
     per call its wall time and its compile time: the time JAX reports tracing, lowering and compiling
     (``jax.monitoring`` duration events) inside the call, guide set-up included."""
     x = jnp.asarray(make_data(n, seed))
-    spent = []
-    jax.monitoring.register_event_duration_secs_listener(
-        lambda event, secs, **_: spent.append(secs) if event in COMPILE_EVENTS else None)
     guide = AutoNormal(model)
     engine = (nfv.PDVI(model, guide, num_partitions=NUM_PARTITIONS, partitions_per_step=PARTITIONS_PER_STEP)
               if method == "pdvi" else SVI(model, guide, optax.adam(lr), Trace_ELBO()))
     state, wall, compile_s = None, [], []
     for call in range(calls):
-        spent.clear()
-        with Timer() as t:
+        with Timer() as t, CompileTime() as c:
             state = engine.run(random.key(seed + call), STEPS_PER_EPOCH, x, batch_size=n // STEPS_PER_EPOCH,
                                progress_bar=False, init_state=state).state
             block(state)
         wall.append(t.seconds)
-        compile_s.append(float(sum(spent)))
+        compile_s.append(c.seconds)
     return {"run_call_wall_s": wall, "run_call_compile_s": compile_s}
 
 
