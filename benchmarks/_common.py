@@ -6,6 +6,8 @@ import argparse
 import json
 import os
 import platform
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -42,6 +44,22 @@ def with_learning_rate(state, lr):
 def block(tree):
     """Wait for every array in ``tree`` (for honest wall-clock timings)."""
     return jax.block_until_ready(tree)
+
+
+def start_fresh(module: str, function: str, *args) -> subprocess.Popen:
+    """``module.function(*args)`` in a fresh Python process (no compiled eager op or program of this one in memory;
+    BLAS threads as in this one, a fixed hash seed), its result printed as JSON; :func:`fresh_result` reads it."""
+    code = f"import json; from {module} import {function}; print(json.dumps({function}(*{args!r})))"
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=RESULTS.parent.parent, env={**os.environ, "PYTHONHASHSEED": "0"})
+
+
+def fresh_result(proc: subprocess.Popen, what: str = "fresh-process measurement") -> dict:
+    """The JSON result of a :func:`start_fresh` process (a failure raises with its stderr)."""
+    stdout, stderr = proc.communicate()
+    if proc.returncode:
+        raise RuntimeError(f"{what} failed:\n{stderr[-3000:]}")
+    return json.loads(stdout.strip().splitlines()[-1])
 
 
 COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",

@@ -29,15 +29,11 @@ side by side on 2 cores slowed PD-VI's first call from 23 s to 33 s).  Claims pe
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 
-from ._common import CompileTime, Timer, parse_args, save_figure, write_result
+from ._common import CompileTime, Timer, fresh_result, parse_args, save_figure, start_fresh, write_result
 
 NAME = "compile_cost"
 STEPS = 10
@@ -124,14 +120,9 @@ def measure_here(model_name: str, method: str) -> dict:
 
 
 def measure_fresh(model_name: str, method: str) -> dict:
-    """:func:`measure_here` in a fresh Python process (BLAS threads as in this one, a fixed hash seed)."""
-    code = (f"import json; from benchmarks.compile_cost import measure_here; "
-            f"print(json.dumps(measure_here({model_name!r}, {method!r})))")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          cwd=Path(__file__).resolve().parent.parent, env={**os.environ, "PYTHONHASHSEED": "0"})
-    if proc.returncode:
-        raise RuntimeError(f"{model_name}/{method} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    """:func:`measure_here` in a fresh Python process (:func:`~benchmarks._common.start_fresh`)."""
+    return fresh_result(start_fresh("benchmarks.compile_cost", "measure_here", model_name, method),
+                        f"{model_name}/{method}")
 
 
 def plot(rows, out):

@@ -71,12 +71,8 @@ Claims (per N, computed from the numbers):
 from __future__ import annotations
 
 import inspect
-import json
-import os
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -91,7 +87,8 @@ from numpyro.infer.autoguide import AutoNormal
 import numpyro_fedvi as nfv
 from numpyro_fedvi.models import random_effects as re_model
 
-from ._common import CompileTime, Timer, block, parse_args, save_figure, with_learning_rate, write_result
+from ._common import (CompileTime, Timer, block, fresh_result, parse_args, save_figure, start_fresh,
+                      with_learning_rate, write_result)
 
 matplotlib.use("Agg")
 
@@ -308,18 +305,8 @@ def run_calls_here(method, n, seed, lr, calls=3):
 
 def start_fresh_process(method, n, seed, lr, measure="one_time_here") -> subprocess.Popen:
     """Start ``measure`` (``one_time_here`` or ``run_calls_here``) in a fresh Python process (no compile cache of
-    another method's eager ops or programs), BLAS threads pinned as in this one; :func:`fresh_result` reads it."""
-    code = (f"import json; from benchmarks.random_effects import {measure}; "
-            f"print(json.dumps({measure}({method!r}, {n}, {seed}, {lr})))")
-    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=Path(__file__).resolve().parent.parent, env={**os.environ, "PYTHONHASHSEED": "0"})
-
-
-def fresh_result(proc: subprocess.Popen) -> dict:
-    stdout, stderr = proc.communicate()
-    if proc.returncode:
-        raise RuntimeError(f"fresh-process measurement failed:\n{stderr[-3000:]}")
-    return json.loads(stdout.strip().splitlines()[-1])
+    another method's eager ops or programs); :func:`~benchmarks._common.fresh_result` reads it."""
+    return start_fresh("benchmarks.random_effects", measure, method, n, seed, lr)
 
 
 def fresh_measurements(n, seed, lr, side_by_side: bool) -> dict:

@@ -8,7 +8,6 @@ full benchmark's best learning rate) on N/10 iid minibatches.  Printed per metho
 included), the next 59 epochs' time per epoch, the stop reason and the errors against the closed-form optimum.
 """
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -20,14 +19,15 @@ from numpyro.infer.autoguide import AutoNormal
 
 import numpyro_fedvi as nfv
 from benchmarks import random_effects as rb
+from benchmarks._common import Timer, block
 
 EPOCHS = 60
 
 
 def _timed(fn):
-    start = time.perf_counter()
-    out = jax.block_until_ready(fn())
-    return out, time.perf_counter() - start
+    with Timer() as t:
+        out = block(fn())
+    return out, t.seconds
 
 
 def _report(n, name, first, rest, errors, extra=""):
@@ -41,18 +41,18 @@ def bench(n, seed=0):
     x64 = np.asarray(x, np.float64)
     opt = rb.optimum(x64)
     opt_ne = rb.neg_elbo(x64, opt)
-    steps = rb.STEPS_PER_EPOCH
+    steps, batch = rb.STEPS_PER_EPOCH, n // rb.STEPS_PER_EPOCH
     engine = nfv.PDVI(rb.model, AutoNormal(rb.model), num_partitions=rb.NUM_PARTITIONS,
                       partitions_per_step=rb.PARTITIONS_PER_STEP)
-    res, first = _timed(lambda: engine.run(random.key(seed), steps, x, batch_size=n // 10, progress_bar=False))
-    res, rest = _timed(lambda: engine.run(random.key(seed), steps * (EPOCHS - 1), x, batch_size=n // 10,
+    res, first = _timed(lambda: engine.run(random.key(seed), steps, x, batch_size=batch, progress_bar=False))
+    res, rest = _timed(lambda: engine.run(random.key(seed), steps * (EPOCHS - 1), x, batch_size=batch,
                                           progress_bar=False, init_state=res.state))
     _report(n, "PD-VI", first, rest, rb.metrics(x64, opt, opt_ne, engine.get_params(res.state)),
             f", {res.diagnostics['stop_reason']}")
 
     svi = SVI(rb.pinned(rb.model), AutoNormal(rb.pinned(rb.model)), optax.adam(0.03), Trace_ELBO())
-    epoch = rb.svi_epoch_fn(svi, n, n // 10)
-    state = svi.init(random.key(seed), x, jnp.arange(n // 10))
+    epoch = rb.svi_epoch_fn(svi, n, batch)
+    state = svi.init(random.key(seed), x, jnp.arange(batch))
     (state, _), first = _timed(lambda: epoch(state, random.key(seed + 1), x))
 
     def rest_epochs(state=state):
