@@ -24,7 +24,6 @@ from pathlib import Path
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
-import jax.numpy as jnp  # noqa: E402
 import matplotlib  # noqa: E402
 
 matplotlib.use("Agg")

@@ -284,7 +284,7 @@ def test_guide_fisher_diagonal_is_the_gaussian_fisher():
     from numpyro_fedvi.preconditioning import guide_fisher_diagonal
 
     guide, structure = constants().GUIDE, None
-    engine = FedLocalVI(model, guide, iid_clients(), ELBO)
+    engine = FedLocalVI(model, guide, iid_clients(), ELBO, step_size=0.1)  # a float: init estimates nothing
     engine.init(random.key(0))
     structure = engine.structure
     theta = {"w_auto_loc": jnp.array([0.3, -1.0, 2.0]), "w_auto_scale": jnp.array([-1.0, 0.0, 1.5])}

@@ -59,7 +59,7 @@ def test_controlled_draws_score_flow_draws_like_numpyro():
     assert np.isfinite(float(jax.jit(lambda p: cd.loss(random.key(1), p, logistic, bnaf, X, y=Y))(bnaf_params)))
 
 
-@pytest.mark.parametrize("engine", ["PDVI", "FedSVI"])
+@pytest.mark.parametrize("engine", [pytest.param("PDVI", marks=pytest.mark.slow), "FedSVI"])  # PDVI: 23 s
 def test_engines_fit_flow_guides_and_return_their_pytree_params(engine):
     guide = (AutoIAFNormal(logistic, num_flows=1, hidden_dims=[4]) if engine == "PDVI"
              else AutoBNAFNormal(logistic, num_flows=1, hidden_factors=[2]))

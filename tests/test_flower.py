@@ -304,6 +304,7 @@ def test_fedlocalvi_rounds_equal_the_in_process_engine(method, drift):
                 np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow   # 52 s; the default run keeps FedLocalVI over Flower with a float step (lesgd-scaffnew below)
 def test_fedlocalvi_default_step_size_over_flower_equals_in_process():
     """FedLocalVI with its default ``step_size="auto"`` (preconditioned operator, η and H refreshed after rounds 1,
     2, 4) and Scaffnew drift correction over Flower: the initial estimate at the handshake, the refreshes at the
@@ -498,7 +499,6 @@ def test_pdvi_dropped_reply_is_a_unit_not_selected():
 
 
 def test_pdvi_strategy_refuses_what_it_cannot_run():
-    x = jnp.zeros(6)
     with pytest.raises(ValueError, match="dual_granularity"):
         flower.make_client_app(nfv.PDVI(random_effects, random_effects_guide, num_partitions=3, eta=0.1,
                                         dual_granularity="datum"), lambda ctx: None)

@@ -7,7 +7,6 @@
 - local params with event dims, several observed sites and deterministic sites.
 """
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import numpyro

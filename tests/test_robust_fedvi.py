@@ -206,7 +206,7 @@ def test_published_solver_drifts_with_local_steps(references):
     assert np.max(np.abs(np.asarray(u_plain[:D] - u_star[:D])) / sd) > 0.3
 
 
-@pytest.mark.parametrize("tau", [2.0, 0.05])
+@pytest.mark.parametrize("tau", [pytest.param(2.0, marks=pytest.mark.slow), 0.05])  # 2.0: 23 s, with the slow ones
 def test_default_step_size_estimate_is_the_preconditioned_saddle_operators_norm(tau):
     """``step_size="auto"`` at init, against the formulas: the Fisher term is the guide's per datum (``1/(Nσ²)`` on a
     location: moment-matched draws make it exact) and none on w; ``H`` is ``|Σ_g w_g diag ∇²L_g|`` on θ and τ on w;
