@@ -41,6 +41,7 @@ def _svi_params(guide):
     return svi.get_params(state)
 
 
+@pytest.mark.slow   # 21 s; goes with PD-VI's flow-guide fit below (the default run keeps FedSVI's)
 def test_controlled_draws_score_flow_draws_like_numpyro():
     """IAF (invertible): the controlled-draws loss equals the mean over its particles of NumPyro's loss with the
     latent substituted (scored by inverting the flow); BNAF (no inverse) scores through its intermediates."""

@@ -179,6 +179,7 @@ def test_bad_inputs():
     assert nfv.RobustFedVI is RobustFedVI
 
 
+@pytest.mark.slow   # 20 s, with RobustFedVI's contract; the default run keeps its step estimate and DRO weights
 def test_default_step_size_reaches_the_saddle_point_with_local_steps(references):
     """Every default (step_size="auto", K = 5, Scaffnew drift correction; only τ given) under common random numbers
     reaches the centralised saddle point in 100 rounds."""
