@@ -219,8 +219,9 @@ def prox_solve(f: Callable, lam0, mu, eta, phi, optimizer, num_steps: int, alter
 
     ``num_steps`` steps warm-started at ``λ = λ_0`` and the given ``φ``.  ``optimizer="newton"``: damped Newton steps on
     the exact arrow-shaped Hessian (:func:`~numpyro_fedvi.newton.newton_solve`; φ's rows must be separable, one
-    datum each).  An optax optimizer: ``alternating=True`` updates φ first and the global copy λ last in each step (so
-    the dual update sees λ-stationarity w.r.t. the final φ); ``False`` updates both jointly from one gradient.
+    datum each).  An optax optimizer moves the global copy in D_η-whitened coordinates ``u`` (``λ = λ_0 + √η ⊙ u``)
+    and φ as is; ``alternating=True`` updates φ first and the global copy last in each step (so the dual update sees
+    λ-stationarity w.r.t. the final φ); ``False`` updates both jointly from one gradient.
     Returns ``(λ, φ, f(λ, φ))``.
     """
     def penalty(lam):
@@ -235,6 +236,20 @@ def prox_solve(f: Callable, lam0, mu, eta, phi, optimizer, num_steps: int, alter
         return lam, phi, value - penalty(lam)
 
     optimizer = optax.with_extra_args_support(optimizer)
+    # the global copy in D_η-whitened coordinates, λ = λ_0 + √η ⊙ u: the penalty is ⟨√η ⊙ μ, u⟩ + ½‖u‖², and with
+    # η_j = c/L̂_j (eta="auto") the subproblem's curvature is about 1 + c in every site where in λ it spans the
+    # sites' curvatures (a change of variables: the same minimiser; Newton is invariant to it, optax optimizers are
+    # not — measured on a varying-intercept model at N = 6·10⁴, curvatures 1 to 10⁴: 10 L-BFGS steps in λ left
+    # q(mu_a) 61 NUTS sd off and collapsed, in u it is within 0.1 sd)
+    root = jax.tree.map(lambda l, e: jnp.broadcast_to(jnp.sqrt(e), l.shape).astype(l.dtype), lam0, eta)
+    scaled_mu = jax.tree.map(lambda m, r: m * r, mu, root)
+
+    def lam_of(u):
+        return jax.tree.map(lambda l0, r, v: l0 + r * v, lam0, root, u)
+
+    def whitened(u, phi_):
+        inner = sum(jnp.sum(m * v) + 0.5 * jnp.sum(v**2) for m, v in zip(*map(jax.tree.leaves, (scaled_mu, u))))
+        return f(lam_of(u), phi_) + inner
 
     def opt_step(params, opt_state, value_fn):
         value, grad = jax.value_and_grad(value_fn)(params)
@@ -244,17 +259,19 @@ def prox_solve(f: Callable, lam0, mu, eta, phi, optimizer, num_steps: int, alter
     alternating = alternating and bool(jax.tree.leaves(phi))  # nothing to alternate with when all params are global
 
     def body(carry, _):
-        lam, phi_, s_lam, s_phi = carry
+        u, phi_, s_u, s_phi = carry
         if alternating:
-            phi_, s_phi = opt_step(phi_, s_phi, lambda p: lagrangian(lam, p))
-            lam, s_lam = opt_step(lam, s_lam, lambda l: lagrangian(l, phi_))
+            phi_, s_phi = opt_step(phi_, s_phi, lambda p: whitened(u, p))
+            u, s_u = opt_step(u, s_u, lambda v: whitened(v, phi_))
         else:
-            (lam, phi_), s_lam = opt_step((lam, phi_), s_lam, lambda lp: lagrangian(*lp))
-        return (lam, phi_, s_lam, s_phi), None
+            (u, phi_), s_u = opt_step((u, phi_), s_u, lambda up: whitened(*up))
+        return (u, phi_, s_u, s_phi), None
 
-    s_lam = optimizer.init(lam0) if alternating else optimizer.init((lam0, phi))
+    u0 = jax.tree.map(jnp.zeros_like, lam0)
+    s_u = optimizer.init(u0) if alternating else optimizer.init((u0, phi))
     s_phi = optimizer.init(phi) if alternating else None
-    (lam, phi, _, _), _ = jax.lax.scan(body, (lam0, phi, s_lam, s_phi), None, length=num_steps)
+    (u, phi, _, _), _ = jax.lax.scan(body, (u0, phi, s_u, s_phi), None, length=num_steps)
+    lam = lam_of(u)
     return lam, phi, f(lam, phi)
 
 

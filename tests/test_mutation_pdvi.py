@@ -309,22 +309,30 @@ def _np_lagrangian_grad(z, Q, v, l0, mu, eta):
 
 
 def test_prox_solve_gradient_steps_alternating_and_joint():
-    """Momentum SGD (optax.sgd(lr, momentum): t ← g + β t, z ← z − lr t): alternating = separate φ and λ states, φ
+    """Momentum SGD (optax.sgd(lr, momentum): t ← g + β t, x ← x − lr t) on the global copy in D_η-whitened
+    coordinates u (λ = λ_0 + √η ⊙ u, gradient √η ⊙ ∇_λ) and on φ as is: alternating = separate φ and u states, φ
     first; joint = one state from one gradient."""
     f, lam0, mu, eta, phi, Q, v = _prox_problem()
     l0, m, e = np.array([0.3, -0.2, 0.5]), np.array([0.4, -0.7, 0.2]), np.array([0.5, 2.0, 0.25])
+    r = np.sqrt(e)
     lr, beta, steps = 0.1, 0.5, 3
     for alternating in (True, False, None):
-        z, t = np.concatenate([l0, [0.1, 0.2]]), np.zeros(5)
+        u, p, t = np.zeros(3), np.array([0.1, 0.2]), np.zeros(5)
+
+        def grad(u, p):
+            g = _np_lagrangian_grad(np.concatenate([l0 + r * u, p]), Q, v, l0, m, e)
+            return np.concatenate([r * g[:3], g[3:]])
+
         for _ in range(steps):
             if alternating is not False:
-                t[3:] = _np_lagrangian_grad(z, Q, v, l0, m, e)[3:] + beta * t[3:]
-                z[3:] -= lr * t[3:]
-                t[:3] = _np_lagrangian_grad(z, Q, v, l0, m, e)[:3] + beta * t[:3]
-                z[:3] -= lr * t[:3]
+                t[3:] = grad(u, p)[3:] + beta * t[3:]
+                p = p - lr * t[3:]
+                t[:3] = grad(u, p)[:3] + beta * t[:3]
+                u = u - lr * t[:3]
             else:
-                t = _np_lagrangian_grad(z, Q, v, l0, m, e) + beta * t
-                z -= lr * t
+                t = grad(u, p) + beta * t
+                u, p = u - lr * t[:3], p - lr * t[3:]
+        z = np.concatenate([l0 + r * u, p])
         opt = optax.sgd(lr, momentum=beta)
         if alternating is None:   # the default is alternating
             lam, ph, val = P.prox_solve(f, lam0, mu, eta, phi, opt, steps)
@@ -339,11 +347,33 @@ def test_prox_solve_gradient_steps_alternating_and_joint():
         return 0.5 * jnp.sum(lam["g"] ** 2)
 
     lam, ph, val = P.prox_solve(f2, g_only, {"g": mu["g"]}, {"g": eta["g"]}, {}, optax.sgd(lr), 2, True)
-    z = np.array([0.3, -0.2])
+    u = np.zeros(2)
     for _ in range(2):
-        z -= lr * (z + m[:2] + (z - l0[:2]) / e[:2])
-    _close(lam["g"], z, 1e-6)
+        z = l0[:2] + r[:2] * u
+        u = u - lr * r[:2] * (z + m[:2] + (z - l0[:2]) / e[:2])
+    _close(lam["g"], l0[:2] + r[:2] * u, 1e-6)
     assert ph == {}
+
+
+def test_prox_solve_lbfgs_solves_an_ill_conditioned_subproblem():
+    """The whitened coordinates make η = c/L̂_j (eta="auto": L̂_j the largest curvature of site j) a preconditioner:
+    a quadratic whose site "a" has 20 curvatures spread over 1…10⁴ (L-BFGS in λ: 20 distinct eigenvalues over four
+    decades, far from solved in 10 steps) and a site "m" of curvature 1 is solved to 1e-4 in 10 steps."""
+    curv = {"a": np.logspace(0, 4, 20), "m": np.ones(3)}
+    rng = np.random.default_rng(0)
+    target = {k: rng.normal(size=c.shape) for k, c in curv.items()}
+    lam0 = {k: jnp.asarray(rng.normal(size=c.shape), jnp.float32) for k, c in curv.items()}
+    mu = {k: jnp.asarray(rng.normal(size=c.shape), jnp.float32) for k, c in curv.items()}
+    eta = {k: jnp.asarray(0.3 / c.max(), jnp.float32) for k, c in curv.items()}
+
+    def f(lam, phi):
+        return sum(0.5 * jnp.sum(jnp.asarray(curv[k], jnp.float32) * (lam[k] - target[k]) ** 2) for k in curv)
+
+    lam, _, _ = P.prox_solve(f, lam0, mu, eta, {}, optax.lbfgs(), 10)
+    for k, c in curv.items():   # (c + 1/η) λ = c·target − μ + λ_0/η
+        e = float(eta[k])
+        exact = (c * target[k] - np.asarray(mu[k]) + np.asarray(lam0[k]) / e) / (c + 1 / e)
+        np.testing.assert_allclose(np.asarray(lam[k]), exact, atol=1e-4, err_msg=k)
 
 
 def test_prox_solve_newton_and_extra_args_optimizer():
@@ -1322,7 +1352,9 @@ def test_setup_rebuilds_blocks_and_unit_data():
 
 
 def test_default_lbfgs_oracle_solves_the_prox():
-    """The L-BFGS that local_optimizer=None picks for many coordinates solves a quadratic prox."""
+    """The L-BFGS that local_optimizer=None picks for many coordinates solves a quadratic prox (to 5e-4 in 10
+    alternating steps here, where η is not curvature-based: the whitened coordinates help when η_j ∝ 1/L_j, see
+    test_prox_solve_lbfgs_solves_an_ill_conditioned_subproblem; in λ it was 1e-4)."""
     class S:
         init_global = {"g": np.zeros(3)}
         init_local = {"l": np.zeros((7, 20))}
@@ -1333,7 +1365,7 @@ def test_default_lbfgs_oracle_solves_the_prox():
     H = Q + np.diag(np.concatenate([1 / e, [0, 0]]))
     z = np.linalg.solve(H, -(v + np.concatenate([m - l0 / e, [0, 0]])))
     lam, ph, val = P.prox_solve(f, lam0, mu, eta, phi, solver, steps)
-    _close(np.concatenate([np.asarray(lam["g"]), [float(lam["k"])], np.asarray(ph["p"])]), z, 1e-4)
+    _close(np.concatenate([np.asarray(lam["g"]), [float(lam["k"])], np.asarray(ph["p"])]), z, 1e-3)
 
 
 def model_wide(x, batch=None):
