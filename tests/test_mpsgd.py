@@ -290,6 +290,7 @@ def test_projection_threshold_active_at_the_optimum(scale):
         np.testing.assert_allclose(S if scale == "diag" else np.diag(S), 2.0, rtol=1e-5)
 
 
+@pytest.mark.slow   # 21 s (an MPSGD engine on an enumerated mixture): with the slow tier
 def test_enumerated_latents_are_summed_out_of_the_potential():
     """MPSGD's potential of a model whose assignments are enumerated and hidden from the guide (the textbook
     TraceEnum_ELBO mixture) is the MARGINAL potential, as NumPyro's MCMC computes it (``initialize_model``'s
