@@ -103,6 +103,18 @@ class Timer:
         self.seconds = time.perf_counter() - self.start
 
 
+def timed_calls(call, calls: int):
+    """``calls`` consecutive calls ``out = call(i, out)`` (``out`` None at the first), each timed to its end
+    (:func:`block`): ``(last out, wall seconds per call, compile seconds per call)`` (:class:`CompileTime`)."""
+    out, wall, compiled = None, [], []
+    for i in range(calls):
+        with Timer() as t, CompileTime() as c:
+            out = block(call(i, out))
+        wall.append(t.seconds)
+        compiled.append(c.seconds)
+    return out, wall, compiled
+
+
 def _jsonable(x):
     if isinstance(x, dict):
         return {str(k): _jsonable(v) for k, v in x.items()}

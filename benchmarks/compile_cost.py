@@ -33,7 +33,7 @@ import os
 
 import numpy as np
 
-from ._common import CompileTime, Timer, fresh_result, parse_args, save_figure, start_fresh, write_result
+from ._common import Timer, fresh_result, parse_args, save_figure, start_fresh, timed_calls, write_result
 
 NAME = "compile_cost"
 STEPS = 10
@@ -91,7 +91,6 @@ def _problem(model_name):
 
 def measure_here(model_name: str, method: str) -> dict:
     """Two consecutive ``STEPS``-step ``run()`` calls in THIS process (run it fresh): wall and compile time each."""
-    import jax
     import optax
     from jax import random
     from numpyro.infer import SVI, Trace_ELBO
@@ -100,20 +99,23 @@ def measure_here(model_name: str, method: str) -> dict:
     import numpyro_fedvi as nfv
 
     model, args, kwargs, options = _problem(model_name)
-    calls, state = [], None
-    for call in range(2):
-        with Timer() as t, CompileTime() as c:
-            if call == 0:
-                guide = nfv.AutoLocationScale(model) if method == "mpsgd" else AutoNormal(model)
-                engine = {"svi": lambda: SVI(model, guide, optax.adam(0.01), Trace_ELBO()),
-                          "pdvi": lambda: nfv.PDVI(model, guide, **options.get("pdvi", {})),
-                          "mpsgd": lambda: nfv.MPSGD(model, guide),
-                          "fedsvi": lambda: nfv.FedSVI(model, guide, Trace_ELBO(), **options.get("fedsvi", {})),
-                          "fedlocalvi": lambda: nfv.FedLocalVI(model, guide, Trace_ELBO(),
-                                                               **options.get("fedlocalvi", {}))}[method]()
-            result = engine.run(random.key(call), STEPS, *args, progress_bar=False, init_state=state, **kwargs)
-            state = jax.block_until_ready(result.state)
-        calls.append({"wall_s": t.seconds, "compile_s": c.seconds})
+    built = {}
+
+    def call(i, previous):  # the guide and the engine are built inside the first call's timing
+        if i == 0:
+            guide = built["guide"] = nfv.AutoLocationScale(model) if method == "mpsgd" else AutoNormal(model)
+            built["engine"] = {"svi": lambda: SVI(model, guide, optax.adam(0.01), Trace_ELBO()),
+                               "pdvi": lambda: nfv.PDVI(model, guide, **options.get("pdvi", {})),
+                               "mpsgd": lambda: nfv.MPSGD(model, guide),
+                               "fedsvi": lambda: nfv.FedSVI(model, guide, Trace_ELBO(), **options.get("fedsvi", {})),
+                               "fedlocalvi": lambda: nfv.FedLocalVI(model, guide, Trace_ELBO(),
+                                                                    **options.get("fedlocalvi", {}))}[method]()
+        return built["engine"].run(random.key(i), STEPS, *args, progress_bar=False,
+                                   init_state=None if previous is None else previous.state, **kwargs)
+
+    result, wall, compiled = timed_calls(call, 2)
+    guide = built["guide"]
+    calls = [{"wall_s": w, "compile_s": c} for w, c in zip(wall, compiled)]
     described = {k: f"{len(v)} ids" if isinstance(v, np.ndarray) else v for k, v in options.get(method, {}).items()}
     return {"model": model_name, "method": method, "guide": type(guide).__name__, "options": described,
             "first_call": calls[0], "second_call": calls[1], "finite": bool(np.all(np.isfinite(result.losses)))}

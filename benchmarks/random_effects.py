@@ -87,7 +87,7 @@ from numpyro.infer.autoguide import AutoNormal
 import numpyro_fedvi as nfv
 from numpyro_fedvi.models import random_effects as re_model
 
-from ._common import (CompileTime, Timer, block, fresh_result, parse_args, save_figure, start_fresh,
+from ._common import (Timer, block, fresh_result, parse_args, save_figure, start_fresh, timed_calls,
                       with_learning_rate, write_result)
 
 matplotlib.use("Agg")
@@ -292,14 +292,9 @@ def run_calls_here(method, n, seed, lr, calls=3):
     guide = AutoNormal(model)
     engine = (nfv.PDVI(model, guide, num_partitions=NUM_PARTITIONS, partitions_per_step=PARTITIONS_PER_STEP)
               if method == "pdvi" else SVI(model, guide, optax.adam(lr), Trace_ELBO()))
-    state, wall, compile_s = None, [], []
-    for call in range(calls):
-        with Timer() as t, CompileTime() as c:
-            state = engine.run(random.key(seed + call), STEPS_PER_EPOCH, x, batch_size=n // STEPS_PER_EPOCH,
-                               progress_bar=False, init_state=state).state
-            block(state)
-        wall.append(t.seconds)
-        compile_s.append(c.seconds)
+    _, wall, compile_s = timed_calls(
+        lambda call, state: engine.run(random.key(seed + call), STEPS_PER_EPOCH, x, batch_size=n // STEPS_PER_EPOCH,
+                                       progress_bar=False, init_state=state).state, calls)
     return {"run_call_wall_s": wall, "run_call_compile_s": compile_s}
 
 
