@@ -710,7 +710,8 @@ def test_front_end_newton_and_optax_oracles():
 @pytest.mark.slow   # compiles an engine: runs in .ci/run and under mutmut (CONTRIBUTING.md)
 def test_front_end_optax_oracle_gradient_steps():
     """local_optimizer=optax.sgd: the oracle is ``local_steps`` alternating (or joint) gradient steps on the
-    augmented Lagrangian from (λ_0, stored rows), in numpy below; one iteration with one block."""
+    augmented Lagrangian from (λ_0, stored rows), in numpy below; one iteration with one block.  The global copy
+    moves in whitened coordinates ``u`` (λ = λ_0 + √η u, ``prox_solve``): a step ``lr`` in u is ``lr·η`` in λ."""
     x = _x()
     lr, K, eta = 0.05, 3, 0.4
     for alternating in (True, False):
@@ -734,9 +735,9 @@ def test_front_end_optax_oracle_gradient_steps():
         for _ in range(K):
             if alternating:
                 a = a - lr * ga(m, a)
-                m = m - lr * gm(m, a)
+                m = m - lr * eta * gm(m, a)
             else:
-                m, a = m - lr * gm(m, a), a - lr * ga(m, a)
+                m, a = m - lr * eta * gm(m, a), a - lr * ga(m, a)
         _close(s1.lam0["m"], m + (m - 0.2) / 4, 1e-5)
         _close(s1.local["a"][idx], a, 1e-5)
         _close(loss, 4 * _f_block(m, a, idx), 1e-4)
