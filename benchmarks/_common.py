@@ -17,12 +17,14 @@ import numpy as np
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def parse_args(description: str, argv=None) -> argparse.Namespace:
-    """``--quick`` (≤ 60 s on 2 cores) and ``--out`` (results folder).
+def parse_args(description: str, argv=None, add_arguments=None) -> argparse.Namespace:
+    """``--quick`` (≤ 60 s on 2 cores) and ``--out`` (results folder), plus what ``add_arguments(parser)`` adds.
 
     Full runs write to ``benchmarks/results/``, quick runs to ``benchmarks/results/quick/`` by default, so a quick
     check never overwrites the results of a full-scale run."""
     parser = argparse.ArgumentParser(description=description)
+    if add_arguments is not None:
+        add_arguments(parser)
     parser.add_argument("--quick", action="store_true", help="small configuration that finishes in under 60 s")
     parser.add_argument("--out", type=Path, default=None,
                         help="folder for <name>.json and <name>.png (default: benchmarks/results, or "
