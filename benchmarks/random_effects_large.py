@@ -6,8 +6,8 @@ where the full benchmark's learning-rate grid and fresh processes cost device ti
 ``benchmarks.random_effects``'s: ``PDVI(model, AutoNormal(model), num_partitions=20, partitions_per_step=2)`` with
 every other default, against ``SVI`` + ``optax.adam(0.03)`` (the full benchmark's best learning rate) on N/10 iid
 minibatches (the same indices pinned in model and guide with ``handlers.substitute``, as there; the first version
-of this benchmark pinned them in the model only, so the guide drew its own with NumPyro's sequential subsampler:
-SVI then optimised a mismatched ELBO and its epochs were timed with that subsampler in them).
+of this benchmark pinned them in the model only, so the guide drew its own with NumPyro's sequential subsampler and
+the model replayed them: SVI's epochs were timed with that subsampler in them).
 
 Per method: the first epoch (compilation included), the time per epoch of the next 59, and the errors against the
 closed-form mean-field optimum at epochs 1, 2, 4, 8, 16, 32 and 60 (PD-VI: ``run(..., init_state=...)`` between
