@@ -14,7 +14,7 @@ Output: a table of each engine's posterior mean error (in NUTS posterior sd) and
 theta, an ArviZ forest plot of all of them (``examples/output/eight_schools.png``).  A Gaussian q cannot match the
 funnel exactly: the best mean-field / full-rank fits still shrink tau's spread; the table shows by how much.
 
-Run:  python examples/eight_schools.py          (about 30 s on 2 CPU cores; mostly compilation)
+Run:  python examples/eight_schools.py          (about a minute on 2 CPU cores; mostly compilation)
 """
 
 import time

@@ -15,7 +15,7 @@ The script fits the posterior three ways and prints them side by side:
   in-process run up to float rounding, since both call the same core with the same keys.
 It saves ``examples/output/federated_hospitals.png`` (hospital intercepts: mean ± 2 sd under each fit).
 
-Run:  python examples/federated_hospitals.py     (needs numpyro_fedvi[flower]; about 3 minutes on 2 cores)
+Run:  python examples/federated_hospitals.py     (needs numpyro_fedvi[flower]; about 4.5 minutes on 2 cores)
 """
 
 import os

@@ -11,7 +11,7 @@ first eight coefficients (``examples/output/logistic_regression.png``).  The pos
 Gaussian base fits it best; the Laplace and Student-t bases put heavier tails on ``q`` (same mean and covariance
 parameterisation, different shape).
 
-Run:  python examples/logistic_regression.py          (about 35 s on 2 CPU cores)
+Run:  python examples/logistic_regression.py          (about 45 s on 2 CPU cores)
 """
 
 import time

@@ -8,7 +8,7 @@ NumPyro model; the guide has global params (cluster means ``m`` and scales ``s``
 The first run uses the generic oracle every NumPyro model gets (L-BFGS on each block's augmented
 Lagrangian); the second plugs in the model's closed-form block solver (the paper's exact oracle).
 
-Run:  python examples/quickstart.py          (about half a minute on 2 CPU cores)
+Run:  python examples/quickstart.py          (about a minute on 2 CPU cores, a third of it compilation)
 """
 
 from pathlib import Path

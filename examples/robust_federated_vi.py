@@ -11,7 +11,7 @@ the iterates (θ, w).
 The script prints the group weights and every group's loss (and predictive accuracy) under both posteriors, and saves
 ``examples/output/robust_federated_vi.png``.
 
-Run:  python examples/robust_federated_vi.py          (about 50 s on 2 CPU cores)
+Run:  python examples/robust_federated_vi.py          (about 35 s on 2 CPU cores)
 """
 
 from pathlib import Path

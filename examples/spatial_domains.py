@@ -13,7 +13,7 @@ oracle every NumPyro model gets, slower) → domain map next to the truth and AR
 block-CAVI optimum) → per-spot uncertainty, the entropy of q(z_i), as a map → ``to_datatree`` and an ArviZ summary of
 the cluster means.
 
-Run:  python examples/spatial_domains.py [--generic]       (about a minute on 2 CPU cores)
+Run:  python examples/spatial_domains.py [--generic]       (about half a minute on 2 CPU cores)
 """
 
 import argparse
