@@ -275,6 +275,11 @@ def _observation_plates(model_trace) -> list[str]:
     return sorted(common)
 
 
+def _rows_of_data(args, kwargs) -> set[int]:
+    """The leading sizes of the array arguments (a data plate's size is the number of rows of its data)."""
+    return {int(np.shape(a)[0]) for a in jax.tree.leaves((tuple(args), kwargs)) if np.ndim(a) >= 1}
+
+
 def inspect_model(
     model,
     guide,
@@ -289,8 +294,10 @@ def inspect_model(
     """Trace ``guide`` and ``model`` (replayed against the guide) once and describe their params.
 
     The data plate is the plate named by ``data_plate``, else the model's only subsampled plate, else the only plate
-    that encloses every observed site (``numpyro.plate("data", N)`` around ``obs=...``).  A subsampled data plate
-    is evaluated block by block through its indices; an unsubsampled one through a mask on the full plate.
+    that encloses every observed site (``numpyro.plate("data", N)`` around ``obs=...``); when several do (nested
+    plates around the observations), the only one of them whose size is the leading size of an array argument (the
+    number of rows of the data).  A subsampled data plate is evaluated block by block through its indices; an
+    unsubsampled one through a mask on the full plate.
 
     :param data_plate: name of the data plate (needed when there is no or more than one subsampled plate).
     :param init_params: constrained values overriding the guide's ``numpyro.param`` init values.
@@ -323,10 +330,14 @@ def inspect_model(
                          "data with data_plate='...'.")
     else:
         candidates = _observation_plates(model_trace)
+        if len(candidates) > 1:  # nested plates around the observations: the one sized like the data's rows
+            rows = _rows_of_data(args, kwargs)
+            candidates = [c for c in candidates if plates[c][0] in rows] or candidates
         plate_name = candidates[0] if len(candidates) == 1 else None
         if plate_name is None and require_data_plate:
-            found = (f"plates holding every observation: {candidates}" if candidates else
-                     "no plate holds every observed site")
+            found = (f"plates holding every observation: {candidates}, sizes "
+                     f"{[int(plates[c][0]) for c in candidates]}, none alone the leading size of an array argument"
+                     if candidates else "no plate holds every observed site")
             raise ValueError(
                 f"The data plate is ambiguous ({found}). Name it with data_plate='...': the plate whose "
                 "size is the number of data points, e.g. `with numpyro.plate('data', N): numpyro.sample('y', ..., "

@@ -189,20 +189,33 @@ def test_plain_plate_around_observations_is_the_data_plate():
     assert s.global_names == ("loc",)
 
 
-def test_error_ambiguous_plain_plates():
+def test_nested_plates_around_observations_the_one_sized_like_the_data():
+    """Several plates hold every observation: the data plate is the only one whose size is the leading size of an
+    array argument (the data's rows), at whatever plate dim; still ambiguous when none or several are."""
     def model(x):
         mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
-        with numpyro.plate("data", N), numpyro.plate("rep", 1, dim=-2):
+        with numpyro.plate("data", N, dim=-2), numpyro.plate("rep", 2, dim=-1):
             numpyro.sample("y", dist.Normal(mu, 1.0), obs=x)
 
-    with pytest.raises(ValueError, match="ambiguous") as e:
-        inspect_model(model, _global_guide, random.key(0), (X,))
-    assert "data_plate" in str(e.value) and "'data', 'rep'" in str(e.value)
-    s = inspect_model(model, _global_guide, random.key(0), (X,), require_data_plate=False)
-    assert s.data_plate is None and s.global_names == ("loc",)
-    s = inspect_model(model, _global_guide, random.key(0), (X,), data_plate="data")
-    assert s.data_plate.name == "data"
+    Y2 = jnp.stack([X, X], -1)                          # (N, 2): N rows, 2 replicates
+    s = inspect_model(model, _global_guide, random.key(0), (Y2,))
+    assert s.data_plate.name == "data" and s.data_plate.size == N and s.data_plate.dim == -2
 
+    def closed_over():                                  # no array argument: nothing tells the plates apart
+        model(Y2)
+
+    with pytest.raises(ValueError, match="ambiguous") as e:
+        inspect_model(closed_over, lambda: _global_guide(None), random.key(0))
+    assert "data_plate" in str(e.value) and "'data', 'rep'" in str(e.value) and "[12, 2]" in str(e.value)
+    s = inspect_model(closed_over, lambda: _global_guide(None), random.key(0), require_data_plate=False)
+    assert s.data_plate is None and s.global_names == ("loc",)
+    s = inspect_model(closed_over, lambda: _global_guide(None), random.key(0), data_plate="data")
+    assert s.data_plate.name == "data"
+    with pytest.raises(ValueError, match="ambiguous"):   # an argument sized like each plate: both candidates
+        inspect_model(lambda x, w: model(x), lambda x, w: _global_guide(x), random.key(0), (Y2, jnp.ones(2)))
+
+
+def test_error_no_plate_around_every_observation():
     def no_plate(x):
         mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
         numpyro.sample("y", dist.Normal(mu, 1.0).expand([N]).to_event(1), obs=x)
