@@ -51,6 +51,11 @@ _CRN_FOLD = 0x5EED  # fold of the state key that gives the fixed Monte-Carlo key
 _EVAL_FOLD = 0xE7A1  # fold that gives the key of the reported loss (the same every round: comparable losses)
 _FISHER_FOLD = 0xF15E  # fold of the state key that gives the guide's Fisher draws (fixed: D(θ) deterministic)
 _CURVATURE_FOLD = 0xC0A7  # fold (then the round) that gives the Monte-Carlo key of a step_size="auto" refresh
+# p of output="tail": round r's synchronised iterate weighs r(r+1)…(r+p−1) in the average (the first half of a run
+# carries 1/2^(p+1) of the weight).  Measured (12-group logistic regression and eight schools, 150 and 600 rounds,
+# 3 seeds each, against NUTS): p = 3 had the smallest worst-case mean error of p = 0, 1, 3, 7, 15 and the last iterate
+TAIL_POWER = 3
+OUTPUTS = ("tail", "last", "average")
 # step_size="auto": η = STEP_SCALE / λ̂ (λ̂: the largest eigenvalue of a client's preconditioned Hessian).  0.5 left
 # one of five eight-schools seeds with a non-finite estimate after a log-scale collapsed; 0.25 none (README)
 STEP_SCALE = 0.25
@@ -154,8 +159,14 @@ class FedLocalVI:
     :param crn: common random numbers: ``True`` (or a PRNG key to use) takes ONE Monte-Carlo key for every oracle
         call of the run and for the reported loss (the operator is the exact gradient of that fixed-draw objective);
         ``False`` draws fresh per call (unbiased oracle).
-    :param output: ``"last"`` (the synchronised server iterate after the round) or ``"average"`` (the theorems'
-        output: mean of the output sequence over all local steps and clients); ``get_params(which=...)`` overrides.
+    :param output: ``"tail"`` (default): the polynomial-decay average of the synchronised iterates,
+        ``θ̃_r = θ̃_{r−1} + (p+1)/(r+p)·(θ̄_r − θ̃_{r−1})`` after round r (Shamir & Zhang 2013; round s weighs
+        ``s(s+1)(s+2)``, ``p = TAIL_POWER = 3``: the constant step's last-iterate noise averaged out, the early
+        transient all but forgotten; a resumed run continues it exactly); ``"last"``: the synchronised server iterate
+        after the round; ``"average"``: the theorems' output, the mean of the output sequence over all local steps and
+        clients.  ``get_params(which=...)`` overrides.  Why the default (README, "FedLocalVI's output"): with one
+        Monte-Carlo particle the last iterate jitters around the optimum (its q(tau) sd at 0.18× NUTS's on eight
+        schools after 150 rounds) and the full average drags the transient along; the tail average has neither.
     :param drift_correction: ``"scaffnew"`` (default): client control variates h_m (ProxSkip / Scaffnew,
         :func:`~numpyro_fedvi.vi_solvers.drift_corrected`): local oracle calls return ``V_m(θ) − h_m`` and at each
         synchronisation ``h_m += (θ̄ − θ_m)/(Kη)``, so local steps on heterogeneous clients (sites sorted by a
@@ -182,7 +193,7 @@ class FedLocalVI:
                  L: float | None = None,
                  inner_steps="auto", inner_eps: float = 1e-3, sigma: float | None = None, delta: float | None = None,
                  prox: Callable | None = None, batch_size: int | None = None, crn: bool = False,
-                 output: str = "last", drift_correction: str | None = "scaffnew", control_step: float = 0.2,
+                 output: str = "tail", drift_correction: str | None = "scaffnew", control_step: float = 0.2,
                  data_plate: str | None = None, mesh=None, **static_kwargs):
         loss, clients, num_clients = _client_spec(loss, legacy, clients, num_clients, type(self).__name__)
         check_elbo(loss, type(self).__name__, clients=True)
@@ -241,8 +252,8 @@ class FedLocalVI:
                                                  or (crn.dtype == jnp.uint32 and crn.shape == (2,)))
         if not (isinstance(crn, bool) or is_key):
             raise TypeError(f"crn must be True, False or a PRNG key (the fixed Monte-Carlo key), got {crn!r}.")
-        if output not in ("last", "average"):
-            raise ValueError(f"output must be 'last' or 'average', got {output!r}.")
+        if output not in OUTPUTS:
+            raise ValueError(f"output must be one of {OUTPUTS}, got {output!r}.")
         if drift_correction not in (None, "scaffnew"):
             raise ValueError(f"drift_correction must be 'scaffnew' or None (the paper's plain solver), got "
                              f"{drift_correction!r}.")
@@ -394,16 +405,31 @@ class FedLocalVI:
         return random.fold_in(state.key, _EVAL_FOLD) if mc_key is None else mc_key
 
     def _iterate(self, state: vs.VIState, which: str | None = None):
-        """The solver variable z of ``which`` (``"last"``: synchronised iterate; ``"average"``: the output mean)."""
+        """The solver variable z of ``which`` (``"tail"``: the tail average; ``"last"``: synchronised iterate,
+        primal; ``"average"``: the output mean)."""
         which = which or self.output
-        if which not in ("last", "average"):
-            raise ValueError(f"which must be 'last' or 'average', got {which!r}.")
+        if which not in OUTPUTS:
+            raise ValueError(f"which must be one of {OUTPUTS}, got {which!r}.")
+        if which == "tail":
+            return state.tail
         if which == "average":
             return state.output
         z = jax.tree.map(lambda a: jnp.mean(a, axis=0), state.z)  # synchronised: every client holds the same z
         if self.method == "local_dual_averaging":  # dual → primal: ∇h_t*(z) = prox(w0 + z, tη)
             return vs.mirror_map(self.prox, state.anchor, z, state.step.astype(jnp.float32) * self.step_size)
         return z
+
+    def initial_state(self, z0, rng_key) -> vs.VIState:
+        """The solver's initial state, its tail average at the initial (primal) iterate."""
+        state = self.solver.init(z0, self.num_clients, rng_key)
+        return state._replace(tail=self._iterate(state, "last"))
+
+    def with_tail(self, state: vs.VIState) -> vs.VIState:
+        """``output="tail"`` after round ``r = state.round``: ``θ̃_r = θ̃_{r−1} + (p+1)/(r+p)·(θ̄_r − θ̃_{r−1})``
+        (polynomial-decay averaging, ``p = TAIL_POWER``; θ̃_1 = θ̄_1)."""
+        z = self._iterate(state, "last")
+        w = (TAIL_POWER + 1) / (state.round.astype(jnp.float32) + TAIL_POWER)
+        return state._replace(tail=jax.tree.map(lambda a, b: a + (w * (b - a)).astype(a.dtype), state.tail, z))
 
     # -- SVI surface ------------------------------------------------------------------------------------------------
     def init(self, rng_key, *args, init_params: dict | None = None, **kwargs) -> vs.VIState:
@@ -414,7 +440,7 @@ class FedLocalVI:
         setup_key, rng_key = random.split(rng_key)
         structure = self._setup(setup_key, args, kwargs, init_params)
         z0 = strong_types(self._initial_point(structure.init_global))  # no weak types: no retrace after round 1
-        state = self.solver.init(z0, self.num_clients, rng_key)
+        state = self.initial_state(z0, rng_key)
         if not self.auto_step:
             return self._place_state(state)
         # the initial estimate through the refresh's own program (nothing more to compile at the later refreshes)
@@ -527,14 +553,16 @@ class FedLocalVI:
             return self._objective(loss, self._iterate(s), self._eval_key(s), inputs)
 
         if not self.auto_step:
-            state, _ = self.solver.round(state, operator)
+            state = self.with_tail(self.solver.round(state, operator)[0])
             return state, objective(state)
         new, _ = self.solver.round(state, self._preconditioned(operator, state, inputs))
-        value = objective(new)
         # step_size="auto": a round that leaves non-finite values is not taken; η halves and the counters move on
-        ok = jnp.isfinite(value) & tree_all_finite(new.z) & tree_all_finite(new.control)
+        ok = tree_all_finite(new.z) & tree_all_finite(new.control)
+        new = self.with_tail(new)
+        value = objective(new)
+        ok = ok & jnp.isfinite(value)
         precond = {**state.precond, "eta": state.precond["eta"] / 2}
-        kept = state._replace(step=new.step, round=new.round, precond=precond)
+        kept = self.with_tail(state._replace(step=new.step, round=new.round, precond=precond))
         state = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, kept)
         return state, jax.lax.cond(ok, lambda: value, lambda: objective(kept))
 
@@ -579,7 +607,8 @@ class FedLocalVI:
         return self._objective(self._client_loss(inputs), self._iterate(state, which), key, inputs)
 
     def get_params(self, state: vs.VIState, which: str | None = None) -> dict:
-        """Constrained guide params (for ``Predictive``) of the last synchronised iterate or the average output."""
+        """Constrained guide params (for ``Predictive``) of ``which`` (default ``output``): the tail average, the last
+        synchronised iterate or the average output."""
         self._require_init()
         return self.structure.constrain_global(self._theta(self._iterate(state, which)))
 

@@ -943,7 +943,7 @@ class FedLocalVIStrategy(_EngineStrategy):
         args, kwargs = prepare_inputs(args, kwargs)
         self.structure = engine.inspect(setup_key, args, kwargs)
         z0 = strong_types(engine._initial_point(self.structure.init_global))
-        self.state = engine.solver.init(z0, self.num_clients, rng_key)
+        self.state = engine.initial_state(z0, rng_key)
         if engine.auto_step:   # no estimate yet (η = NaN), in the estimate's types: FedLocalVI.init's placeholder
             self.state = self.state._replace(precond=engine._no_estimate(self.state))
         base = engine.base_solver()
@@ -1050,8 +1050,9 @@ class FedLocalVIStrategy(_EngineStrategy):
             self._halve_step()
             return False
         K = self.engine.local_steps
-        self.state = self.state._replace(z=jax.tree.map(lambda a, b: jnp.broadcast_to(a, b.shape), z, self.state.z),
-                                         output=output, step=self.state.step + K, round=self.state.round + 1)
+        self.state = self.engine.with_tail(self.state._replace(
+            z=jax.tree.map(lambda a, b: jnp.broadcast_to(a, b.shape), z, self.state.z), output=output,
+            step=self.state.step + K, round=self.state.round + 1))
         self.phase = 0
         return True
 
@@ -1064,7 +1065,8 @@ class FedLocalVIStrategy(_EngineStrategy):
         return float(dro_objective(losses, dro_weights(losses, self.engine.tau), self.engine.tau))
 
     def get_params(self, state=None):
-        """Constrained guide params of the synchronised iterate (``engine.output="last"``) or the output mean."""
+        """Constrained guide params of ``engine.output``: the tail average, the synchronised iterate or the output
+        mean."""
         return self.structure.constrain_global(self.engine._theta(self.engine._iterate(
             self.state if state is None else state)))
 

@@ -97,15 +97,17 @@ class RobustFedVI(FedLocalVI):
         τ-strongly concave and τ-smooth): dual averaging with ``h(θ, w) = ½‖θ − θ0‖² + ‖w − w0‖²/(2c)``,
         c = η_w/η, i.e. the w-operator scaled by c (a block scaling leaves the VI's solutions unchanged).
     :param drift_correction: ``"scaffnew"`` (default) or ``None`` (the paper's solver, with its O(ηK) client drift).
-    :param output: ``"last"`` (default: the synchronised primal iterate) or ``"average"`` (Thm 7's output of eq. (13),
-        the mean of v over all local steps: carries the transient from the start, so it needs longer runs).
+    :param output: ``"tail"`` (default: the polynomial-decay average of the synchronised primal iterates, as
+        :class:`~numpyro_fedvi.FedLocalVI`), ``"last"`` (the synchronised primal iterate) or ``"average"`` (Thm 7's
+        output of eq. (13), the mean of v over all local steps: carries the transient from the start, so it needs
+        longer runs).
     Other arguments as :class:`~numpyro_fedvi.FedLocalVI` (``batch_size``, ``crn``, ``data_plate``, ``mesh``).
     """
 
     def __init__(self, model, guide, loss=None, *legacy, clients=None, num_clients: int | None = None, tau: float,
                  local_steps: int = LOCAL_STEPS, step_size: float | str = "auto",
                  weight_step_size: float | None = None, batch_size: int | None = None, crn=False,
-                 output: str = "last", drift_correction: str | None = "scaffnew", data_plate: str | None = None,
+                 output: str = "tail", drift_correction: str | None = "scaffnew", data_plate: str | None = None,
                  mesh=None, **static_kwargs):
         self.tau = _positive_float(tau, "tau")
         if isinstance(step_size, str):  # "auto" (checked by FedLocalVI): the w-block is preconditioned by 1/τ

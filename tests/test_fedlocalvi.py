@@ -104,7 +104,8 @@ def run_cached(method, num_rounds, **kw):
 
 
 def engine(method, clients=None, **kw):
-    defaults = {"local_steps": 5, "step_size": 0.005, "crn": constants().KEY}
+    # the solvers' own iterate (the papers' equations; output="tail" is tested on its own)
+    defaults = {"local_steps": 5, "step_size": 0.005, "crn": constants().KEY, "output": "last"}
     if method == "slippax":
         defaults["sigma"] = 0.0
     return FedLocalVI(model, constants().GUIDE, iid_clients() if clients is None else clients, ELBO, method=method,
@@ -168,6 +169,26 @@ def test_identical_clients_equal_one_client_with_the_pooled_rows(method="lippax"
     out = [engine(method, c, step_size=0.01).run(random.key(0), 20, progress_bar=False) for c in (copies, pooled)]
     np.testing.assert_allclose(to_u(out[0].params), to_u(out[1].params), rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(out[0].losses, out[1].losses, rtol=1e-5)
+
+
+@pytest.mark.parametrize("step_size", [0.004, "auto"])
+def test_tail_output_is_the_polynomial_decay_average_of_the_synchronised_iterates(step_size):
+    """output="tail" (the default): after R rounds, Σ_s s(s+1)(s+2) θ̄_s / Σ_s s(s+1)(s+2) over the rounds'
+    synchronised iterates θ̄_s (p = 3), in both round paths (a float step, step_size="auto"); params and loss at it."""
+    eng = engine("local_sgd", crn=False, batch_size=16, step_size=step_size, output="tail")  # noisy: θ̄_s jitter
+    assert FedLocalVI(model, constants().GUIDE, iid_clients()).output == "tail"
+    state = eng.init(random.key(5))
+    np.testing.assert_array_equal(to_u(eng.get_params(state)), to_u(eng.get_params(state, "last")))  # round 0: θ_0
+    lasts, weights = [], []
+    for s in range(1, 8):
+        state, loss = eng.update(state)
+        lasts.append(to_u(eng.get_params(state, "last")))
+        weights.append(s * (s + 1) * (s + 2))
+    expected = np.tensordot(np.asarray(weights, np.float64), np.asarray(lasts, np.float64), 1) / np.sum(weights)
+    tail = to_u(eng.get_params(state))
+    np.testing.assert_allclose(tail, expected, rtol=2e-5, atol=2e-6)
+    assert np.max(np.abs(tail - lasts[-1])) > 1e-3  # the average is not the last iterate
+    assert float(loss) == pytest.approx(float(eng.evaluate(state)), rel=1e-5)  # the loss at the reported point
 
 
 def test_determinism_resume_and_predictive():

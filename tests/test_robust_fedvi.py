@@ -101,9 +101,9 @@ def references():
     return {"robust": solve(lambda u: psi(u, TAU)), "average": solve(lambda u: jnp.mean(group_losses(u)))}
 
 
-def run(tau=TAU, local_steps=1, step_size=0.5, rounds=1500, **kw):
+def run(tau=TAU, local_steps=1, step_size=0.5, rounds=1500, output="last", **kw):
     eng = RobustFedVI(model, GUIDE, CLIENTS, ELBO, tau=tau, local_steps=local_steps, step_size=step_size, crn=KEY,
-                      **kw)
+                      output=output, **kw)
     return eng, eng.run(random.key(0), rounds, progress_bar=False)
 
 
