@@ -51,10 +51,6 @@ _CRN_FOLD = 0x5EED  # fold of the state key that gives the fixed Monte-Carlo key
 _EVAL_FOLD = 0xE7A1  # fold that gives the key of the reported loss (the same every round: comparable losses)
 _FISHER_FOLD = 0xF15E  # fold of the state key that gives the guide's Fisher draws (fixed: D(θ) deterministic)
 _CURVATURE_FOLD = 0xC0A7  # fold (then the round) that gives the Monte-Carlo key of a step_size="auto" refresh
-# p of output="tail": round r's synchronised iterate weighs r(r+1)…(r+p−1) in the average (the first half of a run
-# carries 1/2^(p+1) of the weight).  Measured (12-group logistic regression and eight schools, 150 and 600 rounds,
-# 3 seeds each, against NUTS): p = 3 had the smallest worst-case mean error of p = 0, 1, 3, 7, 15 and the last iterate
-TAIL_POWER = 3
 OUTPUTS = ("tail", "last", "average")
 # step_size="auto": η = STEP_SCALE / λ̂ (λ̂: the largest eigenvalue of a client's preconditioned Hessian).  0.5 left
 # one of five eight-schools seeds with a non-finite estimate after a log-scale collapsed; 0.25 none (README)
@@ -159,14 +155,14 @@ class FedLocalVI:
     :param crn: common random numbers: ``True`` (or a PRNG key to use) takes ONE Monte-Carlo key for every oracle
         call of the run and for the reported loss (the operator is the exact gradient of that fixed-draw objective);
         ``False`` draws fresh per call (unbiased oracle).
-    :param output: ``"tail"`` (default): the polynomial-decay average of the synchronised iterates,
-        ``θ̃_r = θ̃_{r−1} + (p+1)/(r+p)·(θ̄_r − θ̃_{r−1})`` after round r (Shamir & Zhang 2013; round s weighs
-        ``s(s+1)(s+2)``, ``p = TAIL_POWER = 3``: the constant step's last-iterate noise averaged out, the early
-        transient all but forgotten; a resumed run continues it exactly); ``"last"``: the synchronised server iterate
-        after the round; ``"average"``: the theorems' output, the mean of the output sequence over all local steps and
-        clients.  ``get_params(which=...)`` overrides.  Why the default (README, "FedLocalVI's output"): with one
-        Monte-Carlo particle the last iterate jitters around the optimum (its q(tau) sd at 0.18× NUTS's on eight
-        schools after 150 rounds) and the full average drags the transient along; the tail average has neither.
+    :param output: ``"tail"`` (default): the mean of the synchronised iterates θ̄_s over the current doubling stage,
+        rounds ``s = 2^k … r`` with ``2^k ≤ r < 2^(k+1)`` (a running mean restarted at every power-of-two round, where
+        ``step_size="auto"`` re-estimates η: iterates of two step sizes are never mixed, the mean lags by at most a
+        quarter of the run, and a resumed run continues it exactly; MPSGD's stage tails are the same idea);
+        ``"last"``: the synchronised server iterate after the round; ``"average"``: the theorems' output, the mean of
+        the output sequence over all local steps and clients.  ``get_params(which=...)`` reads any of them from the
+        same state.  Why the default (README, "FedLocalVI's output"): with one Monte-Carlo particle and a constant
+        step the last iterate jitters around the optimum, the full average drags the early transient along.
     :param drift_correction: ``"scaffnew"`` (default): client control variates h_m (ProxSkip / Scaffnew,
         :func:`~numpyro_fedvi.vi_solvers.drift_corrected`): local oracle calls return ``V_m(θ) − h_m`` and at each
         synchronisation ``h_m += (θ̄ − θ_m)/(Kη)``, so local steps on heterogeneous clients (sites sorted by a
@@ -425,10 +421,12 @@ class FedLocalVI:
         return state._replace(tail=self._iterate(state, "last"))
 
     def with_tail(self, state: vs.VIState) -> vs.VIState:
-        """``output="tail"`` after round ``r = state.round``: ``θ̃_r = θ̃_{r−1} + (p+1)/(r+p)·(θ̄_r − θ̃_{r−1})``
-        (polynomial-decay averaging, ``p = TAIL_POWER``; θ̃_1 = θ̄_1)."""
+        """``output="tail"`` after round ``r = state.round ≥ 1``: the running mean of θ̄_s over ``s = 2^k … r``,
+        ``2^k ≤ r < 2^(k+1)``: ``θ̃ += (θ̄_r − θ̃)/(r − 2^k + 1)`` (``θ̃ = θ̄_r`` at a power of two)."""
         z = self._iterate(state, "last")
-        w = (TAIL_POWER + 1) / (state.round.astype(jnp.float32) + TAIL_POWER)
+        r = state.round
+        stage_start = jnp.left_shift(jnp.ones_like(r), 31 - jax.lax.clz(r))  # 2^⌊log2 r⌋ (int32 rounds)
+        w = 1.0 / (r - stage_start + 1).astype(jnp.float32)
         return state._replace(tail=jax.tree.map(lambda a, b: a + (w * (b - a)).astype(a.dtype), state.tail, z))
 
     # -- SVI surface ------------------------------------------------------------------------------------------------

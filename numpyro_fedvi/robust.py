@@ -97,10 +97,10 @@ class RobustFedVI(FedLocalVI):
         τ-strongly concave and τ-smooth): dual averaging with ``h(θ, w) = ½‖θ − θ0‖² + ‖w − w0‖²/(2c)``,
         c = η_w/η, i.e. the w-operator scaled by c (a block scaling leaves the VI's solutions unchanged).
     :param drift_correction: ``"scaffnew"`` (default) or ``None`` (the paper's solver, with its O(ηK) client drift).
-    :param output: ``"tail"`` (default: the polynomial-decay average of the synchronised primal iterates, as
-        :class:`~numpyro_fedvi.FedLocalVI`), ``"last"`` (the synchronised primal iterate) or ``"average"`` (Thm 7's
-        output of eq. (13), the mean of v over all local steps: carries the transient from the start, so it needs
-        longer runs).
+    :param output: ``"tail"`` (default: the mean of the synchronised primal iterates over the current doubling
+        stage of rounds, as :class:`~numpyro_fedvi.FedLocalVI`), ``"last"`` (the synchronised primal iterate) or
+        ``"average"`` (Thm 7's output of eq. (13), the mean of v over all local steps: carries the transient from the
+        start, so it needs longer runs).
     Other arguments as :class:`~numpyro_fedvi.FedLocalVI` (``batch_size``, ``crn``, ``data_plate``, ``mesh``).
     """
 
