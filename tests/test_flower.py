@@ -288,8 +288,8 @@ def test_fedlocalvi_rounds_equal_the_in_process_engine(method, drift):
     step = "first_half" if strategy.phases == 2 else "round"   # the two same-size clients share one program
     assert [getattr(c, step) is getattr(clients[0], step) for c in clients] == [True, True, False]
     assert getattr(clients[0], step)._jit._cache_size() == 1 and getattr(clients[2], step)._jit._cache_size() == 1
-    for a, b in zip(jax.tree.leaves((strategy.state.z, strategy.state.output)),
-                    jax.tree.leaves((state.z, state.output))):
+    for a, b in zip(jax.tree.leaves((strategy.state.z, strategy.state.output, strategy.state.tail)),
+                    jax.tree.leaves((state.z, state.output, state.tail))):
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
     got, want = strategy.get_params(), expected.get_params(state)
     for k in want:
@@ -324,8 +324,9 @@ def test_fedlocalvi_default_step_size_over_flower_equals_in_process():
     messages = strategy.configure_train(5, None, None, grid)   # the refresh after round 4, then round 5's messages
     assert strategy.dropped == [] and int(strategy.state.round) == 4
     assert [int(m.content["config"]["rescale"]) for m in messages] == [1, 1, 1]
-    for a, b in zip(jax.tree.leaves((strategy.state.z, strategy.state.output, strategy.state.precond)),
-                    jax.tree.leaves((state.z, state.output, state.precond))):
+    s = strategy.state
+    for a, b in zip(jax.tree.leaves((s.z, s.output, s.tail, s.precond)),
+                    jax.tree.leaves((state.z, state.output, state.tail, state.precond))):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
     replies = grid.send_and_receive(messages)   # each client takes its Scaffnew step and the rescaling first
     template = jax.tree.map(lambda a: a[0], state.z)
@@ -360,8 +361,9 @@ def test_robust_default_step_size_over_flower_equals_in_process():
     messages = strategy.configure_train(9, None, None, grid)   # the refresh after round 4, then round 5's
     assert strategy.dropped == [] and int(strategy.state.round) == 4
     np.testing.assert_allclose(strategy.state.precond["curvature"]["w"], 0.5, rtol=1e-6)
-    for a, b in zip(jax.tree.leaves((strategy.state.z, strategy.state.output, strategy.state.precond)),
-                    jax.tree.leaves((state.z, state.output, state.precond))):
+    s = strategy.state
+    for a, b in zip(jax.tree.leaves((s.z, s.output, s.tail, s.precond)),
+                    jax.tree.leaves((state.z, state.output, state.tail, state.precond))):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
     grid.send_and_receive(messages)   # each client takes its Scaffnew step and the rescaling first
     template = jax.tree.map(lambda a: a[0], state.z)
