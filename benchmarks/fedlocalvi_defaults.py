@@ -10,10 +10,10 @@ Every −ELBO is estimated with 4,096 particles at one key.
 Claims (computed): every default run ends within ``GAP_TOL`` nats of the optimum; the median default run ends at least
 as close as the best tuned constant η; the default output (``output="tail"``: the mean of the synchronised iterates
 over the current doubling stage of rounds) ends at least as close, in median over the seeds, as the last iterate of
-the same runs (``which="last"``; the theorems' full average ``which="average"`` is recorded too).  Where a NUTS reference exists
-(:mod:`benchmarks.posterior_models`: eight schools, and the breast-cancer logistic regression, whose posterior the
-row order does not change) each output's q is also compared with it in the unconstrained latent space: max |mean −
-NUTS mean| / NUTS sd and the range of sd / NUTS sd.
+the same runs (``which="last"``; the theorems' full average ``which="average"`` is recorded too).  Where a NUTS
+reference exists (:mod:`benchmarks.posterior_models`: eight schools, and the breast-cancer logistic regression, whose
+posterior the row order does not change) each output's q is also compared with it in the unconstrained latent
+space: max |mean − NUTS mean| / NUTS sd and the range of sd / NUTS sd.
 
 Run:  OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 python -m benchmarks.fedlocalvi_defaults [--quick]
 """

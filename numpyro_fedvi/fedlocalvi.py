@@ -161,7 +161,7 @@ class FedLocalVI:
         quarter of the run, and a resumed run continues it exactly; MPSGD's stage tails are the same idea);
         ``"last"``: the synchronised server iterate after the round; ``"average"``: the theorems' output, the mean of
         the output sequence over all local steps and clients.  ``get_params(which=...)`` reads any of them from the
-        same state.  Why the default (README, "FedLocalVI's output"): with one Monte-Carlo particle and a constant
+        same state.  Why the default (README, "Output: the stage tail average"): with one Monte-Carlo particle and a constant
         step the last iterate jitters around the optimum, the full average drags the early transient along.
     :param drift_correction: ``"scaffnew"`` (default): client control variates h_m (ProxSkip / Scaffnew,
         :func:`~numpyro_fedvi.vi_solvers.drift_corrected`): local oracle calls return ``V_m(θ) − h_m`` and at each
