@@ -31,11 +31,11 @@ import numpy as np
 import optax
 from jax import random
 from numpyro.infer import SVI, Trace_ELBO
-from numpyro.infer.autoguide import AutoContinuous, AutoMultivariateNormal, AutoNormal
+from numpyro.infer.autoguide import AutoMultivariateNormal, AutoNormal
 
 import numpyro_fedvi as nfv
 from benchmarks._common import Timer, block, parse_args, save_figure, write_result
-from benchmarks.posterior_models import latent_order, references
+from benchmarks.posterior_models import accuracy, autoguide_moments, latent_order, references
 from numpyro_fedvi.models.eight_schools import SIGMA, Y, noncentred
 from numpyro_fedvi.models.logistic import breast_cancer, logistic
 
@@ -80,29 +80,6 @@ def optimum(model, guide_cls, args, kwargs, steps: int) -> float:
     return neg_elbo(model, guide, params, args, kwargs)
 
 
-def q_moments(guide, params, order: dict):
-    """Mean and sd of q in the unconstrained latent vector (``AutoContinuous`` order; ``order`` from
-    ``posterior_models.latent_order``) from constrained guide params (AutoMultivariateNormal or AutoNormal)."""
-    if isinstance(guide, AutoContinuous):
-        q = guide.get_posterior(params)
-        return np.asarray(q.mean), np.sqrt(np.diag(np.asarray(q.covariance_matrix)))
-    d = sum(idx.size for idx in order.values())
-    mean, sd = np.zeros(d), np.zeros(d)
-    for site, idx in order.items():
-        mean[idx.reshape(-1)] = np.reshape(params[f"{site}_auto_loc"], -1)
-        sd[idx.reshape(-1)] = np.reshape(params[f"{site}_auto_scale"], -1)
-    return mean, sd
-
-
-def against_nuts(guide, params, ref: dict, order: dict) -> dict:
-    """``{"mean_err": max |mean − ref mean| / ref sd, "sd_ratio": [min, max] of sd / ref sd}``."""
-    mean, sd = q_moments(guide, params, order)
-    ref_sd = np.sqrt(np.diag(ref["cov"]))
-    ratio = sd / ref_sd
-    return {"mean_err": float(np.max(np.abs(mean - ref["mean"]) / ref_sd)),
-            "sd_ratio": [float(ratio.min()), float(ratio.max())]}
-
-
 def fit(model, guide_cls, clients, args, kwargs, rounds: int, seed: int, nuts=None, **options) -> dict:
     guide = guide_cls(model)
     engine = nfv.FedLocalVI(model, guide, clients=clients, **options)
@@ -114,7 +91,10 @@ def fit(model, guide_cls, clients, args, kwargs, rounds: int, seed: int, nuts=No
     out = {"neg_elbo": by_output[engine.output], "neg_elbo_by_output": by_output, "time_s": t.seconds,
            "stop_reason": result.diagnostics["stop_reason"]}
     if nuts is not None:
-        out["against_nuts_by_output"] = {w: against_nuts(guide, p, *nuts) for w, p in params.items()}
+        ref, order = nuts
+        kind = "mvn" if isinstance(guide, AutoMultivariateNormal) else "diagonal"
+        out["against_nuts_by_output"] = {w: accuracy(*autoguide_moments(kind, p, order), ref)
+                                         for w, p in params.items()}
     return out
 
 

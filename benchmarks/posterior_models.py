@@ -130,6 +130,31 @@ def latent_draws(model, args, kwargs, samples: dict) -> np.ndarray:
     return np.asarray(jax.vmap(one)(samples))
 
 
+def autoguide_moments(guide_kind, params, order):
+    """Mean and covariance of an autoguide's q in the unconstrained latent vector (guide order, ``order`` from
+    :func:`latent_order`) from its constrained params: ``guide_kind`` ``"mvn"`` (AutoMultivariateNormal) or
+    anything else (AutoNormal, diagonal)."""
+    if guide_kind == "mvn":
+        L = np.asarray(params["auto_scale_tril"])
+        return np.asarray(params["auto_loc"]), L @ L.T
+    d = sum(v.size for v in order.values())
+    mean, var = np.zeros(d), np.zeros(d)
+    for k, idx in order.items():
+        mean[idx.reshape(-1)] = np.reshape(params[f"{k}_auto_loc"], -1)
+        var[idx.reshape(-1)] = np.reshape(params[f"{k}_auto_scale"], -1) ** 2
+    return mean, np.diag(var)
+
+
+def accuracy(mean, cov, ref) -> dict:
+    """q (``mean``, ``cov``) against a reference: max |mean − ref mean| / ref sd, min and max of sd / ref sd, and the
+    relative Frobenius error of the covariance."""
+    sd = np.sqrt(np.diag(ref["cov"]))
+    ratio = np.sqrt(np.diag(cov)) / sd
+    return {"mean_err": float(np.max(np.abs(mean - ref["mean"]) / sd)), "sd_ratio_min": float(ratio.min()),
+            "sd_ratio_max": float(ratio.max()),
+            "cov_err": float(np.linalg.norm(cov - ref["cov"]) / np.linalg.norm(ref["cov"]))}
+
+
 def _nuts(model, args, kwargs):
     mcmc = MCMC(NUTS(model, target_accept_prob=NUTS_SETTINGS["target_accept_prob"]),
                 num_warmup=NUTS_SETTINGS["num_warmup"], num_samples=NUTS_SETTINGS["num_samples"], progress_bar=False)

@@ -56,7 +56,7 @@ from numpyro.infer.autoguide import AutoMultivariateNormal, AutoNormal  # noqa: 
 import numpyro_fedvi as nfv  # noqa: E402
 
 from ._common import block, parse_args, save_figure, with_learning_rate, write_result  # noqa: E402
-from .posterior_models import latent_order, problems, references  # noqa: E402
+from .posterior_models import accuracy, autoguide_moments, latent_order, problems, references  # noqa: E402
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -73,14 +73,6 @@ def config(quick: bool) -> dict:
                 "svi_steps": 6000, "svi_every": 500, "lrs": [0.003, 0.01], "seeds": [0], "optimum_steps": 1600}
     return {"models": list(problems()), "mpsgd_steps": 1600, "mpsgd_every": 25, "svi_steps": 40000,
             "svi_every": 1000, "lrs": [0.001, 0.003, 0.01, 0.03], "seeds": [0, 1, 2], "optimum_steps": 12800}
-
-
-def accuracy(mean, cov, ref) -> dict:
-    sd = np.sqrt(np.diag(ref["cov"]))
-    ratio = np.sqrt(np.diag(cov)) / sd
-    return {"mean_err": float(np.max(np.abs(mean - ref["mean"]) / sd)), "sd_ratio_min": float(ratio.min()),
-            "sd_ratio_max": float(ratio.max()),
-            "cov_err": float(np.linalg.norm(cov - ref["cov"]) / np.linalg.norm(ref["cov"]))}
 
 
 def meets(acc: dict, kind: str) -> bool:
@@ -156,18 +148,6 @@ def gaussian_optimum(engine, args, kwargs, ref, cfg):
 
 
 # --- NumPyro SVI ---------------------------------------------------------------------------------------------------
-def _svi_moments(guide_kind, params, order):
-    if guide_kind == "mvn":
-        L = np.asarray(params["auto_scale_tril"])
-        return np.asarray(params["auto_loc"]), L @ L.T
-    d = sum(v.size for v in order.values())
-    mean, var = np.zeros(d), np.zeros(d)
-    for k, idx in order.items():
-        mean[idx.reshape(-1)] = np.reshape(params[f"{k}_auto_loc"], -1)
-        var[idx.reshape(-1)] = np.reshape(params[f"{k}_auto_scale"], -1) ** 2
-    return mean, np.diag(var)
-
-
 def svi_program(model, args, kwargs, guide_kind, every):
     """``SVI(model, guide, Adam, Trace_ELBO())`` with a fresh autoguide of ``guide_kind`` and Adam's learning rate in
     the state (``optax.inject_hyperparams``), and its jitted chunk of ``every`` steps: one compiled program for every
@@ -189,7 +169,7 @@ def run_svi(program, args, kwargs, ref, cfg, guide_kind, order, lr, seed=0):
     for i in range(1, cfg["svi_steps"] // every + 1):
         if i > 1:
             state = chunk(state)
-        mean, cov = _svi_moments(guide_kind, svi.get_params(state), order)
+        mean, cov = autoguide_moments(guide_kind, svi.get_params(state), order)
         acc = accuracy(mean, cov, ref)
         curve.append({"step": i * every, "grads": i * every, **acc, "q": {"mean": mean, "sd": np.sqrt(np.diag(cov))}})
     t0 = time.perf_counter()
