@@ -54,6 +54,8 @@ NEWTON_MAX_HVPS = 16
 # above this many blocks, selection="random" draws S_t by Floyd's algorithm (O(m²)) instead of random.choice without
 # replacement, which permutes all B blocks: measured 4.8 ms per iteration at B = 10⁴, 0.24 ms at 10³ (issue 14)
 CHOICE_MAX_BLOCKS = 1024
+# blocks of a data plate without a subsample size when neither ``num_partitions`` nor ``partitions`` is given
+DEFAULT_PARTITIONS = 10
 # a particle rule ("minimal", "auto") gets at least SMALL_DATA_PARTICLE_BUDGET / D particles, at most
 # SMALL_DATA_MAX_PARTICLES, with D the data's element count: on small data more particles are nearly free and cut the
 # sample-average bias of a likelihood that is not quadratic in the globals; measured on eight schools (D = 16,
@@ -350,13 +352,14 @@ class PDVI:
 
     ``PDVI(model, guide, loss=Trace_ELBO(), num_partitions=30, eta=1.0)`` is PD-VI (Oracle I);
     ``eta={"m": 1e-2, "s": 1.0}`` (one η per global param site, or arrays per coordinate) or ``eta="auto"``
-    is P²D-VI (Oracle II).  The model needs a subsampled data plate (``numpyro.plate("data", N,
-    subsample_size=...)``; the subsample size itself is ignored); guide params inside it
-    (``numpyro.param(..., event_dim=...)``) are local φ, every other param is global λ.
+    is P²D-VI (Oracle II).  Blocks are a partition of the model's data plate (README, "One model, every engine"):
+    guide params inside it (``numpyro.param(..., event_dim=...)``) are local φ, every other param is global λ.
 
     :param loss: any NumPyro ELBO (``Trace_ELBO``, ``TraceMeanField_ELBO``, ``TraceGraph_ELBO``,
         ``TraceEnum_ELBO``).
-    :param num_partitions: split the data plate into this many contiguous fixed blocks (data order).
+    :param num_partitions: split the data plate into this many contiguous fixed blocks (data order).  Without it
+        and without ``partitions``: blocks the size of the plate's ``subsample_size`` (``ceil(N / subsample_size)``
+        blocks: the minibatches SVI would draw, fixed), else ``min(N, DEFAULT_PARTITIONS)`` (10) blocks.
     :param partitions: or give the blocks: a list of index arrays or a length-N array of block ids.
     :param partitions_per_step: blocks visited per iteration (``|S_t|``; oracles run in parallel).
     :param eta: ``"auto"`` (default, P²D-VI): ``η_j = eta_scale / L̂_j`` with ``L̂_j`` the largest diagonal
@@ -473,8 +476,6 @@ class PDVI:
             raise ValueError(f"dual_granularity must be 'partition' or 'datum', got {dual_granularity!r}.")
         if selection not in ("random", "cyclic"):
             raise ValueError(f"selection must be 'random' or 'cyclic', got {selection!r}.")
-        if num_partitions is None and partitions is None:
-            raise ValueError("PDVI needs fixed blocks of the data: pass num_partitions=B or partitions=[...].")
         if local_steps is not None and (not isinstance(local_steps, (int, np.integer)) or local_steps < 1):
             raise ValueError(f"local_steps must be a positive integer, got {local_steps!r}.")
         _check_eta_spec(eta)
@@ -566,7 +567,7 @@ class PDVI:
                                                                    structure.init_local.items()})
         size = structure.data_plate.size
         if self.blocks is None or self.structure is None or self.structure.data_plate.size != size:
-            blocks = make_partitions(size, self.num_partitions, self.partitions)
+            blocks = make_partitions(size, *self._block_spec(structure.data_plate))
             if self.local_table == "host":  # the block index table in host memory too (5 bytes per datum)
                 blocks = Partitions(*(np.asarray(a) for a in blocks))
                 self._host_blocks = _host.HostTable.create(blocks._asdict())
@@ -581,6 +582,15 @@ class PDVI:
         self._solver, self._solver_steps = self._resolve_solver(structure)
         self._block_loss = block_loss_fn(self._oracle_loss_for(structure, args, kwargs), self.model, self.guide,
                                          structure, self.static_kwargs)
+
+    def _block_spec(self, plate) -> tuple:
+        """``(num_partitions, partitions)`` for :func:`make_partitions`: the user's, else the default blocks (the
+        plate's subsample size, else ``min(N, DEFAULT_PARTITIONS)`` contiguous blocks)."""
+        if self.num_partitions is not None or self.partitions is not None:
+            return self.num_partitions, self.partitions
+        if plate.subsampled:
+            return -(-plate.size // plate.subsample_size), None
+        return min(plate.size, DEFAULT_PARTITIONS), None
 
     def _oracle_loss_for(self, structure, args, kwargs):
         """``oracle_loss`` for these data: a particle rule's floor raised to ``SMALL_DATA_PARTICLE_BUDGET / D``

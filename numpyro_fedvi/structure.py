@@ -41,14 +41,18 @@ __all__ = [
 
 @dataclass(frozen=True)
 class DataPlate:
-    """The plate that indexes the data: its name, full size ``N``, batch dim (negative) and whether the model
-    declares it with a subsample size (then a block is evaluated through the plate's indices, O(block); otherwise
-    through a mask on the full plate, O(N))."""
+    """The plate that indexes the data: its name, full size ``N``, batch dim (negative) and the subsample size the
+    model declares it with (then a block is evaluated through the plate's indices, O(block); ``None``: through a mask
+    on the full plate, O(N))."""
 
     name: str
     size: int
     dim: int
-    subsampled: bool = True
+    subsample_size: int | None = None
+
+    @property
+    def subsampled(self) -> bool:
+        return self.subsample_size is not None
 
 
 #: a data plate at least this large, cut into at least UNSUBSAMPLED_WARN_BLOCKS blocks or clients, and declared without
@@ -347,7 +351,7 @@ def inspect_model(
     if plate_name is not None:
         size, sub = plates[plate_name]
         plate = DataPlate(plate_name, int(size), int(_plate_dims(guide_trace, model_trace)[plate_name]),
-                          subsampled=sub is not None and sub < size)
+                          subsample_size=int(sub) if sub is not None and sub < size else None)
 
     infos: dict[str, ParamInfo] = {}
     init_global: dict[str, jax.Array] = {}

@@ -90,8 +90,8 @@ class VIState(NamedTuple):
     ``clients``: the indices of the clients on the leading axis (``None``: ``0..M−1``; a client that runs its own
     part of a round — Flower — holds ``[m]`` and draws client m's keys).  ``precond``: an engine's preconditioner
     data (FedLocalVI's ``step_size="auto"``), read by its operator, never touched by the solvers (``None``: none).
-    ``tail``: an engine's polynomial-decay average of the synchronised iterates (FedLocalVI's ``output="tail"``),
-    never touched by the solvers (``None``: none).
+    ``tail``: an engine's mean of the synchronised iterates over the current doubling stage of rounds
+    (FedLocalVI's ``output="tail"``), never touched by the solvers (``None``: none).
     """
 
     z: Any

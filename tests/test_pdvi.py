@@ -304,9 +304,15 @@ def test_determinism_and_resume():
 # ----------------------------------------------------------------------------------------------------------
 
 
-def test_error_without_partitions():
-    with pytest.raises(ValueError, match="num_partitions"):
-        PDVI(model, guide, TraceMeanField_ELBO())
+@pytest.mark.parametrize("sub,sizes", [(3, [3, 3, 3, 3]), (5, [4, 4, 4]), (None, [2, 2] + [1] * 8)])
+def test_default_blocks(sub, sizes):
+    """Without num_partitions / partitions: ceil(N / subsample_size) contiguous blocks, else min(N, 10)."""
+    pd = PDVI(model, guide, TraceMeanField_ELBO(), eta={"m": 0.5, "v": 0.2})
+    pd.init(random.key(0), Y, MASK, sub=sub)
+    assert np.asarray(pd.blocks.sizes).tolist() == sizes
+    starts = np.cumsum([0] + sizes[:-1])
+    for b, (start, size) in enumerate(zip(starts, sizes)):
+        assert np.asarray(pd.blocks.indices[b][:size]).tolist() == list(range(start, start + size))
 
 
 @pytest.mark.parametrize(

@@ -438,5 +438,5 @@ def test_large_unsubsampled_plate_warns_once_per_setup(engine):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         setup(batch_size=100)
-        warn_if_unsubsampled(DataPlate("data", n - 1, -1, subsampled=False), 8, engine)
-        warn_if_unsubsampled(DataPlate("data", n, -1, subsampled=False), 3, engine)
+        warn_if_unsubsampled(DataPlate("data", n - 1, -1), 8, engine)
+        warn_if_unsubsampled(DataPlate("data", n, -1), 3, engine)
