@@ -247,8 +247,10 @@ class MPSGD:
         from .guides import AutoLocationScale
 
         if not isinstance(guide, AutoLocationScale):
-            raise TypeError("MPSGD needs an numpyro_fedvi.AutoLocationScale guide (raw location-scale params kept "
-                            f"feasible by projection); got {type(guide).__name__}.")
+            raise TypeError("MPSGD needs a numpyro_fedvi.AutoLocationScale guide (raw location-scale params kept "
+                            f"feasible by projection); got {type(guide).__name__}. Use nfv.AutoLocationScale(model) "
+                            "(a full-rank Gaussian, as AutoMultivariateNormal) or nfv.AutoLocationScale(model, "
+                            "scale='diag') (mean-field, as AutoNormal).")
         if schedule not in ("adaptive", "theory"):
             raise ValueError(f"schedule must be 'adaptive' or 'theory', got {schedule!r}.")
         given = {k: v for k, v in dict(step_size=step_size, smoothness=smoothness,

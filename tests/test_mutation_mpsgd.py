@@ -932,8 +932,10 @@ def test_constructor_messages():
 
     with pytest.raises(TypeError) as e:
         MPSGD(_model, AutoNormal(_model))
-    assert str(e.value) == ("MPSGD needs an numpyro_fedvi.AutoLocationScale guide (raw location-scale params kept "
-                            "feasible by projection); got AutoNormal.")
+    assert str(e.value) == ("MPSGD needs a numpyro_fedvi.AutoLocationScale guide (raw location-scale params kept "
+                            "feasible by projection); got AutoNormal. Use nfv.AutoLocationScale(model) (a full-rank "
+                            "Gaussian, as AutoMultivariateNormal) or nfv.AutoLocationScale(model, scale='diag') "
+                            "(mean-field, as AutoNormal).")
     assert _msg(schedule="fast") == "schedule must be 'adaptive' or 'theory', got 'fast'."
     all_theory = dict(step_size=0.1, smoothness=1.0, projection_smoothness=1.0, step_schedule="S1",
                       preconditioner="identity", averaging_a=1.0, budget=10, chunk_size=2)
