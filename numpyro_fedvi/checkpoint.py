@@ -124,7 +124,10 @@ def _import_namedtuple(spec: str, fields: list[str]):
             cls = getattr(cls, part)
     except (ImportError, AttributeError) as err:
         raise CheckpointError(f"the checkpoint holds a {spec} that cannot be imported here ({err}).") from err
-    if not (isinstance(cls, type) and issubclass(cls, tuple) and list(getattr(cls, "_fields", ())) == fields):
+    now = list(getattr(cls, "_fields", ())) if isinstance(cls, type) and issubclass(cls, tuple) else None
+    # fields added since the checkpoint was written, at the end and with defaults, take their defaults
+    added = now[len(fields):] if now is not None and now[:len(fields)] == fields else None
+    if added is None or any(f not in getattr(cls, "_field_defaults", {}) for f in added):
         raise CheckpointError(f"{spec} is no longer a NamedTuple with fields {fields}: the checkpoint was written by "
                               "another version of its code.")
     return cls

@@ -279,6 +279,10 @@ class FedLocalVI:
         return _sharding.shard_client_data(clients, self.mesh)
 
     def _place_state(self, state):
+        """The state on the engine's devices; one written before ``VIState.tail`` existed (``tail=None``, e.g. from
+        an older checkpoint) starts its tail average at its synchronised iterate."""
+        if state.tail is None:
+            state = state._replace(tail=self._iterate(state, "last"))
         return state if self.mesh is None else _sharding.shard_vi_state(state, self.mesh)
 
     # -- construction ---------------------------------------------------------------------------------------------
@@ -406,7 +410,7 @@ class FedLocalVI:
         which = which or self.output
         if which not in OUTPUTS:
             raise ValueError(f"which must be one of {OUTPUTS}, got {which!r}.")
-        if which == "tail":
+        if which == "tail" and state.tail is not None:  # None (a state from before VIState.tail): the last iterate
             return state.tail
         if which == "average":
             return state.output

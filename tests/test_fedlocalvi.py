@@ -192,6 +192,20 @@ def test_tail_output_is_the_mean_over_the_current_doubling_stage(step_size):
     np.testing.assert_allclose(to_u(eng.get_params(state)), lasts[-1], rtol=1e-6, atol=1e-7)  # round 8: a new stage
 
 
+def test_state_without_tail_resumes_with_a_fresh_stage_average():
+    """A state from before VIState.tail (``tail=None``: an older checkpoint) reports the last iterate and resumes
+    with its tail average started there: after round r (2^k < r) θ̃ = θ̄_{r0} + (θ̄_r − θ̄_{r0}) / (r − 2^k + 1)."""
+    eng = engine("local_sgd", crn=False, batch_size=16, output="tail")
+    state = eng.run(random.key(5), 5, progress_bar=False).state._replace(tail=None)
+    np.testing.assert_array_equal(to_u(eng.get_params(state)), to_u(eng.get_params(state, "last")))
+    start = to_u(eng.get_params(state, "last"))
+    new, _ = eng.update(state)                                   # round 6: stage 4..7, weight 1/3
+    last = to_u(eng.get_params(new, "last"))
+    np.testing.assert_allclose(to_u(eng.get_params(new)), start + (last - start) / 3, rtol=1e-5, atol=1e-6)
+    resumed = eng.run(random.key(5), 1, progress_bar=False, init_state=state)   # the same through run()
+    np.testing.assert_allclose(to_u(resumed.params), to_u(eng.get_params(new)), rtol=1e-5, atol=1e-6)
+
+
 def test_determinism_resume_and_predictive():
     eng = engine("lesgd", crn=False, batch_size=16, step_size=0.004)  # noisy oracle: fresh rows and draws per call
     full = eng.run(random.key(3), 20, progress_bar=False)
