@@ -427,7 +427,8 @@ def inspect_global_model(engine: str, model, guide, rng_key, args, kwargs, *, da
     if structure.local_names:
         raise ValueError(f"{engine} supports guides with global params only; local params "
                          f"{list(structure.local_names)} live inside the data plate {structure.data_plate.name!r} "
-                         "(use PDVI for local latents).")
+                         "(use PDVI for local latents, or a guide whose params are all global: AutoDiagonalNormal, "
+                         "AutoNormal's mean-field family in one vector, or AutoMultivariateNormal).")
     if not structure.init_global:
         raise ValueError("the guide has no numpyro.param sites to optimise.")
     return structure

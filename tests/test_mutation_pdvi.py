@@ -894,8 +894,6 @@ def test_constructor_checks():
     ok = {"partitions": BLOCKS}
     cases = [({"dual_granularity": "x"}, ValueError, "dual_granularity must be 'partition' or 'datum', got 'x'."),
              ({"selection": "x"}, ValueError, "selection must be 'random' or 'cyclic', got 'x'."),
-             ({"partitions": None}, ValueError,
-              "PDVI needs fixed blocks of the data: pass num_partitions=B or partitions=[...]."),
              ({"local_steps": 0}, ValueError, "local_steps must be a positive integer, got 0."),
              ({"local_steps": 1.5}, ValueError, "local_steps must be a positive integer, got 1.5."),
              ({"eta": "x"}, ValueError, _ETA_TEXT + "got the string 'x'."),
