@@ -208,7 +208,8 @@ def run_loop(
         buffer = per_chunk = int(max(1, chunk_size))
     key = (step_fn, buffer, early_stopping, bool(stable_update))
     cache = {} if cache is None else cache
-    if key not in cache:
+    compiling = key not in cache  # the bar says so while the first chunk compiles (seconds to a minute)
+    if compiling:
         cache[key] = _make_chunk(step_fn, buffer, early_stopping, stable_update)
     chunk = cache[key]
     arrays, static = split_inputs(inputs)
@@ -218,6 +219,8 @@ def run_loop(
     losses: list[np.ndarray] = []
     stop_reason = COMPLETED
     bar = tqdm(total=num_steps, desc=desc or None, disable=not progress_bar, leave=True)
+    if compiling:
+        bar.set_postfix_str("compiling")
     done = 0
     every = [int(cb.every) for cb in callbacks if getattr(cb, "every", None)]
     for cb in callbacks:
@@ -238,8 +241,9 @@ def run_loop(
             bar.update(steps)
             done += steps
             finite = chunk_losses[np.isfinite(chunk_losses)]
-            if finite.size:
-                bar.set_postfix_str(f"loss {finite[-1]:.4g}", refresh=False)
+            if finite.size or compiling:
+                bar.set_postfix_str(f"loss {finite[-1]:.4g}" if finite.size else "", refresh=False)
+                compiling = False
             reason = _REASONS[int(carry.reason)]
             if reason != COMPLETED:
                 stop_reason = reason

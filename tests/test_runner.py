@@ -242,3 +242,11 @@ def test_inputs_are_traced_not_baked_in():
     b = run_loop(step, init_state(), 5, get_params=ident, progress_bar=False, inputs=((jnp.asarray(2.0),), {}),
                  cache=cache)
     np.testing.assert_allclose(np.asarray(b.losses), 2 * np.asarray(a.losses), rtol=1e-6)
+
+
+def test_bar_says_compiling_until_the_first_chunk_of_a_new_loop(capsys):
+    """The progress bar shows "compiling" while a loop not in the engine's cache compiles, not on a cached one."""
+    cache = {}
+    for expected in (True, False):
+        run_loop(gd_step, init_state(), 5, get_params=ident, progress_bar=True, cache=cache)
+        assert ("compiling" in capsys.readouterr().err) is expected
