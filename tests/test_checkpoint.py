@@ -416,9 +416,14 @@ def test_load_errors(tmp_path, monkeypatch):
     with pytest.raises(nfv.CheckpointError, match=r"no longer a NamedTuple with fields \['a', 'b'\]"):
         nfv.load(tmp_path / "changed")
     monkeypatch.undo()
-    # grown by a trailing field WITHOUT a default: refused too (the field with a default: next test)
-    grown = NamedTuple("Inner", [("a", jax.Array), ("b", tuple), ("c", int)])
-    monkeypatch.setattr(sys.modules[Inner.__module__], "Inner", grown)
+
+    class Grown(NamedTuple):  # grown by a trailing field WITHOUT a default: refused too (with a default: next test)
+        a: jax.Array
+        b: tuple
+        c: int
+
+    Grown.__qualname__ = "Inner"
+    monkeypatch.setattr(sys.modules[Inner.__module__], "Inner", Grown)
     with pytest.raises(nfv.CheckpointError, match=r"no longer a NamedTuple with fields \['a', 'b'\]"):
         nfv.load(tmp_path / "changed")
     monkeypatch.undo()
