@@ -279,10 +279,8 @@ class FedLocalVI:
         return _sharding.shard_client_data(clients, self.mesh)
 
     def _place_state(self, state):
-        """The state on the engine's devices; one written before ``VIState.tail`` existed (``tail=None``, e.g. from
-        an older checkpoint) starts its tail average at its synchronised iterate."""
-        if state.tail is None:
-            state = state._replace(tail=self._iterate(state, "last"))
+        """The state on the engine's devices, its tail average started if it has none (:meth:`_tail_started`)."""
+        state = self._tail_started(state)
         return state if self.mesh is None else _sharding.shard_vi_state(state, self.mesh)
 
     # -- construction ---------------------------------------------------------------------------------------------
@@ -421,8 +419,12 @@ class FedLocalVI:
 
     def initial_state(self, z0, rng_key) -> vs.VIState:
         """The solver's initial state, its tail average at the initial (primal) iterate."""
-        state = self.solver.init(z0, self.num_clients, rng_key)
-        return state._replace(tail=self._iterate(state, "last"))
+        return self._tail_started(self.solver.init(z0, self.num_clients, rng_key))
+
+    def _tail_started(self, state: vs.VIState) -> vs.VIState:
+        """``state`` with its tail average started at its synchronised iterate when it has none (a fresh solver
+        state, or one written before ``VIState.tail`` existed, e.g. an older checkpoint)."""
+        return state if state.tail is not None else state._replace(tail=self._iterate(state, "last"))
 
     def with_tail(self, state: vs.VIState) -> vs.VIState:
         """``output="tail"`` after round ``r = state.round ≥ 1``: the running mean of θ̄_s over ``s = 2^k … r``,
