@@ -244,7 +244,7 @@ def blr_control(rounds: int, K: int = 5, seed: int = 0):
         t0 = time.perf_counter()
         extra = {"L": L_F} if method == "lippax" else {}
         eng = FedLocalVI(blr_model, guide, clients, elbo, method=method, local_steps=K, step_size=eta, crn=key,
-                         drift_correction=None, **extra)  # the papers' solvers as published
+                         drift_correction=None, oracle_draws=None, **extra)  # the papers' solvers as published
         res = eng.run(random.key(0), rounds, progress_bar=False)
         gaps = np.asarray(res.losses, np.float64) - f_star
         calls = K * eng.solver.calls_per_step

@@ -39,6 +39,7 @@ from .federated import ClientData, check_clients, client_minibatch
 from .fedmm.engine import strong_types
 from .inputs import InputJit, check_static_kwargs, prepare_inputs, prepare_value
 from .objectives import block_loss_fn, check_elbo, client_loss_fn, client_loss_from_blocks, full_loss_fn
+from .particles import oracle_elbo
 from .prox import as_prox, zero_prox
 from .runner import EarlyStopping, RunResult, revert_non_finite, run_loop, tree_all_finite
 from .structure import Partitions, inspect_global_model, warn_if_unsubsampled
@@ -130,7 +131,7 @@ class FedLocalVI:
     The guide has only GLOBAL params (per-datum params: use PDVI for local latents).  ``get_params`` returns
     constrained guide params for ``Predictive``; ``run(..., init_state=result.state)`` resumes bitwise.
 
-    :param loss: a NumPyro ELBO (default ``Trace_ELBO()``); more ``num_particles`` = less oracle noise.
+    :param loss: a NumPyro ELBO (default ``Trace_ELBO()``), evaluated on controlled draws (``oracle_draws``).
     :param clients: client ids / index arrays of the data plate, or a ClientData (see above).
     :param num_clients: M contiguous clients (instead of ``clients``).
     :param method: ``"local_sgd"``, ``"lesgd"``, ``"lippax"``, ``"slippax"`` or ``"local_dual_averaging"``.
@@ -172,6 +173,19 @@ class FedLocalVI:
         gradients α = 1 replays each round's Monte-Carlo noise for K steps and collapsed q(tau) in 3 of 6 runs of
         eight schools with one school per client (η = 0.005, 0.01); α = 0.2 in none, and still reached the
         centralised optimum of a sorted-site logistic regression (0.02 posterior sd at K = 20, exact at K = 5).
+    :param oracle_draws: how every evaluation of ``loss`` draws its Monte-Carlo noise (the clients' operators, the
+        reported loss, the curvature estimates): ``"orthogonal"`` (default) averages ``loss`` over particles whose
+        base noise is antithetic, moment-matched and decorrelated across the guide's sites
+        (:class:`~numpyro_fedvi.particles.ControlledDraws`, as PD-VI's oracle): the noise term that is LINEAR in the
+        draws — on a client ``σ ε ∇F_m(μ)``, large where the client's own gradient at the optimum is — cancels
+        exactly.  ``None``: ``loss`` as given, the papers' unbiased oracle.  Measured (README, "Controlled draws"):
+        on a 2,000-row logistic regression over 4 clients, 300 rounds, three seeds, the one-particle oracle ended 0.05
+        –0.51 NUTS sd from the posterior means with a q scale collapsed to 0.00 of NUTS' sd in one run, the
+        controlled one within 0.042 sd every time (sd ratio 0.89: the mean-field optimum's).
+    :param oracle_particles: particles of the controlled draws: an even number or a rule of
+        :meth:`~numpyro_fedvi.particles.ControlledDraws.particles_for` (default ``"minimal"``: ``2(d + 1)``, at least
+        4, at most 16, ``d`` the coordinates a site is decorrelated from; ``loss``'s own ``num_particles`` is a
+        floor).
     :param data_plate: name of the data plate (default: the only subsampled plate, else the only plate around every
         observation).
     :param mesh: optional 1-D ``jax.sharding.Mesh`` (:func:`numpyro_fedvi.sharding.make_mesh`): the clients (their
@@ -190,6 +204,7 @@ class FedLocalVI:
                  inner_steps="auto", inner_eps: float = 1e-3, sigma: float | None = None, delta: float | None = None,
                  prox: Callable | None = None, batch_size: int | None = None, crn: bool = False,
                  output: str = "tail", drift_correction: str | None = "scaffnew", control_step: float = 0.2,
+                 oracle_draws: str | None = "orthogonal", oracle_particles: int | str = "minimal",
                  data_plate: str | None = None, mesh=None, **static_kwargs):
         loss, clients, num_clients = _client_spec(loss, legacy, clients, num_clients, type(self).__name__)
         check_elbo(loss, type(self).__name__, clients=True)
@@ -258,7 +273,10 @@ class FedLocalVI:
         if self.control_step > 1:
             raise ValueError(f"control_step must lie in (0, 1], got {control_step!r}.")
         self.model, self.guide, self.clients = model, guide, clients
-        self.elbo = Trace_ELBO() if loss is None else loss
+        self.loss = Trace_ELBO() if loss is None else loss
+        # what the clients' operators, the reported loss and the curvature estimates evaluate (Flower's clients too)
+        self.oracle_draws, self.oracle_particles = oracle_draws, oracle_particles
+        self.elbo = oracle_elbo(self.loss, oracle_draws, oracle_particles)
         self.method, self.inner_steps, self.sigma, self.delta = method, inner_steps, sigma, delta
         self.prox = (self._default_prox() if prox is None else as_prox(prox)) if method == "local_dual_averaging" \
             else None

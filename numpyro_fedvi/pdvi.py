@@ -37,7 +37,7 @@ from . import sharding as _sharding
 from .curvature import diag_hessian
 from .federated.participation import sample_without_replacement
 from .objectives import block_loss_fn, check_elbo, full_loss_fn
-from .particles import SCHEMES, ControlledDraws
+from .particles import ControlledDraws, oracle_elbo
 from .preconditioning import evenly_spaced
 from .inputs import InputJit, check_positive, check_static_kwargs, prepare_inputs
 from .newton import newton_solve
@@ -491,8 +491,6 @@ class PDVI:
         self.model, self.guide = model, guide
         check_elbo(loss, "PDVI")
         self.loss = Trace_ELBO() if loss is None else loss
-        if oracle_draws is not None and oracle_draws not in SCHEMES:
-            raise ValueError(f"oracle_draws must be None or one of {SCHEMES}, got {oracle_draws!r}.")
         self.oracle_draws = oracle_draws
         self.oracle_particles = oracle_particles if isinstance(oracle_particles, str) else int(oracle_particles)
         if not (isinstance(eta_refresh, bool) or all(isinstance(k, (int, np.integer)) and k > 0 for k in eta_refresh)):
@@ -502,17 +500,7 @@ class PDVI:
         self.consensus_max_move = None if consensus_max_move is None else check_positive(
             consensus_max_move, "consensus_max_move", expected="a finite real number > 0, or None")
         # the oracle's objective: the user's ELBO on controlled draws (specs/pdvi.md §3a), or the ELBO as given
-        rule = isinstance(self.oracle_particles, str)
-        # the ELBO's own num_particles (Trace_ELBO(num_particles=32)) is a floor of a rule's count (even)
-        asked = int(getattr(self.loss, "num_particles", 1))
-        floor = max(4, asked + asked % 2)
-        if oracle_draws is None:
-            self.oracle_loss = self.loss
-        elif rule and oracle_draws in ("iid", "moment_matched"):  # rules need antithetic pairs
-            self.oracle_loss = ControlledDraws(self.loss, max(4, asked), oracle_draws)
-        else:
-            self.oracle_loss = ControlledDraws(self.loss, self.oracle_particles, oracle_draws,
-                                               max_particles=max(16, floor), min_particles=floor)
+        self.oracle_loss = oracle_elbo(self.loss, oracle_draws, self.oracle_particles)
         self.num_partitions, self.partitions = num_partitions, partitions
         self.partitions_per_step = int(partitions_per_step)
         self.eta_spec, self.eta_scale = eta, float(eta_scale)

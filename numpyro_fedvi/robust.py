@@ -101,14 +101,16 @@ class RobustFedVI(FedLocalVI):
         stage of rounds, as :class:`~numpyro_fedvi.FedLocalVI`), ``"last"`` (the synchronised primal iterate) or
         ``"average"`` (Thm 7's output of eq. (13), the mean of v over all local steps: carries the transient from the
         start, so it needs longer runs).
-    Other arguments as :class:`~numpyro_fedvi.FedLocalVI` (``batch_size``, ``crn``, ``data_plate``, ``mesh``).
+    Other arguments as :class:`~numpyro_fedvi.FedLocalVI` (``batch_size``, ``crn``, ``oracle_draws``,
+    ``oracle_particles``, ``data_plate``, ``mesh``).
     """
 
     def __init__(self, model, guide, loss=None, *legacy, clients=None, num_clients: int | None = None, tau: float,
                  local_steps: int = LOCAL_STEPS, step_size: float | str = "auto",
                  weight_step_size: float | None = None, batch_size: int | None = None, crn=False,
-                 output: str = "tail", drift_correction: str | None = "scaffnew", data_plate: str | None = None,
-                 mesh=None, **static_kwargs):
+                 output: str = "tail", drift_correction: str | None = "scaffnew",
+                 oracle_draws: str | None = "orthogonal", oracle_particles: int | str = "minimal",
+                 data_plate: str | None = None, mesh=None, **static_kwargs):
         self.tau = _positive_float(tau, "tau")
         if isinstance(step_size, str):  # "auto" (checked by FedLocalVI): the w-block is preconditioned by 1/τ
             if weight_step_size is not None:
@@ -122,7 +124,8 @@ class RobustFedVI(FedLocalVI):
         super().__init__(model, guide, loss, *legacy, clients=clients, num_clients=num_clients,
                          method="local_dual_averaging", local_steps=local_steps, step_size=step_size,
                          batch_size=batch_size, crn=crn, output=output, drift_correction=drift_correction,
-                         data_plate=data_plate, mesh=mesh, **static_kwargs)
+                         oracle_draws=oracle_draws, oracle_particles=oracle_particles, data_plate=data_plate,
+                         mesh=mesh, **static_kwargs)
         if self.num_clients < 2:
             raise ValueError(f"the clients must form at least 2 groups (one client each), got {self.num_clients}.")
 

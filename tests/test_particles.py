@@ -26,7 +26,8 @@ from numpyro_fedvi import PDVI
 from numpyro_fedvi.inputs import prepare_inputs
 from numpyro_fedvi.models import gmm, random_effects
 from numpyro_fedvi.objectives import block_loss_fn
-from numpyro_fedvi.particles import SCHEMES, ControlledDraws, FrozenDraws, _ControlledNoise, controlled_normals
+from numpyro_fedvi.particles import (SCHEMES, ControlledDraws, FrozenDraws, _ControlledNoise, _project_and_whiten,
+                                      controlled_normals)
 from numpyro_fedvi.structure import inspect_model
 from shared_models import oracle_particles
 
@@ -87,6 +88,19 @@ def test_orthogonal_draws_exact_moments_and_zero_global_local_cross_moments():
     mm = {k: np.asarray(x).reshape(S, -1) for k, x in particle_values(hier_guide, S, "moment_matched",
                                                                       random.key(2)).items()}
     assert np.abs(mm["beta"].T @ mm["u"] / S).max() > 0.1  # without the projection they do not
+
+
+def test_whitening_of_nearly_dependent_draws_stays_finite_and_bounded():
+    """The square case (S = 4: S/2 = 2 antisymmetric dimensions for a 2-coordinate site) whitens two random vectors
+    exactly (the whitened pair is √2 times an orthogonal matrix, every draw within √2); about 1 in 10⁴ pairs is so
+    nearly parallel that float32 rounds the covariance's small eigenvalue to ≤ 0 (23 non-finite of 200,000 before the
+    guard): those slices are rescaled per coordinate (``WHITEN_MIN_RATIO``), still within √2 (up to the float32 error of
+    whitening slices just above the ratio: 1.43 seen)."""
+    S, n = 4, 100_000
+    z = jax.vmap(lambda k: controlled_normals(k, S, (2,), "orthogonal"))(random.split(random.key(0), n))
+    out = jax.jit(jax.vmap(lambda zz: _project_and_whiten(zz[:, None, :], None, S // 2)))(z)
+    assert bool(jnp.all(jnp.isfinite(out)))
+    assert float(jnp.max(jnp.abs(out))) < 1.5
 
 
 def test_orthogonal_within_datum_cross_moments_vanish_per_slice():
