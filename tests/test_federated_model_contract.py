@@ -105,7 +105,7 @@ def svi_reference(m, guide):
 def test_one_client_round_is_full_batch_svi_gradient_step(variant):
     m = MODELS[variant]
     guide, rho = guide_for(m), 0.004
-    engine = FedSVI(m, guide, Trace_ELBO(), clients=np.zeros(N, int), rho=rho)
+    engine = FedSVI(m, guide, Trace_ELBO(), clients=np.zeros(N, int), rho=rho, oracle_draws=None)  # SVI's draws
     state = engine.init(random.key(1), X, Y)
     key = random.fold_in(random.fold_in(random.fold_in(state.rng_key, 0), PURPOSE_ORACLE), 0)  # client 0, round 0
     loss = svi_reference(m, guide)  # the full-batch SVI loss of the unsubsampled model
@@ -217,3 +217,25 @@ def test_errors():
                    FedLocalVI(model, local_guide, num_clients=3, local_steps=1, step_size=1e-3)):
         with pytest.raises(ValueError, match="use PDVI for local latents"):
             engine.init(random.key(0), X, Y)
+
+
+@pytest.mark.parametrize("draws", ["default", None])
+def test_fedsvi_default_loss_is_exact_on_the_gaussian_quadratic_elbo(draws):
+    """FedSVI's loss (its clients' oracles and the reported loss) is the user's ELBO on controlled draws by default:
+    on this linear-Gaussian model every term of the −ELBO is quadratic in the draws, so the reported loss equals the
+    closed form at every key; the one-particle ELBO (``oracle_draws=None``) does not."""
+    guide = AutoNormal(model, init_loc_fn=INIT, init_scale=0.3)
+    options = {} if draws == "default" else {"oracle_draws": draws}
+    engine = FedSVI(model, guide, Trace_ELBO(), clients=IDS, **options)
+    state = engine.init(random.key(1), X, Y)
+    params = engine.get_params(state)
+    m, s = np.asarray(params["w_auto_loc"], np.float64), np.asarray(params["w_auto_scale"], np.float64)
+    x, y = X.astype(np.float64), Y.astype(np.float64)
+    log2pi = np.log(2 * np.pi)
+    lik = np.sum((y - x @ m) ** 2 / 2 + (x**2) @ s**2 / 2) / SIGMA**2 + N / 2 * log2pi + N * np.log(SIGMA)
+    exact = lik + np.sum(m**2 + s**2) / 2 + D / 2 * log2pi - (np.sum(np.log(s)) + D / 2 * (1 + log2pi))
+    reported = float(engine.update(state, X, Y)[1])  # the loss at θ_t
+    if draws is None:
+        assert abs(reported - exact) > 1e-2 * abs(exact)
+    else:
+        assert reported == pytest.approx(exact, rel=2e-6)

@@ -37,6 +37,7 @@ from .. import sharding as _sharding
 from ..federated import ClientData, check_clients, client_minibatch
 from ..inputs import check_positive, check_static_kwargs, prepare_inputs, prepare_value
 from ..objectives import block_loss_fn, check_elbo, client_loss_fn, client_loss_from_blocks, full_loss_fn
+from ..particles import oracle_elbo
 from ..prox import as_prox
 from ..runner import EarlyStopping, RunResult
 from ..structure import Partitions, inspect_global_model, warn_if_unsubsampled
@@ -150,6 +151,13 @@ class FedSVI(FedMM):
         device: use the ClientData layer, whose rows are sharded).  Same results as without a mesh up to float
         reassociation; the number of clients must divide by the number of devices (``ValueError`` before anything
         compiles).
+    :param oracle_draws: how every evaluation of ``loss`` (the clients' oracles, the reported loss) draws its
+        Monte-Carlo noise: ``"orthogonal"`` (default) on controlled draws, as :class:`~numpyro_fedvi.FedLocalVI` and
+        PD-VI's oracle (:class:`~numpyro_fedvi.particles.ControlledDraws`: the noise linear in the draws cancels);
+        ``None``: ``loss`` as given, the paper's unbiased oracle.  Measured (README, FedSVI): a 2,000-row logistic
+        regression over 4 clients, 500 rounds: 0.043 NUTS sd from the posterior means against 0.31 with the
+        one-particle ELBO (0.27 after 2,000 rounds).
+    :param oracle_particles: particles of the controlled draws (default ``"minimal"``, as FedLocalVI's).
     Other arguments (``cv_step``, ``participation``, ``compressor``, ``init_control_variates``, ``projection``,
     ``log_every``) as :class:`~numpyro_fedvi.fedmm.FedMM`; extra keyword arguments are passed to model and guide.
     """
@@ -158,7 +166,8 @@ class FedSVI(FedMM):
                  num_clients: int | None = None, data_plate: str | None = None, step_size=1.0, cv_step: float = 0.0,
                  participation=None, compressor=None, batch_size: int | None = None,
                  init_control_variates: str = "zero", prox=None, projection: Callable | None = None,
-                 log_every: int = 10, mesh=None, server_optimizer=None, **static_kwargs):
+                 log_every: int = 10, mesh=None, server_optimizer=None, oracle_draws: str | None = "orthogonal",
+                 oracle_particles: int | str = "minimal", **static_kwargs):
         if rho is None:  # the default: the server's Adam on the pseudo-gradient (ρ only scales it)
             if prox is not None:
                 raise ValueError("prox= needs rho= (T = prox_{ρg} of the quadratic surrogate with SGD step ρ ≤ 1/L).")
@@ -174,7 +183,10 @@ class FedSVI(FedMM):
                          compressor=compressor, batch_size=batch_size, init_control_variates=init_control_variates,
                          projection=projection, log_every=log_every, mesh=mesh, server_optimizer=server_optimizer)
         self.prox = as_prox(prox)
-        self.model, self.guide, self.elbo = model, guide, Trace_ELBO() if loss is None else loss
+        self.model, self.guide, self.loss = model, guide, Trace_ELBO() if loss is None else loss
+        # what the clients' oracles and the reported loss evaluate (Flower's clients too): FedLocalVI's controlled draws
+        self.oracle_draws, self.oracle_particles = oracle_draws, oracle_particles
+        self.elbo = oracle_elbo(self.loss, oracle_draws, oracle_particles)
         check_static_kwargs(static_kwargs)
         self.rho, self.data_plate, self.static_kwargs = float(rho), data_plate, static_kwargs
         self._fixed_rows = None      # a ClientData given at construction (lower layer)
