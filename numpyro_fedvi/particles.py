@@ -294,7 +294,7 @@ class ControlledDraws(ELBO):
 
 
 def oracle_elbo(loss: ELBO | None, draws: str | None, particles: int | str, max_particles: int = 16) -> ELBO | None:
-    """The ELBO an engine's oracle evaluates (PD-VI's and FedLocalVI's ``oracle_draws`` / ``oracle_particles``):
+    """The ELBO an engine's oracle evaluates (``oracle_draws`` / ``oracle_particles`` of PD-VI, FedLocalVI and FedSVI):
     ``loss`` as given when ``draws`` is None, else ``loss`` on :class:`ControlledDraws` of scheme ``draws`` with
     ``particles`` (an even number, or a rule of :meth:`ControlledDraws.particles_for`).  ``loss``'s own
     ``num_particles`` (``Trace_ELBO(num_particles=32)``) is a floor of a rule's count (made even); the rules need
