@@ -226,8 +226,9 @@ class MPSGD:
     Data subsampling: a model with a subsampled plate (``plate("data", N, subsample_size=B)``) runs unchanged.
     The potential ``f`` is then NumPyro's minibatch estimate (the plate's N/B scaling), so the gradient stays
     unbiased (more noise, O(B) per draw); adaptive: one minibatch per ± pair of draws (the pairs average the
-    minibatch noise, which cancels within a pair from the scale gradient) and a step lowered by the measured
-    gradient noise (:func:`~numpyro_fedvi.whitening.stage_step_size`); theory: one minibatch per chunk of draws.
+    minibatch noise, which cancels within a pair from the scale gradient) and a step lowered stage by stage until
+    the iterates' spread is small (:func:`~numpyro_fedvi.whitening.stage_step_size`); theory: one minibatch per
+    chunk of draws.
     ``evaluate`` likewise estimates the NegELBO on a minibatch.  The paper's theory covers the Monte-Carlo-only
     case.  Local latents inside a subsampled plate are not supported by ``AutoLocationScale``.
 
@@ -556,8 +557,8 @@ class MPSGD:
         second run on inputs of the same shapes does not recompile.  ``result.params`` is the averaged iterate;
         ``result.diagnostics["last_params"]`` the last one, plus ``num_particles`` (N_0), ``gradient_evaluations``
         (of this call) and, theory: ``L``, ``L_proj``, ``lambda``; adaptive: ``L`` and ``step_size`` (whitened, of the
-        current stage), ``gradient_noise`` (σ² behind that step), ``stage_moves``, ``stages_completed``,
-        ``converged``.
+        current stage), ``iterate_spread`` (the last tail's largest whitened iterate variance, behind that step),
+        ``stage_moves``, ``stages_completed``, ``converged``.
         """
         if num_steps is None:
             if self.budget is None:
@@ -585,7 +586,7 @@ class MPSGD:
             stages = int(result.state.stages_completed)
             converged = bool(stages >= MIN_STAGES and np.all(moves <= CONVERGED_MOVE))
             result.diagnostics.update(L=float(result.state.smoothness), step_size=float(result.state.step_size),
-                                      gradient_noise=float(result.state.noise), stage_moves=moves.tolist(),
+                                      iterate_spread=float(result.state.spread), stage_moves=moves.tolist(),
                                       stages_completed=stages, converged=converged)
             if not converged and result.diagnostics["stop_reason"] == "completed":
                 moved = (f"the last stage moved the mean by {moves[0]:.3g} posterior sd and the scale by "

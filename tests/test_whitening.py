@@ -2,10 +2,10 @@
 
 Checked against the module's equations: the spherical–radial draws (each draw has the base's law; ``ZZᵀ/N = (R²/d)I``
 for a full frame; unbiased second moments); one whitened step transcribed by hand (step 1/(2L′), trust region,
-projection at 1/√L′, loss, Stein curvature, one minibatch key per ± pair, the gradient-noise estimate); the stage
-bookkeeping (tail window, re-whitening formulas, the next stage's noise-adapted step, ``q`` unchanged by a
-re-whitening, doubling); the defaults reach the exact posterior of a linear-Gaussian model (full, tril), through a
-subsampled plate too, and the mean-field optimum (diag); the non-convergence warning; the log-determinant kept from the projection.
+projection at 1/√L′, loss, Stein curvature, one minibatch key per ± pair); the stage bookkeeping (tail window,
+re-whitening formulas, the next stage's step from the tail's spread, ``q`` unchanged by a re-whitening, doubling);
+the defaults reach the exact posterior of a linear-Gaussian model (full, tril), through a subsampled plate too, and
+the mean-field optimum (diag); the non-convergence warning; the log-determinant kept from the projection.
 """
 
 import jax
@@ -18,7 +18,7 @@ from jax import random
 
 from numpyro_fedvi import MPSGD, AutoLocationScale
 from numpyro_fedvi.guides import make_base
-from numpyro_fedvi.whitening import (CURVATURE_FLOOR, NOISE_SPREAD, SAFETY, STAGE_RELAXATIONS, TRUST_LOC,
+from numpyro_fedvi.whitening import (CURVATURE_FLOOR, SAFETY, STAGE_RELAXATIONS, TARGET_SPREAD, TRUST_LOC,
                                      TRUST_SCALE, initial_frame, make_whitened_step, spherical_radial_draws,
                                      stage_step_size, whitened_init, whitened_params)
 
@@ -105,8 +105,6 @@ def test_one_step_matches_the_equations():
     C = np.concatenate([c, c])                                                  # draw i and i + n/2 share it
     G = ((X - b) @ H.T + C) @ A                                                 # rows Aᵀ∇f
     g_loc, GZ = G.mean(0), G.T @ Z / n
-    pair_means = (G[: n // 2] + G[n // 2:]) / 2
-    np.testing.assert_allclose(new.noise_sum, pair_means.var(0, ddof=1) / (n // 2), rtol=1e-4)
     f_vals_c = np.einsum("ni,ni->n", C, X)
     g_scale = GZ - np.linalg.inv(S).T
     gamma = 1 / (2 * L)
@@ -145,7 +143,6 @@ def test_a_non_finite_step_is_dropped_and_the_step_shrinks():
     np.testing.assert_array_equal(new.scale, s.scale)
     assert float(new.smoothness) == pytest.approx(4 * float(s.smoothness)) and int(new.step) == 1
     assert float(new.step_size) == pytest.approx(float(s.step_size) / 4)
-    np.testing.assert_array_equal(new.noise_sum, s.noise_sum)                   # a dropped step measures nothing
 
 
 def test_initial_frame_is_the_floored_abs_hessian():
@@ -170,12 +167,13 @@ def test_initial_frame_is_the_floored_abs_hessian():
 def test_stage_tail_average_and_rewhitening(monkeypatch):
     """With stage_length=4: the iterates of steps 3 and 4 (the second half) are averaged, then the frame moves to the
     average (m + Aμ̄′, AΣ̄′), L′ = SAFETY·λ_max(Σ̄′ᵀH̄′Σ̄′) (clipped to a factor 10 of the old one), the next
-    stage's step follows the stage's gradient noise (the relaxation floor lowered so that it binds at this short
-    length), the whitened guide restarts at (0, I) and the reported q is the same just before and after."""
+    stage's step is the last one scaled by TARGET_SPREAD / (the tail's largest iterate variance) (the constants
+    patched so that this term binds at this short length), the whitened guide restarts at (0, I) and the reported q
+    is the same just before and after."""
     from numpyro_fedvi import whitening
 
-    monkeypatch.setattr(whitening, "NOISE_SPREAD", 1e-6)
-    monkeypatch.setattr(whitening, "STAGE_RELAXATIONS", 0.5)
+    monkeypatch.setattr(whitening, "TARGET_SPREAD", 1e-6)
+    monkeypatch.setattr(whitening, "STAGE_RELAXATIONS", 1e-9)
     d = 3
     rng = np.random.default_rng(5)
     B = rng.normal(size=(d, d))
@@ -193,6 +191,8 @@ def test_stage_tail_average_and_rewhitening(monkeypatch):
         iterates.append(long)
     for _ in range(3):
         s, _ = step(s)
+    np.testing.assert_allclose(s.avg_loc_sq, iterates[2].loc ** 2, rtol=1e-5, atol=1e-7)    # the tail so far: step 3
+    np.testing.assert_allclose(s.avg_scale_sq, iterates[2].scale ** 2, rtol=1e-5, atol=1e-7)
     before = whitened_params(s._replace(avg_loc=(iterates[2].loc + iterates[3].loc) / 2,
                                         avg_scale=(iterates[2].scale + iterates[3].scale) / 2), "full")
     s, _ = step(s)
@@ -207,13 +207,13 @@ def test_stage_tail_average_and_rewhitening(monkeypatch):
     L = np.clip(L, float(long.smoothness) / 10, float(long.smoothness) * 10)
     np.testing.assert_allclose(s.smoothness, L, rtol=1e-4)
     assert (int(s.stage_start), int(s.stage_length), int(s.stages_completed)) == (4, 8, 1)
-    # σ² of the stage in the new frame's coordinates (rows Sᵀg): max_i Σ_j S_ji² v_j, v = the mean noise estimate
-    noise = np.max((np.asarray(avg_scale) ** 2).T @ (np.asarray(iterates[3].noise_sum) / 4))
-    assert noise > 0
-    np.testing.assert_allclose(s.noise, noise, rtol=1e-4)
-    step_size = min(0.5 / L, max(2 * whitening.NOISE_SPREAD / noise, whitening.STAGE_RELAXATIONS / 8))
+    tail = [np.asarray(it.loc, np.float64) for it in iterates[2:]], [np.asarray(it.scale, np.float64)
+                                                                      for it in iterates[2:]]
+    spread = max(np.max(np.var(np.stack(t), 0)) for t in tail)                 # the tail's largest variance
+    np.testing.assert_allclose(s.spread, spread, rtol=1e-3)
+    step_size = min(0.5 / L, max(0.5 / SAFETY * whitening.TARGET_SPREAD / spread, whitening.STAGE_RELAXATIONS / 8))
     assert step_size < 0.5 / L
-    np.testing.assert_allclose(s.step_size, step_size, rtol=1e-4)
+    np.testing.assert_allclose(s.step_size, step_size, rtol=1e-3)
     assert float(iterates[3].step_size) == pytest.approx(0.5 / SAFETY)         # the first stage's step: 1/(2L′)
     np.testing.assert_allclose(s.loc, 0.0)
     moves = [np.max(np.abs(avg_loc)), np.linalg.norm(avg_scale - np.eye(d)) / np.sqrt(d)]
@@ -225,13 +225,28 @@ def test_stage_tail_average_and_rewhitening(monkeypatch):
 
 
 def test_stage_step_size_regimes():
-    """γ = min(1/(2L′), max(2·NOISE_SPREAD/σ², STAGE_RELAXATIONS/ℓ)): no noise → 1/(2L′); noisy → the spread bound;
-    very noisy → the relaxation floor; never above 1/(2L′)."""
-    L, ell = 2.0, 1000
-    assert float(stage_step_size(L, 0.0, ell)) == pytest.approx(0.25)
-    assert float(stage_step_size(L, 0.5, ell)) == pytest.approx(2 * NOISE_SPREAD / 0.5)
-    assert float(stage_step_size(L, 1e4, ell)) == pytest.approx(STAGE_RELAXATIONS / ell)
-    assert float(stage_step_size(L, 1e4, 4)) == pytest.approx(0.25)
+    """γ′ = min(1/(2L′), max(γ·TARGET_SPREAD/spread, STAGE_RELAXATIONS/ℓ)): settled iterates → 1/(2L′); spread
+    iterates → the step scaled to the target spread; very spread → the relaxation floor; never above 1/(2L′)."""
+    L, ell, gamma = 2.0, 1000, 0.1
+    assert float(stage_step_size(gamma, 1e-12, L, ell)) == pytest.approx(0.25)
+    assert float(stage_step_size(gamma, 0.1, L, ell)) == pytest.approx(gamma * TARGET_SPREAD / 0.1)
+    assert float(stage_step_size(gamma, 10.0, L, ell)) == pytest.approx(STAGE_RELAXATIONS / ell)
+    assert float(stage_step_size(gamma, 10.0, L, 4)) == pytest.approx(0.25)
+
+
+def test_the_relaxation_floor_uses_the_next_stage_length():
+    """A stage that ends with widely spread iterates: the next step is the floor STAGE_RELAXATIONS / ℓ′ of the NEXT
+    stage's length ℓ′ = 2ℓ (its start must relax before ITS tail window)."""
+    from numpyro_fedvi.whitening import _rewhiten
+
+    d = 2
+    f = _quadratic(jnp.eye(d), jnp.zeros(d))
+    s = whitened_init(f, jnp.zeros(d), "diag", random.key(0), frame_scale=jnp.ones(d), stage_length=16)
+    s = s._replace(avg_count=jnp.asarray(8.0), avg_loc_sq=jnp.full(d, 100.0), step=jnp.asarray(16, jnp.int32),
+                   step_size=jnp.asarray(0.1))
+    new = jax.jit(_rewhiten("diag"))(s)
+    assert float(new.spread) == pytest.approx(100.0) and int(new.stage_length) == 32
+    assert float(new.step_size) == pytest.approx(STAGE_RELAXATIONS / 32)
 
 
 # --- the engine's defaults ---------------------------------------------------------------------------------------
@@ -253,9 +268,13 @@ def default_engine():
                                    pytest.param("diag", marks=pytest.mark.slow)])
 def test_defaults_reach_the_exact_posterior(scale, default_engine):
     """Linear-Gaussian model, every default: full/tril reach the exact posterior (means within 0.05 sd, covariance
-    within 5% Frobenius); diag the mean-field optimum s_i = 1/√P_ii."""
+    within 5% Frobenius); diag the mean-field optimum s_i = 1/√P_ii.  3,175 steps (the end of the 7th stage): with
+    d = 3 the spherical rule's one radius per rotation makes the scale gradient noisy, and with the first stage's
+    step kept throughout the covariance stayed 11–13% off at 3,175 steps (seeds 0–2) — the spread-scaled step
+    removes that bias (1.4% for seed 0)."""
     engine = default_engine(scale)
-    res = engine.run(random.key(0), 400, A_DATA, Y, progress_bar=False)
+    steps = 3175
+    res = engine.run(random.key(0), steps, A_DATA, Y, progress_bar=False)
     loc, S = np.asarray(res.params["auto_loc"]), np.asarray(res.params["auto_scale"])
     sd = np.sqrt(np.diag(COV))
     assert np.max(np.abs(loc - MEAN) / sd) < 0.05
@@ -263,7 +282,7 @@ def test_defaults_reach_the_exact_posterior(scale, default_engine):
         np.testing.assert_allclose(S, 1 / np.sqrt(np.diag(PREC)), rtol=0.03)
     else:
         assert np.linalg.norm(S @ S.T - COV) / np.linalg.norm(COV) < 0.05
-    assert res.diagnostics["converged"] and res.diagnostics["gradient_evaluations"] == 400 * 2 * D
+    assert res.diagnostics["converged"] and res.diagnostics["gradient_evaluations"] == steps * 2 * D
     np.testing.assert_allclose(res.state.scale_logdet,
                                np.sum(np.log(np.abs(np.diagonal(np.asarray(res.state.scale)))))
                                if scale == "tril" else (np.sum(np.log(np.asarray(res.state.scale))) if scale == "diag"
@@ -295,7 +314,7 @@ def test_defaults_reach_the_exact_posterior_through_a_subsampled_plate():
         loc, S = np.asarray(res.params["auto_loc"]), np.asarray(res.params["auto_scale"])
         assert np.max(np.abs(loc - mean) / sd) < 0.2
         np.testing.assert_allclose(np.sqrt(np.diag(S @ S.T)) / sd, 1.0, atol=0.025)
-        assert res.diagnostics["step_size"] < 0.5 / res.diagnostics["L"] and res.diagnostics["gradient_noise"] > 0
+        assert res.diagnostics["step_size"] < 0.5 / res.diagnostics["L"] and res.diagnostics["iterate_spread"] > 0
 
 
 def test_warns_until_converged(default_engine):
