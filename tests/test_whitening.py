@@ -165,9 +165,10 @@ def test_initial_frame_is_the_floored_abs_hessian():
 
 # --- stages ------------------------------------------------------------------------------------------------------
 def test_stage_tail_average_and_rewhitening(monkeypatch):
-    """With stage_length=4: the iterates of steps 3 and 4 (the second half) are averaged, then the frame moves to the
-    average (m + Aμ̄′, AΣ̄′), L′ = SAFETY·λ_max(Σ̄′ᵀH̄′Σ̄′) (clipped to a factor 10 of the old one), the next
-    stage's step is the last one scaled by TARGET_SPREAD / (the tail's largest iterate variance) (the constants
+    """With stage_length=8: the iterates of steps 5 to 8 (the second half) are averaged, with their squares and
+    their covariances with the tail index, then the frame moves to the average (m + Aμ̄′, AΣ̄′),
+    L′ = SAFETY·λ_max(Σ̄′ᵀH̄′Σ̄′) (clipped to a factor 10 of the old one), the next stage's step is the last one
+    scaled by TARGET_SPREAD / (the tail's largest detrended iterate variance) (the constants
     patched so that this term binds at this short length), the whitened guide restarts at (0, I) and the reported q
     is the same just before and after."""
     from numpyro_fedvi import whitening
@@ -183,38 +184,45 @@ def test_stage_tail_average_and_rewhitening(monkeypatch):
     step = jax.jit(make_whitened_step(f, base, "full", 2 * d))
     frame = jnp.asarray(np.linalg.cholesky(np.linalg.inv(np.asarray(H))) @ (np.eye(d) + 0.3 * rng.normal(size=(d, d))),
                         jnp.float32)   # imperfect and not symmetric: the whitened scale is not a multiple of I
-    s = whitened_init(f, jnp.zeros(d), "full", random.key(1), frame_scale=frame, stage_length=4)
+    s = whitened_init(f, jnp.zeros(d), "full", random.key(1), frame_scale=frame, stage_length=8)
     long = s._replace(stage_length=jnp.asarray(10**6, jnp.int32))                # same trajectory, no stage end
     iterates = []
-    for _ in range(4):
+    for _ in range(8):
         long, _ = step(long)
         iterates.append(long)
-    for _ in range(3):
+    for _ in range(7):
         s, _ = step(s)
-    np.testing.assert_allclose(s.avg_loc_sq, iterates[2].loc ** 2, rtol=1e-5, atol=1e-7)    # the tail so far: step 3
-    np.testing.assert_allclose(s.avg_scale_sq, iterates[2].scale ** 2, rtol=1e-5, atol=1e-7)
-    before = whitened_params(s._replace(avg_loc=(iterates[2].loc + iterates[3].loc) / 2,
-                                        avg_scale=(iterates[2].scale + iterates[3].scale) / 2), "full")
+    tail = [np.stack([np.asarray(it.loc, np.float64) for it in iterates[4:]]),      # the tail: steps 5..8
+            np.stack([np.asarray(it.scale, np.float64) for it in iterates[4:]])]
+    for x, avg_sq, trend in ((tail[0], s.avg_loc_sq, s.loc_trend), (tail[1], s.avg_scale_sq, s.scale_trend)):
+        so_far = x[:3]                                                           # the tail so far: steps 5..7
+        np.testing.assert_allclose(avg_sq, np.mean(so_far**2, 0), rtol=1e-5, atol=1e-7)
+        t = np.arange(1.0, 4.0).reshape((3,) + (1,) * (x.ndim - 1))             # covariance with the tail index
+        np.testing.assert_allclose(trend, np.mean((t - t.mean()) * (so_far - so_far.mean(0)), 0), rtol=1e-4,
+                                   atol=1e-7)
+    avg_loc, avg_scale = np.mean(tail[0], 0), np.mean(tail[1], 0)
+    before = whitened_params(s._replace(avg_loc=jnp.asarray(avg_loc, jnp.float32),
+                                        avg_scale=jnp.asarray(avg_scale, jnp.float32)), "full")
     s, _ = step(s)
-    avg_loc = (iterates[2].loc + iterates[3].loc) / 2
-    avg_scale = (iterates[2].scale + iterates[3].scale) / 2
     A0 = iterates[0].frame_scale
     np.testing.assert_allclose(s.frame_loc, iterates[0].frame_loc + A0 @ avg_loc, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(s.frame_scale, A0 @ avg_scale, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(s.frame_logdet, np.linalg.slogdet(np.asarray(s.frame_scale))[1], rtol=1e-5)
-    H_bar = iterates[3].curvature_sum / 4
+    H_bar = iterates[7].curvature_sum / 8
     L = SAFETY * np.max(np.linalg.eigvalsh(np.asarray(avg_scale.T @ H_bar @ avg_scale)))
     L = np.clip(L, float(long.smoothness) / 10, float(long.smoothness) * 10)
     np.testing.assert_allclose(s.smoothness, L, rtol=1e-4)
-    assert (int(s.stage_start), int(s.stage_length), int(s.stages_completed)) == (4, 8, 1)
-    tail = [np.asarray(it.loc, np.float64) for it in iterates[2:]], [np.asarray(it.scale, np.float64)
-                                                                      for it in iterates[2:]]
-    spread = max(np.max(np.var(np.stack(t), 0)) for t in tail)                 # the tail's largest variance
+    assert (int(s.stage_start), int(s.stage_length), int(s.stages_completed)) == (8, 16, 1)
+    # the tail's largest DETRENDED variance: residuals of the least-squares line through each coordinate's 4 iterates
+    t = np.arange(4.0)
+    spread = max(np.max(np.var(x.reshape(4, -1) - np.polyval(np.polyfit(t, x.reshape(4, -1), 1), t[:, None]), 0))
+                 for x in tail)
+    assert spread < 0.9 * max(np.max(np.var(x, 0)) for x in tail)             # the trend is not counted
     np.testing.assert_allclose(s.spread, spread, rtol=1e-3)
-    step_size = min(0.5 / L, max(0.5 / SAFETY * whitening.TARGET_SPREAD / spread, whitening.STAGE_RELAXATIONS / 8))
+    step_size = min(0.5 / L, max(0.5 / SAFETY * whitening.TARGET_SPREAD / spread, whitening.STAGE_RELAXATIONS / 16))
     assert step_size < 0.5 / L
     np.testing.assert_allclose(s.step_size, step_size, rtol=1e-3)
-    assert float(iterates[3].step_size) == pytest.approx(0.5 / SAFETY)         # the first stage's step: 1/(2L′)
+    assert float(iterates[7].step_size) == pytest.approx(0.5 / SAFETY)         # the first stage's step: 1/(2L′)
     np.testing.assert_allclose(s.loc, 0.0)
     moves = [np.max(np.abs(avg_loc)), np.linalg.norm(avg_scale - np.eye(d)) / np.sqrt(d)]
     np.testing.assert_allclose(s.stage_moves, moves, rtol=1e-4)
