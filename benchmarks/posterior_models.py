@@ -27,12 +27,12 @@ import jax.numpy as jnp
 import numpy as np
 import numpyro
 import numpyro.distributions as dist
-import optax
 from numpyro import handlers
-from jax import lax, random
+from jax import random
 from numpyro.infer import MCMC, NUTS
 from numpyro.infer.util import potential_energy, unconstrain_fn
 
+from numpyro_fedvi.curvature import lbfgs_minimize
 from numpyro_fedvi.models import eight_schools
 from numpyro_fedvi.models.logistic import breast_cancer, logistic
 
@@ -224,21 +224,7 @@ def gaussian_optimum(name, ref, num_draws=OPTIMUM_SETTINGS["num_draws"], seed=OP
     C = np.linalg.cholesky(ref["cov"])
     start = (jnp.asarray(ref["mean"], jnp.float32), jnp.asarray(np.tril(C, -1) + np.diag(np.log(np.diag(C))),
                                                                   jnp.float32))
-    opt = optax.lbfgs()
-    value_and_grad = optax.value_and_grad_from_state(kl)
-
-    @jax.jit
-    def solve(p):
-        def body(carry, _):
-            p, s = carry
-            v, g = value_and_grad(p, state=s)
-            u, s = opt.update(g, s, p, value=v, grad=g, value_fn=kl)
-            return (optax.apply_updates(p, u), s), v
-
-        (p, _), values = lax.scan(body, (p, opt.init(p)), None, length=iterations)
-        return p, values
-
-    (m, raw), values = solve(start)
+    (m, raw), values = jax.jit(lambda p: lbfgs_minimize(kl, p, iterations))(start)
     raw = np.asarray(raw, float)
     L = np.tril(raw, -1) + np.diag(np.exp(np.diag(raw)))
     return {"mean": np.asarray(m, float), "cov": L @ L.T, "kl_plus_const": float(values[-1]),

@@ -6,10 +6,11 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-from jax import random
+import optax
+from jax import lax, random
 from jax.flatten_util import ravel_pytree
 
-__all__ = ["diag_hessian", "hvp"]
+__all__ = ["diag_hessian", "hvp", "lbfgs_minimize"]
 
 
 def hvp(f: Callable, x, v):
@@ -61,3 +62,19 @@ def diag_hessian(f: Callable, x, *, key=None, exact_max_size: int = 512, num_pro
             probes = random.rademacher(random.fold_in(key, j), (num_probes,) + leaf.shape, dtype=leaf.dtype)
             out[j] = jnp.mean(jax.lax.map(lambda v, j=j: v * hvp_on([j], [v])[0], probes), axis=0)
     return treedef.unflatten(out)
+
+
+def lbfgs_minimize(f: Callable, x0, num_steps: int):
+    """``num_steps`` iterations of ``optax.lbfgs()`` (zoom line search) on ``f`` from ``x0`` (any pytree) in one
+    ``lax.scan`` (traceable: call it under ``jit``); returns ``(x, values)``, ``values[k] = f`` at iterate ``k``."""
+    opt = optax.lbfgs()
+    value_and_grad = optax.value_and_grad_from_state(f)
+
+    def body(carry, _):
+        x, s = carry
+        v, g = value_and_grad(x, state=s)
+        updates, s = opt.update(g, s, x, value=v, grad=g, value_fn=f)
+        return (optax.apply_updates(x, updates), s), v
+
+    (x, _), values = lax.scan(body, (x0, opt.init(x0)), None, length=num_steps)
+    return x, values

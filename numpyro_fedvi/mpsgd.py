@@ -27,13 +27,13 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax import lax, random
 from numpyro import handlers
 
 from .inputs import InputJit, check_positive, check_static_kwargs, is_real_number, prepare_inputs, split_inputs
 from .runner import EarlyStopping, RunResult, revert_non_finite, run_loop, tree_all_finite
 from .schedules import batch_growth, constant, dynamic_batching, theorem4
+from .curvature import lbfgs_minimize
 from .enumeration import enum_info, potential_fn
 from .guides import apply_scale, log_abs_det_scale
 from .whitening import WhitenedState, make_whitened_step, project_scale, whitened_init, whitened_params
@@ -154,16 +154,7 @@ def estimate_smoothness(potential: Callable, x0, *, map_steps: int = 200, power_
 
     @jax.jit
     def run(x0):
-        opt = optax.lbfgs()
-        vg = optax.value_and_grad_from_state(f)
-
-        def opt_step(carry, _):
-            x, s = carry
-            value, grad = vg(x, state=s)
-            updates, s = opt.update(grad, s, x, value=value, grad=grad, value_fn=f)
-            return (optax.apply_updates(x, updates), s), None
-
-        (x, _), _ = lax.scan(opt_step, (x0, opt.init(x0)), None, length=map_steps)
+        x, _ = lbfgs_minimize(f, x0, map_steps)
 
         def power(v, _):
             hv = jax.jvp(jax.grad(f), (x,), (v,))[1]
