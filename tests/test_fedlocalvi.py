@@ -361,6 +361,9 @@ def test_auto_step_refreshes_rejects_non_finite_rounds_and_resumes_bitwise():
     blown = whole._replace(precond={**whole.precond, "eta": jnp.asarray(1e30, jnp.float32)})
     new, loss = engine.update(blown)
     assert np.isfinite(float(loss)) and int(new.round) == int(blown.round) + 1
+    np.testing.assert_allclose(float(loss), float(engine.evaluate(new)), rtol=1e-5)   # the loss at the kept state
+    np.testing.assert_allclose(float(engine.update(whole)[1]), float(engine.evaluate(engine.update(whole)[0])),
+                               rtol=1e-5)                                            # a taken round: at the new one
     assert float(new.precond["eta"]) == float(np.float32(1e30) / 2)
     for a, b in zip(jax.tree.leaves(new.z), jax.tree.leaves(blown.z)):
         assert np.array_equal(np.asarray(a), np.asarray(b))
