@@ -6,7 +6,7 @@ sends a row: each one is a Flower node that loads only its own patients, runs Fe
 model object, and replies with its statistic (a gradient step of its share of the ELBO); the server (a Flower
 strategy) asks every hospital each round (the engine's participation law, JAX-keyed) and runs FedMM's server step.
 With its defaults (Adam on the server's aggregated direction) FedSVI reaches the pooled fit in a few hundred rounds
-here (400 rounds: intercept means within ~0.3 pooled-SVI sd, sds within ~10%, the pooled −ELBO to 0.2 nats).
+here (400 rounds: intercept means within ~0.15 pooled-SVI sd, sds within ~3%, the pooled −ELBO to 0.1 nats).
 
 The script fits the posterior three ways and prints them side by side:
 * pooled: ``numpyro.infer.SVI`` on all rows (what a user would do if the data could be pooled);
