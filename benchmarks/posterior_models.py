@@ -36,6 +36,8 @@ from numpyro_fedvi.curvature import lbfgs_minimize
 from numpyro_fedvi.models import eight_schools
 from numpyro_fedvi.models.logistic import breast_cancer, logistic
 
+from ._common import _jsonable
+
 CACHE = Path(__file__).resolve().parent / "results" / "posterior_references.json"
 NUTS_SETTINGS = {"num_warmup": 2000, "num_samples": 20000, "target_accept_prob": 0.95, "seed": 0}
 OPTIMUM_SETTINGS = {"num_draws": 10_000, "antithetic": True, "seed": 0, "iterations": 500, "solver": "optax.lbfgs"}
@@ -231,10 +233,6 @@ def gaussian_optimum(name, ref, num_draws=OPTIMUM_SETTINGS["num_draws"], seed=OP
             "last_10_iterations_decrease": float(values[-10] - values[-1]), **OPTIMUM_SETTINGS}
 
 
-def _to_json(d):
-    return {k: (np.asarray(v).tolist() if isinstance(v, np.ndarray) else v) for k, v in d.items()}
-
-
 def _from_json(d):
     return {**d, "mean": np.asarray(d["mean"]), "cov": np.asarray(d["cov"])}
 
@@ -247,10 +245,10 @@ def references(names=None) -> dict:
     changed = False
     for n in names:
         if n not in cache:
-            cache[n] = _to_json(compute_reference(n))
+            cache[n] = _jsonable(compute_reference(n))
             changed = True
         if "gaussian_optimum" not in cache[n]:
-            cache[n]["gaussian_optimum"] = _to_json(gaussian_optimum(n, _from_json(cache[n])))
+            cache[n]["gaussian_optimum"] = _jsonable(gaussian_optimum(n, _from_json(cache[n])))
             changed = True
     if changed:
         CACHE.parent.mkdir(parents=True, exist_ok=True)

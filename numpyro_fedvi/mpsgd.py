@@ -548,8 +548,8 @@ class MPSGD:
         second run on inputs of the same shapes does not recompile.  ``result.params`` is the averaged iterate;
         ``result.diagnostics["last_params"]`` the last one, plus ``num_particles`` (N_0), ``gradient_evaluations``
         (of this call) and, theory: ``L``, ``L_proj``, ``lambda``; adaptive: ``L`` and ``step_size`` (whitened, of the
-        current stage), ``iterate_spread`` (the last tail's largest detrended whitened iterate variance, behind that step),
-        ``stage_moves``, ``stages_completed``, ``converged``.
+        current stage), ``iterate_spread`` (the last tail's largest detrended whitened iterate variance, behind that
+        step), ``stage_moves``, ``stages_completed``, ``converged``.
         """
         if num_steps is None:
             if self.budget is None:

@@ -238,13 +238,9 @@ def make_whitened_step(potential: Callable, base, scale_type: str, num_particles
         in_tail = ok & (2 * (k - s.stage_start) > s.stage_length)
         count = s.avg_count + in_tail
         r = jnp.where(in_tail, 1.0 / jnp.maximum(count, 1.0), 0.0)
-        avg_loc = s.avg_loc + r * (loc - s.avg_loc)
-        avg_scale = s.avg_scale + r * (scale - s.avg_scale)
-        # Welford co-moment with the tail index t = count: C_n = C_{n-1} + (n - mean(1..n-1)) (x_n - x̄_n), as C_n / n
-        loc_trend = s.loc_trend + jnp.where(in_tail, 0.5 * (loc - avg_loc) - r * s.loc_trend, 0.0)
-        scale_trend = s.scale_trend + jnp.where(in_tail, 0.5 * (scale - avg_scale) - r * s.scale_trend, 0.0)
-        avg_loc_sq = s.avg_loc_sq + r * (loc**2 - s.avg_loc_sq)
-        avg_scale_sq = s.avg_scale_sq + r * (scale**2 - s.avg_scale_sq)
+        avg_loc, avg_loc_sq, loc_trend = _tail_moments(loc, s.avg_loc, s.avg_loc_sq, s.loc_trend, r, in_tail)
+        avg_scale, avg_scale_sq, scale_trend = _tail_moments(scale, s.avg_scale, s.avg_scale_sq, s.scale_trend, r,
+                                                             in_tail)
         curvature_sum = s.curvature_sum + jnp.where(ok, curvature, 0.0)
         state = s._replace(loc=loc, scale=scale, scale_inv=scale_inv, scale_logdet=logdet, smoothness=smoothness,
                            step_size=step_size, avg_count=count, avg_loc=avg_loc, avg_scale=avg_scale,
@@ -254,6 +250,15 @@ def make_whitened_step(potential: Callable, base, scale_type: str, num_particles
         return state, loss
 
     return step
+
+
+def _tail_moments(x, avg, avg_sq, trend, r, in_tail):
+    """The tail window's running mean, mean square and co-moment with the tail index ``t = n`` after the iterate
+    ``x`` (``r = 1/n`` in the tail, 0 outside): Welford's ``C_n = C_{n-1} + (n − mean(1..n−1))(x_n − x̄_n)``, kept
+    as ``C_n / n``."""
+    avg = avg + r * (x - avg)
+    trend = trend + jnp.where(in_tail, 0.5 * (x - avg) - r * trend, 0.0)
+    return avg, avg_sq + r * (x**2 - avg_sq), trend
 
 
 def tail_spread(state: WhitenedState):
