@@ -10,7 +10,8 @@ ELBO on ``S`` particles whose standard-normal base noise ``ε`` is controlled (�
   of a Gaussian-quadratic term with one coordinate is exact (``S = 2``: ±1, the 2-point Gauss–Hermite rule);
 * ``"orthogonal"`` (default): antithetic pairs; each site is projected (in particle space) off the draws of the
   earlier sites it shares no plate with (global vs local) and, slice by slice of its plates (datum by datum), off the
-  earlier sites in the same plates; then whitened jointly when its coordinates fit, else rescaled per coordinate.
+  earlier sites in the same plates; then whitened jointly when its coordinates fit (the particle rules count a
+  local site's own coordinates per datum, so they do), else rescaled per coordinate.
   Sample mean 0, second moments 1, every odd moment 0, and the global–local (and within-datum) cross moments
   ``mean_p ε_β,p ε_u,p`` exactly 0: these otherwise bias the global scale by ≈ 0.45/√S relative in a per-datum
   random-effects model, whatever N (each datum adds a cross term ``s·b_i·mean(ε_β ε_ui)`` to the global scale's
@@ -249,7 +250,9 @@ class ControlledDraws(ELBO):
     def particles_for(self, guide, rng_key, param_map, *args, **kwargs) -> int:
         """``S`` for this guide.  ``"auto"``: ``2(d + 2)`` in [min_particles, max_particles], d the most coordinates a
         site is made orthogonal to (the sites it shares no plate with, plus per slice the earlier sites in its
-        plates), so that each local coordinate keeps ≥ 2 antisymmetric dimensions: with one left, every datum gets
+        plates) plus, for a site in plates, its own coordinates per slice beyond the first (a per-datum vector is
+        whitened jointly: with too few particles its coordinates are ± one vector and the SAA of a likelihood that
+        couples them, ``Normal(w.sum(-1), σ)``, is off by ``±2 Σ b_j b_k`` per datum), so that each local coordinate keeps ≥ 2 antisymmetric dimensions: with one left, every datum gets
         ±the same vector and the non-quadratic (4th-order) error is the same for all data instead of averaging out
         over them.  ``"minimal"``: ``2(d + 1)`` in [min_particles, max_particles], the fewest that make every cross
         moment above exactly 0 (one antisymmetric dimension left per local coordinate); with fewer, a site is
@@ -263,8 +266,11 @@ class ControlledDraws(ELBO):
                   max(int(np.prod(m["fn"].batch_shape)), 1) if m["cond_indep_stack"] else 1)
                  for m in tr.values() if m["type"] == "sample" and not m["is_observed"] and m["fn"].has_rsample
                  and not m["infer"].get("enumerate")]
+        # a local site's m = n / size coordinates per datum are whitened jointly: they need m of the antisymmetric
+        # dimensions after the k it is projected off (a global site's own coordinates are not counted: fresh draws
+        # at every visit average their cross moments, and a full-rank latent would take the cap)
         d = max((sum(n if not q & p else n // size for q, n, size in sites[:i] if not q & p or (q == p and p))
-                 for i, (p, _, _) in enumerate(sites)), default=0)
+                 + (m // size - 1 if p else 0) for i, (p, m, size) in enumerate(sites)), default=0)
         return 2 * max(self.min_particles // 2, min(self.max_particles // 2,
                                                     d + (2 if self.num_particles == "auto" else 1)))
 

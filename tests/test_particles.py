@@ -150,6 +150,10 @@ def test_auto_number_of_particles():
     assert counted(hier_guide, num_particles="minimal", min_particles=12, max_particles=12) == 12
     assert counted(hier_guide, num_particles="minimal", min_particles=6) == 8
     assert counted(hier_guide, num_particles=6, min_particles=12, max_particles=12) == 6  # a number is kept as is
+    # a local site's own coordinates per datum count too (whitened jointly), a global site's do not
+    assert counted(lambda: vec_guide(XS)) == 2 * (1 + D_VEC + 1)
+    assert counted(lambda: vec_guide(XS), num_particles="minimal") == 2 * (1 + D_VEC)
+    assert counted(lambda: vec_guide(XS), num_particles="minimal", max_particles=6) == 6
     with pytest.raises(ValueError, match="auto / minimal"):
         ControlledDraws(Trace_ELBO(), num_particles="few")
     for bad in (5, 2, 18):
@@ -273,6 +277,58 @@ def test_random_effects_orthogonal_saa_is_exact_moment_matched_is_not(elbo):
     mm = ControlledDraws(elbo, num_particles=4, scheme="moment_matched")
     errs = [abs(float(mm.loss(k, p, re_model, re_guide, XS)) - float(exact)) for k in KEYS]
     assert max(errs) > 1e-2
+
+
+D_VEC = 3
+
+
+def vec_model(x):
+    c = numpyro.sample("c", dist.Normal(0.0, S0))
+    with numpyro.plate("data", x.shape[0]):
+        w = numpyro.sample("w", dist.Normal(0.0, TAU).expand([D_VEC]).to_event(1))
+        numpyro.sample("x", dist.Normal(c + w.sum(-1), SIG), obs=x)
+
+
+def vec_guide(x):
+    numpyro.sample("c", dist.Normal(numpyro.param("m", 0.0), numpyro.param("s", 1.0, constraint=constraints.positive)))
+    with numpyro.plate("data", x.shape[0]):
+        a = numpyro.param("a", jnp.zeros((x.shape[0], D_VEC)), event_dim=1)
+        b = numpyro.param("b", jnp.ones((x.shape[0], D_VEC)), event_dim=1, constraint=constraints.positive)
+        numpyro.sample("w", dist.Normal(a, b).to_event(1))
+
+
+def vec_neg_elbo(p, x):
+    """Closed-form mean-field -ELBO of x_i ~ N(c + Σ_k w_ik, σ), w_ik ~ N(0, τ), c ~ N(0, s0): the likelihood couples
+    a datum's coordinates (E(Σ_k b_k ε_k)² = Σ_k b_k² only when the draws' cross moments vanish)."""
+    m, s, a, b = p["m"], p["s"], p["a"], p["b"]
+    ll = jnp.sum(-0.5 * jnp.log(2 * jnp.pi * SIG**2)
+                 - ((x - m - a.sum(-1)) ** 2 + s**2 + jnp.sum(b**2, -1)) / (2 * SIG**2))
+    lw = jnp.sum(-0.5 * jnp.log(2 * jnp.pi * TAU**2) - (a**2 + b**2) / (2 * TAU**2))
+    lc = -0.5 * jnp.log(2 * jnp.pi * S0**2) - (m**2 + s**2) / (2 * S0**2)
+    ent = 0.5 * jnp.log(2 * jnp.pi * jnp.e * s**2) + jnp.sum(0.5 * jnp.log(2 * jnp.pi * jnp.e * b**2))
+    return -(ll + lw + lc + ent)
+
+
+@pytest.mark.parametrize("rule", ["minimal", "auto"])
+def test_local_vector_site_saa_is_exact_with_the_rules_particles(rule):
+    """A per-datum vector latent whose coordinates the likelihood couples: the rules count its own coordinates
+    (minimal: 2(1 + D), auto: 2(2 + D)), so each datum's draws are whitened jointly and the SAA ELBO and its
+    gradient are exact for every key; with the particles of the global/earlier-site count alone (4) the draws of a
+    datum's coordinates are ± one vector and the SAA is off."""
+    p = {"m": jnp.asarray(0.5), "s": jnp.asarray(0.3), "a": jnp.linspace(-1, 1, N_RE * D_VEC).reshape(N_RE, D_VEC),
+         "b": jnp.full((N_RE, D_VEC), 0.4) + jnp.linspace(0, 0.2, D_VEC)}
+    exact, exact_grad = jax.value_and_grad(lambda q: vec_neg_elbo(q, XS))(p)
+    loss = ControlledDraws(Trace_ELBO(), num_particles=rule)
+    assert loss.particles_for(vec_guide, KEYS[0], p, XS) == 2 * (1 + D_VEC + (rule == "auto"))
+    vg = jax.jit(jax.value_and_grad(lambda q, k: loss.loss(k, q, vec_model, vec_guide, XS)))
+    for key in KEYS:
+        value, grad = vg(p, key)
+        np.testing.assert_allclose(value, exact, rtol=1e-5)
+        for k in p:
+            np.testing.assert_allclose(grad[k], exact_grad[k], rtol=1e-4, atol=1e-4)
+    few = ControlledDraws(Trace_ELBO(), num_particles=4)
+    errs = [abs(float(few.loss(k, p, vec_model, vec_guide, XS)) - float(exact)) for k in KEYS]
+    assert max(errs) > 1.0
 
 
 def test_determinism_and_site_draws_independent_of_other_sites():
