@@ -331,7 +331,7 @@ class FedLocalVI:
         model's structure (also what a Flower server and client build, each on the arguments it has)."""
         return inspect_global_model(type(self).__name__, self.model, self.guide, rng_key, args,
                                     {**kwargs, **self.static_kwargs}, data_plate=self.data_plate,
-                                    init_params=init_params)
+                                    init_params=init_params, loss=self.loss)
 
     def _setup(self, rng_key, args, kwargs, init_params=None):
         if self._plate_mode:

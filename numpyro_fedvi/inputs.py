@@ -61,7 +61,9 @@ def _check_finite(tree, where: str) -> None:
         if isinstance(leaf, (jax.Array, np.ndarray, np.generic)) and not isinstance(leaf, jax.core.Tracer) \
                 and jnp.issubdtype(leaf.dtype, jnp.inexact) and not np.all(np.isfinite(np.asarray(leaf))):
             raise ValueError(f"{where}{jax.tree_util.keystr(path)} holds NaN or inf values; remove or impute them "
-                             "(or mask them in the model) before inference.")
+                             "before inference. Missing observations under numpyro's obs_mask= need no NaN: fill "
+                             "the masked-out entries with any finite value (e.g. np.where(mask, y, 0.0)) and keep "
+                             "obs_mask=mask.")
 
 
 def prepare_value(value, where: str):

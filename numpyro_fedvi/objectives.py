@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpyro.distributions as dist
 from numpyro import handlers
 from numpyro.infer import RenyiELBO, Trace_ELBO
 from numpyro.primitives import Messenger
@@ -100,6 +101,43 @@ class _PinLocal(Messenger):
             msg["kwargs"] = {**msg["kwargs"], "event_dim": None}
 
 
+def _masks_of(fn) -> jax.Array | bool:
+    """The elementwise mask of a (nested) ``MaskedDistribution`` (``True`` when none)."""
+    mask = True
+    while isinstance(fn, dist.MaskedDistribution):
+        mask = jnp.logical_and(mask, fn._mask)
+        fn = fn.base_dist
+    return mask
+
+
+class _ModelMasksOnGuide(Messenger):
+    """Mask the guide's density at ``sites`` where the MODEL masks theirs (its own handlers applied: ``model`` is the
+    model as the loss runs it).  For numpyro's ``obs_mask=`` (:func:`~numpyro_fedvi.structure.imputation_sites`):
+    ``y_unobserved`` at an observed row is no variable of the model (masked out of its density, discarded by the
+    deterministic ``y``), and its guide entropy alone would be maximised without bound — NumPyro's ELBO keeps it, and
+    PD-VI's Newton steps on the local rows then ran its scale to overflow and the global params with it.  The
+    model is traced (blocked from the loss's handlers) only for its masks: its density is not computed."""
+
+    def __init__(self, fn, model, sites):
+        self.model, self.sites, self.masks = model, tuple(sites), {}
+        super().__init__(fn)
+
+    def __call__(self, *args, **kwargs):
+        with handlers.block():
+            tr = handlers.trace(handlers.seed(self.model, 0)).get_trace(*args, **kwargs)
+        self.masks = {n: _masks_of(tr[n]["fn"]) for n in self.sites if n in tr}
+        return super().__call__(*args, **kwargs)
+
+    def process_message(self, msg):
+        if msg["type"] == "sample" and msg["name"] in self.masks:
+            msg["fn"] = msg["fn"].mask(self.masks[msg["name"]])
+
+
+def _without_imputed_entries(model, guide, structure: ModelStructure):
+    """``guide`` with :class:`_ModelMasksOnGuide` on the model's ``obs_mask`` imputation sites (as is without)."""
+    return _ModelMasksOnGuide(guide, model, structure.imputed_sites) if structure.imputed_sites else guide
+
+
 def block_loss_fn(elbo, model, guide, structure: ModelStructure, static_kwargs: dict | None = None) -> Callable:
     """Return ``loss(rng_key, global_unc, local_rows_unc, idx, mask, weight, args, kwargs)``.
 
@@ -141,7 +179,8 @@ def block_loss_fn(elbo, model, guide, structure: ModelStructure, static_kwargs: 
                     for k, v in local_rows_unc.items()}
             local, local_scale, m, g = structure.constrain_local(full), 1.0, model, guide
         m = _BlockScale(_PinLocal(m, local), plate.name, site_mask, local_scale, weight)
-        g = _BlockScale(_PinLocal(g, local), plate.name, site_mask, local_scale, weight)
+        g = _without_imputed_entries(m, _BlockScale(_PinLocal(g, local), plate.name, site_mask, local_scale, weight),
+                                     structure)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="subsample_size does not match")
             return fn(rng_key, params, m, g, *args, **kwargs, **static_kwargs)
@@ -196,7 +235,7 @@ def client_loss_fn(elbo, model, guide, structure, data_plate: str, num_total: in
         # scale · (data-plate terms + global terms / scale): the traced factor stays off the data-plate sites, whose
         # scale TraceEnum_ELBO needs as a Python number (it marginalises enumerated local latents there)
         m = _BlockScale(model, data_plate, mask, 1.0, 1.0 / scale)
-        g = _BlockScale(guide, data_plate, mask, 1.0, 1.0 / scale)
+        g = _without_imputed_entries(m, _BlockScale(guide, data_plate, mask, 1.0, 1.0 / scale), structure)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="subsample_size does not match")
             return scale * elbo_loss(elbo, rng_key, structure.constrain_global(theta), m, g, rows, *args, **kwargs)

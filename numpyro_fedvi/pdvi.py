@@ -545,7 +545,11 @@ class PDVI:
         host = self.local_table == "host"  # the initial table and the blocks are then built on the CPU device
         with _in_host_memory() if host else contextlib.nullcontext():
             structure = inspect_model(self.model, self.guide, rng_key, args, {**kwargs, **self.static_kwargs},
-                                      data_plate=self.data_plate, init_params=init_params)
+                                      data_plate=self.data_plate, init_params=init_params, loss=self.loss,
+                                      engine="PDVI")
+        if not structure.params:
+            raise ValueError("the guide has no numpyro.param sites to optimise (a model without latent variables, or "
+                             "a guide built for another model?).")
         if host:
             if not structure.data_plate.subsampled:
                 raise ValueError(f"local_table='host' needs a subsampled data plate (numpyro.plate("

@@ -32,7 +32,6 @@ __all__ = [
     "ModelStructure",
     "ParamInfo",
     "Partitions",
-    "check_finite_data",
     "inspect_model",
     "is_factor",
     "make_partitions",
@@ -104,6 +103,9 @@ class ModelStructure:
     init_global: dict[str, jax.Array] = field(repr=False)
     init_local: dict[str, jax.Array] = field(repr=False)
     trees: dict[str, tuple[Any, tuple[str, ...]]] = field(default_factory=dict, repr=False)
+    #: latent sites ``y_unobserved`` that numpyro's ``obs_mask=`` adds next to ``y_observed``: their entries at
+    #: observed rows are masked out of the model's density and never used (see :func:`imputation_sites`)
+    imputed_sites: tuple[str, ...] = ()
 
     @property
     def global_names(self) -> tuple[str, ...]:
@@ -220,21 +222,6 @@ def make_partitions(size: int, num_partitions: int | None = None, partitions=Non
     return Partitions(jnp.asarray(indices), jnp.asarray(mask), jnp.asarray(sizes))
 
 
-def check_finite_data(args: Sequence, kwargs: dict) -> None:
-    """Raise ``ValueError`` naming the argument when a floating array argument holds NaN or inf."""
-    named = [(f"positional argument {i}", a) for i, a in enumerate(args)] + [(f"argument {k!r}", v)
-                                                                          for k, v in kwargs.items()]
-    for where, value in named:
-        for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
-            if isinstance(leaf, (np.ndarray, jax.Array)) and jnp.issubdtype(leaf.dtype, jnp.inexact):
-                if isinstance(leaf, jax.core.Tracer):
-                    continue
-                if not bool(np.all(np.isfinite(np.asarray(leaf)))):
-                    loc = where + (jax.tree_util.keystr(path) if path else "")
-                    raise ValueError(f"{loc} holds NaN or inf values; remove or impute them (or mask them in "
-                                     "the model) before inference.")
-
-
 def _plates(*traces) -> dict[str, tuple[int, int | None]]:
     """All plates of the traces: name -> (size, subsample_size)."""
     found = {}
@@ -272,11 +259,46 @@ def _observation_plates(model_trace) -> list[str]:
     """Plates that enclose every observed sample site of the model (candidates for an unsubsampled data plate);
     ``numpyro.factor`` terms (a prior penalty outside the plate) count only when there is no other observation."""
     observed = [s for s in model_trace.values() if s["type"] == "sample" and s.get("is_observed")]
-    observed = [s for s in observed if not is_factor(s)] or observed
+    # a factor in a plate is a likelihood term; one outside every plate (a prior penalty) is not an observation
+    observed = ([s for s in observed if not is_factor(s)] or [s for s in observed if s["cond_indep_stack"]]
+                or observed)
     if not observed:
         return []
     common = set.intersection(*[{f.name for f in s["cond_indep_stack"]} for s in observed])
     return sorted(common)
+
+
+def imputation_sites(model_trace) -> tuple[str, ...]:
+    """The latent ``y_unobserved`` sites of numpyro's ``sample("y", ..., obs=y, obs_mask=m)``: with
+    ``y_observed`` (observed, masked to ``m``) and the deterministic ``y`` = where(m, observed, unobserved).  At a row
+    where ``m`` is True the entry of ``y_unobserved`` is masked out of the model's density and discarded by ``y``: a
+    variable the model does not have, whose guide entropy alone would be maximised without bound."""
+    out = []
+    for name, site in model_trace.items():
+        base = name[:-len("_unobserved")]
+        if (name.endswith("_unobserved") and site["type"] == "sample" and not site["is_observed"]
+                and model_trace.get(base + "_observed", {}).get("is_observed")
+                and model_trace.get(base, {}).get("type") == "deterministic"):
+            out.append(name)
+    return tuple(out)
+
+
+def warn_discrete_latents(model_trace, loss, engine: str) -> None:
+    """NumPyro SVI's warning, for every engine: a discrete latent site that ``loss`` cannot marginalise (e.g.
+    ``Trace_ELBO`` on a mixture whose assignment is enumerated; ``TraceEnum_ELBO`` can)."""
+    inner = getattr(loss, "elbo", loss)
+    if loss is None or getattr(inner, "can_infer_discrete", False):
+        return
+    discrete = [n for n, s in model_trace.items() if s["type"] == "sample" and not s["is_observed"]
+                and s["fn"].support.is_discrete]
+    if discrete:
+        warnings.warn(f"{engine} with {type(inner).__name__} does not support models with discrete latent variables "
+                      f"({discrete}): use TraceEnum_ELBO with the sites enumerated (infer={{'enumerate': "
+                      "'parallel'}}) and hidden from the guide.", stacklevel=4)
+
+
+def _no_observation(model_trace) -> bool:
+    return not any(s["type"] == "sample" and s["is_observed"] for s in model_trace.values())
 
 
 def _rows_of_data(args, kwargs) -> set[int]:
@@ -294,6 +316,8 @@ def inspect_model(
     data_plate: str | None = None,
     init_params: dict | None = None,
     require_data_plate: bool = True,
+    loss=None,
+    engine: str = "This engine",
 ) -> ModelStructure:
     """Trace ``guide`` and ``model`` (replayed against the guide) once and describe their params.
 
@@ -306,6 +330,8 @@ def inspect_model(
     :param data_plate: name of the data plate (needed when there is no or more than one subsampled plate).
     :param init_params: constrained values overriding the guide's ``numpyro.param`` init values.
     :param require_data_plate: raise when the data plate cannot be found.
+    :param loss: the ELBO the engine evaluates: a discrete latent it cannot marginalise is warned about (as SVI does).
+    :param engine: the engine's name in messages.
     """
     kwargs = dict(kwargs or {})
     model_key, guide_key = random.split(rng_key)
@@ -320,6 +346,7 @@ def inspect_model(
                                         guide_params)
         model_trace = handlers.trace(model_run).get_trace(*args, **kwargs)
 
+    warn_discrete_latents(model_trace, loss, engine)
     plates = _plates(guide_trace, model_trace)
     subsampled = sorted(n for n, (size, sub) in plates.items() if sub is not None and sub < size)
     if data_plate is not None:
@@ -338,6 +365,9 @@ def inspect_model(
             rows = _rows_of_data(args, kwargs)
             candidates = [c for c in candidates if plates[c][0] in rows] or candidates
         plate_name = candidates[0] if len(candidates) == 1 else None
+        if plate_name is None and require_data_plate and _no_observation(model_trace):
+            raise ValueError("The model observes nothing (no sample site with obs=... and no numpyro.factor): pass "
+                             "the observations as for SVI, e.g. run(key, num_steps, x, y=y) for model(x, y=None).")
         if plate_name is None and require_data_plate:
             found = (f"plates holding every observation: {candidates}, sizes "
                      f"{[int(plates[c][0]) for c in candidates]}, none alone the leading size of an array argument"
@@ -392,7 +422,7 @@ def inspect_model(
         else:
             init_local[name] = jnp.moveaxis(unc, local_axis, 0)
             init_global.pop(name, None)
-    return ModelStructure(infos, plate, init_global, init_local, trees)
+    return ModelStructure(infos, plate, init_global, init_local, trees, imputation_sites(model_trace))
 
 
 def _tree_leaves(name: str, value, tree) -> dict[str, Any]:
@@ -420,10 +450,11 @@ def _leaf_sites(sites: list[dict], trees: dict) -> list[dict]:
 
 
 def inspect_global_model(engine: str, model, guide, rng_key, args, kwargs, *, data_plate=None,
-                         init_params=None) -> ModelStructure:
+                         init_params=None, loss=None) -> ModelStructure:
     """:func:`inspect_model` for the federated engines, whose guides have GLOBAL params only (``engine`` names the
     engine in the errors): no param inside the data plate, and at least one param to optimise."""
-    structure = inspect_model(model, guide, rng_key, args, kwargs, data_plate=data_plate, init_params=init_params)
+    structure = inspect_model(model, guide, rng_key, args, kwargs, data_plate=data_plate, init_params=init_params,
+                              loss=loss, engine=engine)
     if structure.local_names:
         raise ValueError(f"{engine} supports guides with global params only; local params "
                          f"{list(structure.local_names)} live inside the data plate {structure.data_plate.name!r} "

@@ -360,3 +360,76 @@ def test_enumerating_clients_sum_to_the_full_loss(layer):
     weights = [len(i) / x.shape[0] for i in ids]
     np.testing.assert_allclose(sum(w * v for w, v in zip(weights, values)), full, rtol=1e-5)
     assert abs(float(values[0]) - float(values[1])) > 1.0  # the clients differ: the identity is not trivial
+
+
+# ----------------------------------------------------------------------------------------------------------
+# numpyro's obs_mask: the imputation site's entries at observed rows are no variables of the model
+# ----------------------------------------------------------------------------------------------------------
+MISSING = np.array([True, False, True, True, False, True, False, True, True, False])  # observed rows
+
+
+def missing_model(y, mask):
+    mu = numpyro.sample("mu", dist.Normal(0.0, S0))
+    with numpyro.plate("data", y.shape[0]):
+        numpyro.sample("y", dist.Normal(mu, SIG), obs=y, obs_mask=mask)
+
+
+def missing_guide(y, mask):
+    numpyro.sample("mu", dist.Normal(numpyro.param("m", 0.0), numpyro.param("s", 1.0, constraint=constraints.positive)))
+    with numpyro.plate("data", y.shape[0]):
+        a = numpyro.param("a", jnp.zeros(y.shape[0]), event_dim=0)
+        b = numpyro.param("b", jnp.ones(y.shape[0]), event_dim=0, constraint=constraints.positive)
+        numpyro.sample("y_unobserved", dist.Normal(a, b))
+
+
+def missing_neg_elbo(p, y, obs):
+    """Closed form: observed rows' likelihood, the missing rows' latent terms and entropies, nothing at the observed
+    rows of the imputation site."""
+    m, s, a, b = p["m"], p["s"], p["a"], p["b"]
+    lo = jnp.sum(jnp.where(obs, -0.5 * jnp.log(2 * jnp.pi * SIG**2) - ((y - m) ** 2 + s**2) / (2 * SIG**2), 0.0))
+    lm = jnp.sum(jnp.where(obs, 0.0, -0.5 * jnp.log(2 * jnp.pi * SIG**2) - ((a - m) ** 2 + b**2 + s**2) / (2 * SIG**2)
+                           + 0.5 * jnp.log(2 * jnp.pi * jnp.e * b**2)))
+    lp = -0.5 * jnp.log(2 * jnp.pi * S0**2) - (m**2 + s**2) / (2 * S0**2)
+    return -(lo + lm + lp + 0.5 * jnp.log(2 * jnp.pi * jnp.e * s**2))
+
+
+@pytest.mark.parametrize("subsampled", [False, True])
+def test_obs_mask_imputed_entries_at_observed_rows_leave_the_objective(subsampled):
+    """The blocks' losses (exact SAA: controlled draws) sum to the closed-form -ELBO in which ``y_unobserved`` has no
+    entry at an observed row; its params there get no gradient (NumPyro's ELBO keeps their entropy, unbounded)."""
+    from numpyro_fedvi.particles import ControlledDraws
+
+    y = jnp.where(MISSING, Y, 0.0)
+
+    def sub_model(y, mask):
+        mu = numpyro.sample("mu", dist.Normal(0.0, S0))
+        with numpyro.plate("data", y.shape[0], subsample_size=3) as idx:
+            numpyro.sample("y", dist.Normal(mu, SIG), obs=y[idx], obs_mask=mask[idx])
+
+    def sub_guide(y, mask):
+        numpyro.sample("mu", dist.Normal(numpyro.param("m", 0.0),
+                                         numpyro.param("s", 1.0, constraint=constraints.positive)))
+        with numpyro.plate("data", y.shape[0], subsample_size=3):
+            a = numpyro.param("a", jnp.zeros(y.shape[0]), event_dim=0)
+            b = numpyro.param("b", jnp.ones(y.shape[0]), event_dim=0, constraint=constraints.positive)
+            numpyro.sample("y_unobserved", dist.Normal(a, b))
+
+    model, guide = (sub_model, sub_guide) if subsampled else (missing_model, missing_guide)
+    st = inspect_model(model, guide, random.key(0), (y, MISSING))
+    assert st.imputed_sites == ("y_unobserved",) and st.local_names == ("a", "b")
+    p = {"m": jnp.asarray(0.4), "s": jnp.asarray(0.3), "a": jnp.linspace(-1, 1, M), "b": jnp.full(M, 0.6)}
+    g, loc = st.unconstrain(p)
+    bl = block_loss_fn(ControlledDraws(Trace_ELBO(), "minimal"), model, guide, st)
+    parts = make_partitions(M, partitions=RE_UNEQUAL)
+
+    def total(loc):
+        out = 0.0
+        for idx, mask, n_b in zip(parts.indices, parts.mask, parts.sizes):
+            out += bl(random.key(1), g, {k: v[idx] for k, v in loc.items()}, idx, mask, n_b / M, (y, MISSING), {})
+        return out
+
+    value, grad = jax.value_and_grad(total)(loc)
+    np.testing.assert_allclose(value, missing_neg_elbo(p, Y, MISSING), rtol=1e-5)
+    for k in ("a", "b"):
+        assert np.all(np.asarray(grad[k])[MISSING] == 0.0)
+        assert np.all(np.abs(np.asarray(grad[k])[~MISSING]) > 1e-3)

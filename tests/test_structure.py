@@ -1,6 +1,8 @@
 """Model structure: global/local classification of guide params, data plate detection, fixed partitions,
 finite-data checks (numpyro_fedvi.structure)."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,7 +15,8 @@ from jax import random
 from numpyro.distributions import constraints
 from numpyro.infer.autoguide import AutoNormal
 
-from numpyro_fedvi.structure import check_finite_data, inspect_model, make_partitions
+from numpyro_fedvi.inputs import prepare_inputs
+from numpyro_fedvi.structure import inspect_model, make_partitions
 
 N = 12
 X = jnp.linspace(-1.0, 1.0, N)
@@ -224,6 +227,49 @@ def test_error_no_plate_around_every_observation():
         inspect_model(no_plate, _global_guide, random.key(0), (X,))
 
 
+def test_factor_likelihood_in_the_plate_with_a_global_penalty_factor():
+    """A model whose only likelihood is a ``numpyro.factor`` inside the plate, plus a penalty factor outside every
+    plate: the plated factor is the observation (the global one is no data), so the plate is found."""
+    def model(x):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+        numpyro.factor("penalty", -0.5 * mu**2)
+        with numpyro.plate("data", N):
+            numpyro.factor("lik", dist.Normal(mu, 1.0).log_prob(x))
+
+    s = inspect_model(model, _global_guide, random.key(0), (X,))
+    assert s.data_plate.name == "data" and s.data_plate.size == N
+
+
+def test_error_model_observing_nothing_names_the_missing_observations():
+    """``y=None`` left at its default: every site is latent; the error says so instead of "ambiguous plate"."""
+    def model(x, y=None):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+        with numpyro.plate("data", N):
+            numpyro.sample("y", dist.Normal(mu, 1.0), obs=y)
+
+    with pytest.raises(ValueError, match="observes nothing.*y=y"):
+        inspect_model(model, _global_guide, random.key(0), (X,))
+
+
+def test_discrete_latent_warned_for_an_elbo_that_cannot_marginalise_it():
+    """As NumPyro's SVI: ``Trace_ELBO`` on a model with an enumerated discrete latent is warned about (it silently
+    gave a wrong mixture); ``TraceEnum_ELBO`` is not."""
+    from numpyro.infer import Trace_ELBO, TraceEnum_ELBO
+
+    def model(x):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+        with numpyro.plate("data", N):
+            z = numpyro.sample("z", dist.Bernoulli(0.5), infer={"enumerate": "parallel"})
+            numpyro.sample("y", dist.Normal(mu * z, 1.0), obs=x)
+
+    guide = lambda x: _global_guide(x)  # noqa: E731  (z is not in the guide: enumerated in the model)
+    with pytest.warns(UserWarning, match=r"PDVI with Trace_ELBO does not support.*\['z'\].*TraceEnum_ELBO"):
+        inspect_model(model, guide, random.key(0), (X,), loss=Trace_ELBO(), engine="PDVI")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        inspect_model(model, guide, random.key(0), (X,), loss=TraceEnum_ELBO(), engine="PDVI")
+
+
 def _two_plate_model(x):
     mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
     with numpyro.plate("rows", N, subsample_size=3) as i:
@@ -276,16 +322,16 @@ def test_error_local_param_wrong_data_axis_size(shape):
     assert str(e.value).count(str(shape)) == 1 or "N=12" in str(e.value)
 
 
-def test_check_finite_data_names_argument():
-    check_finite_data((X, 3, "text", None), {"n": 5, "ids": jnp.arange(3)})  # fine
+def test_non_finite_data_refused_naming_the_argument():
+    prepare_inputs((X, 3, "text", None), {"n": 5, "ids": jnp.arange(3)})  # fine
     with pytest.raises(ValueError, match="positional argument 1"):
-        check_finite_data((X, X.at[2].set(jnp.nan)), {})
-    with pytest.raises(ValueError, match="'y'"):
-        check_finite_data((X,), {"y": np.array([1.0, np.inf])})
+        prepare_inputs((X, X.at[2].set(jnp.nan)), {})
+    with pytest.raises(ValueError, match="'y'.*obs_mask"):
+        prepare_inputs((X,), {"y": np.array([1.0, np.inf])})
     with pytest.raises(ValueError, match="'data'.*'obs'"):
-        check_finite_data((), {"data": {"obs": np.array([[1.0, -np.inf]]), "ok": np.zeros(2)}})
+        prepare_inputs((), {"data": {"obs": np.array([[1.0, -np.inf]]), "ok": np.zeros(2)}})
     # integers are never NaN
-    check_finite_data((np.array([1, 2]),), {})
+    prepare_inputs((np.array([1, 2]),), {})
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -238,7 +238,7 @@ class FedSVI(FedMM):
         what a Flower server and client build, each on the arguments it has)."""
         structure = inspect_global_model("FedSVI", self.model, self.guide, rng_key, args,
                                          {**kwargs, **self.static_kwargs}, data_plate=self.data_plate,
-                                         init_params=init_params)
+                                         init_params=init_params, loss=self.loss)
         if self.prox is not None and self.prox.sites is not None:
             missing = sorted(self.prox.sites - set(structure.global_names))
             if missing:
