@@ -16,16 +16,33 @@ every datum), and returns the groups
   the approximation.
 
 Draws are iid: R-hat and ESS mean nothing for them; k̂ is the diagnostic.
+
+A guide that trains as something other than the posterior it stands for is drawn from that posterior: NumPyro's
+``AutoLaplaceApproximation`` trains a Delta at the MAP (run as a guide, or through ``Predictive(model, guide=...)``,
+it returns the MAP every time), and stands for the Laplace approximation ``N(MAP, H⁻¹)`` of the unconstrained
+latents, ``H`` the Hessian of −log p(θ, y) (with the Jacobians of the guide's transforms) at the MAP.
+``to_datatree`` computes ``H`` on the FULL data (with the model's enumerated sites summed out, like ``lp``) —
+``guide.get_posterior(params)`` takes it on the arguments the guide was first run with, a minibatch when the plate
+is subsampled — and draws from and scores by this Gaussian pushed through the guide's transforms, so ``log_q`` is
+the Laplace approximation's density and k̂ diagnoses it (a MAP off the mode shows in k̂ too).
+Every other NumPyro autoguide trains as the distribution its ``sample_posterior`` draws from (``AutoDelta`` is a
+point mass both ways) and is drawn by running it.  A Laplace part of an ``AutoGuideList`` is refused: NumPyro takes
+its Hessian on the part's blocked model (the prior of its sites alone), not an approximation of the posterior.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import random
 from numpyro import handlers
+from numpyro.distributions import MultivariateNormal
+from numpyro.distributions.util import cholesky_of_inverse
 from numpyro.infer import Predictive
+from numpyro.infer.autoguide import AutoGuideList, AutoLaplaceApproximation
 from numpyro.infer.util import log_density
 from numpyro.primitives import Messenger
 
@@ -77,12 +94,71 @@ def _params(result):
     return params
 
 
-def _guide_draws(guide, params, num_samples, key, args, kwargs):
-    """``(draws, log_q)``: every sample site of the guide (auxiliary ``_..._latent`` sites included), the same
-    ``num_samples`` draws as ``Predictive(guide, params=params)(key, ...)``, and ``log q`` of each draw scored in
-    the draw's own trace, through the intermediates of its transforms: a flow without an analytic inverse
-    (``AutoBNAFNormal``) scores its draws too."""
+class _laplace_latent(Messenger):
+    """Effect handler: the auxiliary ``_{prefix}_latent`` site of an ``AutoLaplaceApproximation`` draws from and is
+    scored by the Laplace approximation ``posterior`` instead of the guide's training-time Delta at the MAP (the
+    guide then constrains the draw and scores the Jacobians as usual)."""
+
+    def __init__(self, fn=None, site=None, posterior=None):
+        self.site, self.posterior = site, posterior
+        super().__init__(fn)
+
+    def process_message(self, msg):
+        if msg["type"] == "sample" and msg["name"] == self.site:
+            msg["fn"] = self.posterior
+
+
+def _refuse_laplace_parts(guide):
+    for part in guide if isinstance(guide, AutoGuideList) else ():
+        if isinstance(part, AutoLaplaceApproximation):
+            raise NotImplementedError(
+                "to_datatree does not support an AutoLaplaceApproximation inside an AutoGuideList: its Laplace "
+                "covariance is not defined on the joint model (NumPyro's sample_posterior takes the Hessian of the "
+                "part's blocked model, the prior of its sites alone). Use AutoLaplaceApproximation on the whole "
+                "model, or another guide for the part.")
+        _refuse_laplace_parts(part)
+
+
+def _posterior_guide(model, guide, params, args, kwargs):
+    """The guide as the posterior it stands for: ``AutoLaplaceApproximation`` with its auxiliary latent drawn from
+    the Laplace approximation ``N(MAP, H⁻¹)``, ``H`` the Hessian at the MAP ``params["{prefix}_loc"]`` of
+    −log p(θ(u), y) − log|det ∂θ/∂u| on the FULL data (enumerated sites summed out); any other guide as it is
+    (:func:`full_data` on both).  A singular or indefinite ``H`` gives constant draws at the MAP with a warning,
+    as NumPyro's ``get_posterior`` does (their ``log_q``, hence k̂, is then not finite)."""
+    _refuse_laplace_parts(guide)
     guide_f = full_data(guide)
+    if not isinstance(guide, AutoLaplaceApproximation):
+        return guide_f
+    model_f = full_data(model)
+    loc_name = f"{guide.prefix}_loc"
+    loc = jnp.asarray(params[loc_name])
+    # one concrete run first: sets the guide up outside any trace, and gives the MAP's sites for the enum info
+    tr = handlers.trace(handlers.seed(handlers.substitute(guide_f, data=params), 0)).get_trace(*args, **kwargs)
+    at_map = _latent({n: s["value"] for n, s in tr.items() if s["type"] == "sample"})
+    density = log_density_fn(enum_info(model_f, args, kwargs, provided=at_map))
+
+    def neg_log_posterior(u):  # the guide's Deltas score −log|det ∂θ/∂u| at θ(u)
+        log_delta, tr_u = log_density(handlers.seed(guide_f, 0), args, kwargs, {**params, loc_name: u})
+        theta = _latent({n: s["value"] for n, s in tr_u.items() if s["type"] == "sample"})
+        return log_delta - density(model_f, args, kwargs, theta)
+
+    hessian_fn = getattr(guide, "_hessian_fn", None) or (lambda f, x: jax.hessian(f)(x))
+    scale_tril = np.asarray(jax.jit(lambda u: cholesky_of_inverse(hessian_fn(neg_log_posterior, u)))(loc))
+    if np.any(np.isnan(scale_tril)):
+        warnings.warn("to_datatree: the Hessian of the full-data log posterior at the MAP of the "
+                      "AutoLaplaceApproximation is singular or indefinite; its draws are constant at the MAP "
+                      "and k̂ is NaN. Is the MAP converged? Consider an AutoNormal guide.", stacklevel=3)
+        scale_tril = np.where(np.isnan(scale_tril), 0.0, scale_tril)
+    posterior = MultivariateNormal(loc, scale_tril=jnp.asarray(scale_tril, loc.dtype), validate_args=False)
+    return _laplace_latent(guide_f, site=f"_{guide.prefix}_latent", posterior=posterior)
+
+
+def _guide_draws(guide_f, params, num_samples, key, args, kwargs):
+    """``(draws, log_q)``: every sample site of the guide ``guide_f`` (:func:`_posterior_guide`; auxiliary
+    ``_..._latent`` sites included) — for any guide but a Laplace one the same ``num_samples`` draws as
+    ``Predictive(full_data(guide), params=params)(key, ...)`` — and ``log q`` of each draw scored in the draw's own
+    trace, through the intermediates of its transforms: a flow without an analytic inverse (``AutoBNAFNormal``)
+    scores its draws too."""
 
     def one(k):
         log_q, tr = log_density(handlers.seed(guide_f, k), args, kwargs, params)
@@ -112,10 +188,10 @@ def importance_log_weights(model, guide, params, draws, args=(), kwargs=None):
     ``draws`` are the guide's sample sites (as from ``Predictive(guide, ...)``, auxiliary sites included);
     ``lp − log_q`` are the importance weights of q as a proposal for the posterior (Yao et al. 2018).  ``log q``
     re-scores the given values (the guide's transforms must be invertible); ``to_datatree`` scores its own draws
-    in their traces instead.
+    in their traces instead.  An ``AutoLaplaceApproximation`` scores its Laplace approximation (module docstring).
     """
     kwargs = dict(kwargs or {})
-    guide_f = full_data(guide)
+    guide_f = _posterior_guide(model, guide, params, args, kwargs)
     log_q = jax.lax.map(lambda d: log_density(guide_f, args, kwargs, {**params, **d})[0], draws)
     return _log_joint(model, args, kwargs, draws), log_q
 
@@ -165,7 +241,8 @@ def to_datatree(engine, result, *args, num_samples: int = 1000, rng_key=None, lo
     key = random.key(0) if rng_key is None else rng_key
     k_draw, k_trace, k_pred = random.split(key, 3)
 
-    draws, log_q = _guide_draws(guide, params, num_samples, k_draw, args, kwargs)
+    draws, log_q = _guide_draws(_posterior_guide(model, guide, params, args, kwargs), params, num_samples, k_draw,
+                                args, kwargs)
     first = _latent({k: v[0] for k, v in draws.items()})
     latent_names, observed, deterministic, info = _observed_sites(model, first, k_trace, args, kwargs)
     posterior = {k: v for k, v in draws.items() if k in latent_names}
