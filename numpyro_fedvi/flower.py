@@ -17,9 +17,10 @@ with the SAME functional core as the in-process engines (no duplicated math):
   message to that client), so V_t = Σ_i μ_i V_{t,i} holds even when replies are dropped.
 * :class:`FedLocalVIStrategy` — FedLocalVI (every solver, drift correction included) and RobustFedVI: the clients
   run the round's K local steps with the engine's solver, the server averages; a two-sync solver (LESGD, local
-  dual averaging) takes two Flower rounds per engine round (``vi_solvers.Solver.halves``); the engines' default
-  ``step_size="auto"`` refreshes its preconditioner with QUERY messages (the clients' Hessian diagonals, then
-  their eigenvalues — RobustFedVI's groups: singular values: ``FedLocalVIStrategy._refresh``).
+  dual averaging) takes two Flower rounds per engine round (``vi_solvers.Solver.halves``); after each engine round
+  an EVALUATE exchange gives ``FedLocalVI.update``'s loss (every client's objective at the new output iterate);
+  the engines' default ``step_size="auto"`` refreshes its preconditioner with QUERY messages (the clients' Hessian
+  diagonals, then their eigenvalues — RobustFedVI's groups: singular values: ``FedLocalVIStrategy._refresh``).
 * :class:`PDVIStrategy` — PD-VI / P²D-VI in federated form: a client is one block with its local rows and dual
   in ``Context.state``; the server runs :func:`~numpyro_fedvi.pdvi.consensus_update` on their λ_i.
 * :func:`make_server_app` and :func:`simulate` (Flower's simulation engine on loopback, telemetry off).
@@ -267,16 +268,19 @@ class _FedLocalVIClient:
         self.z_template = z0
         self.base = engine.base_solver()
         self.broadcast_template = _local_broadcast_template(z0, self.base, engine.auto_step)
+        # an EVALUATE message: the engine's reported point (its output iterate, z-space) and the loss's fixed key
+        self.evaluate_template = {"z": z0, "key": engine._eval_key(self._state(self.broadcast_template, 0))}
         self.carry_template = {"z": z0, "out_sum": z0}
         (self.round, self.first_half, self.second_half, self.curvature, self.eigenvalue,
-         self.rescale) = _shared_programs(
+         self.rescale, self.objective) = _shared_programs(
             (app_token, num_total, num_clients, _shapes(self.inputs), _shapes(z0)), lambda: (
                 InputJit(lambda s, inputs: self._round(*s, inputs)),
                 InputJit(lambda s, inputs: self._first_half(*s, inputs)),
                 InputJit(lambda s, inputs: self._second_half(*s, inputs)),
                 InputJit(lambda s, inputs: self._curvature(*s, inputs)),
                 InputJit(lambda s, inputs: self._eigenvalue(*s, inputs)),
-                InputJit(lambda s, inputs: self._rescale(*s, inputs))))
+                InputJit(lambda s, inputs: self._rescale(*s, inputs)),
+                InputJit(lambda s, inputs: self._evaluate(*s, inputs))))
 
     def _state(self, b, m):
         """The one-client solver state of the broadcast ``b`` (client ``m``)."""
@@ -298,20 +302,21 @@ class _FedLocalVIClient:
             op = vs.corrected_operator(op, jax.tree.map(lambda a: a[None], h), row=lambda _: 0)
         return st, loss, op
 
-    def _objective(self, st, loss, key=None, z=None):
-        """The client's objective F_m at ``z`` (default: the round's synchronised primal iterate) with ``key``
-        (default: the engine's evaluation key)."""
-        e = self.engine
-        key = e._eval_key(st) if key is None else key
-        z = e._iterate(st, "last") if z is None else z
-        return loss(key, e._theta(z), self.rows.data[0], self.rows.mask[0])
+    def _objective(self, loss, key, z):
+        """The client's objective F_m at the solver variable ``z`` with the Monte-Carlo key ``key``."""
+        return loss(key, self.engine._theta(z), self.rows.data[0], self.rows.mask[0])
+
+    def _evaluate(self, b, inputs):
+        """F_m at an EVALUATE message's point: the engine's output iterate after a round, with its fixed loss key
+        (the server combines them into ``FedLocalVI.update``'s loss)."""
+        return self._objective(self.engine._client_loss(inputs), b["key"], b["z"])
 
     # -- step_size="auto": this client's parts of FedLocalVI._refreshed at the broadcast's θ̄ and round -----------
     def _curvature(self, b, m, inputs):
         """``diag ∇²F_m(θ̄)`` of this client's objective (the server sums ``μ_m`` times it: ``H``)."""
         e, st = self.engine, self._state(b, m)
         loss, key = e._client_loss(inputs), e._refresh_key(st)
-        return diag_hessian(lambda z: self._objective(st, loss, key, z), e._iterate(st, "last"), key=key)
+        return diag_hessian(lambda z: self._objective(loss, key, z), e._iterate(st, "last"), key=key)
 
     def _eigenvalue(self, b, m, inputs):
         """``λ_m`` at θ̄ with the server's new ``H`` (``b["curvature"]``)."""
@@ -339,10 +344,10 @@ class _FedLocalVIClient:
         raise ValueError(f"unknown FedLocalVI query {kind!r}.")
 
     def _round(self, b, h, m, inputs):
-        """The round's K local steps of client m from the broadcast ``b``, and its objective at ``b["z"]``."""
-        st, loss, op = self._setup(b, h, m, inputs)
+        """The round's K local steps of client m from the broadcast ``b``: its pre-sync z and output."""
+        st, _, op = self._setup(b, h, m, inputs)
         new, _ = self.base.round(st, op)
-        return jax.tree.map(lambda a: a[0], new.z), new.output, self._objective(st, loss)
+        return jax.tree.map(lambda a: a[0], new.z), new.output
 
     def _first_half(self, b, h, m, inputs):
         """Phase 0 of a two-sync round: ``(carry, x)``, x this client's first call of the last step."""
@@ -351,11 +356,11 @@ class _FedLocalVIClient:
         return {"z": jax.tree.map(lambda a: a[0], z), "out_sum": out_sum}, jax.tree.map(lambda a: a[0], x)
 
     def _second_half(self, b, h, m, carry, inputs):
-        """Phase 1: the second call of the last step from the server's x̄; pre-sync z, output and objective."""
-        st, loss, op = self._setup(b, h, m, inputs)
+        """Phase 1: the second call of the last step from the server's x̄; pre-sync z and output."""
+        st, _, op = self._setup(b, h, m, inputs)
         carry = (jax.tree.map(lambda a: a[None], carry["z"]), carry["out_sum"])
         new = self.base.halves[1](st, op, carry, jax.tree.map(lambda a: a[None], b["x"]))
-        return jax.tree.map(lambda a: a[0], new.z), new.output, self._objective(st, loss)
+        return jax.tree.map(lambda a: a[0], new.z), new.output
 
     def train(self, i, b, cfg, state):
         e = self.engine
@@ -383,12 +388,16 @@ class _FedLocalVIClient:
             if _CARRY not in state or int(state[_META]["carry-round"]) != int(b["round"]):
                 raise ValueError(f"phase 1 of round {int(b['round'])} without this client's phase 0.")
             carry = from_record(state[_CARRY], self.carry_template)
-            z, output, objective = self.second_half((b, h_used, i, carry), self.inputs)
+            z, output = self.second_half((b, h_used, i, carry), self.inputs)
         else:
-            z, output, objective = self.round((b, h_used, i), self.inputs)
+            z, output = self.round((b, h_used, i), self.inputs)
         _save(state, {"h": h, "presync": z},
               {"round": int(b["round"]), "carry-round": -1, "rescaled-round": rescaled})
-        return {"z": z, "output": output}, {"objective": float(objective)}
+        return {"z": z, "output": output}, {}
+
+    def evaluate(self, i, b, cfg, state):
+        """An EVALUATE message (after every engine round): F_m at the engine's output iterate."""
+        return float(self.objective((b,), self.inputs))
 
 
 class _PDVIClient:
@@ -611,6 +620,16 @@ def make_client_app(engine, data_fn: Callable, *, stat_template=None):
                                                          "phase": int(cfg.get("phase", 0))}),
                                    "metrics": MetricRecord(metrics)}), reply_to=msg)
 
+    @app.evaluate()
+    def evaluate(msg, context):   # FedLocalVI / RobustFedVI: the round's loss at the new iterate
+        cfg = msg.content["config"]
+        i, c = setup(context, int(cfg["num-total"]), int(cfg["num-clients"]))
+        if not hasattr(c, "evaluate"):
+            raise ValueError(f"{type(engine).__name__} clients take no EVALUATE message.")
+        objective = c.evaluate(i, from_record(msg.content["broadcast"], c.evaluate_template), cfg, context.state)
+        return Message(RecordDict({"meta": ConfigRecord({"partition-id": i, "evaluation": int(cfg["evaluation"])}),
+                                   "metrics": MetricRecord({"objective": objective})}), reply_to=msg)
+
     return app
 
 
@@ -632,6 +651,12 @@ class _EngineStrategy(_strategy_base()):
     dropped with a reason, the losses and the result.  Subclasses give the round's clients, the broadcast, the
     reply template and the server step."""
 
+    #: where a round's loss comes from: False: the train replies' objectives at the round's broadcast point (FedMM,
+    #: FedSVI, PD-VI: their engines report the loss at the iterate the round starts from); True: an EVALUATE
+    #: exchange after the round at :meth:`_evaluation_broadcast` (FedLocalVI: ``update`` reports the loss at the
+    #: iterate the round ends at, a point the clients learn only after the server's average)
+    _evaluates = False
+
     def __init__(self, engine, num_clients: int, timeout: float):
         _client_type(engine)
         if isinstance(num_clients, bool) or not isinstance(num_clients, (int, np.integer)) or num_clients < 1:
@@ -642,6 +667,7 @@ class _EngineStrategy(_strategy_base()):
         self.dropped: list[tuple[int, int | None, str]] = []
         self.losses: list[float] = []
         self._loss = float("nan")
+        self._evaluation_due = False   # _evaluates: an engine round ended and its loss is still to be evaluated
         self._round = None
         self.phases, self.phase = 1, 0   # Flower rounds per engine round (2: LESGD, dual averaging); the next one
 
@@ -784,23 +810,70 @@ class _EngineStrategy(_strategy_base()):
             self.dropped.append((t, None, "non-finite server step: round skipped"))
             log.warning("round %d: the aggregated step is not finite; the round is skipped", t)
             self.phase = 0
-        if objectives:
-            self._loss = self._round_loss(objectives)
-        if self.phase == 0:   # the engine round is complete (or skipped)
-            self.losses.append(self._loss)
-        return to_record(self._broadcast()), MetricRecord({"answered": int(received.sum()), "asked": len(position),
-                                                           "loss": self._loss})
+        metrics = {"answered": int(received.sum()), "asked": len(position)}
+        if self.phase == 0 and self._evaluates:   # the engine round is complete (or skipped): evaluate its loss
+            self._evaluation_due = True
+        elif not self._evaluates:
+            if objectives:
+                self._loss = self._round_loss(objectives)
+            if self.phase == 0:   # the engine round is complete (or skipped)
+                self.losses.append(self._loss)
+            metrics["loss"] = self._loss
+        return to_record(self._broadcast()), MetricRecord(metrics)
+
+    def _evaluation_broadcast(self):   # _evaluates: the pytree every client evaluates its objective at
+        raise NotImplementedError
 
     def configure_evaluate(self, server_round, arrays, config, grid):
-        return []
+        """``_evaluates``: after an engine round, one EVALUATE message per client (every client: the loss is the
+        full-data objective, as in process) with :meth:`_evaluation_broadcast`; otherwise none."""
+        from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+
+        if not self._evaluation_due:
+            return []
+        payload = to_record(self._evaluation_broadcast())
+        cfg = {"evaluation": len(self.losses), "num-total": int(self.counts.sum()), "num-clients": self.num_clients}
+        return [Message(RecordDict({"broadcast": payload, "config": ConfigRecord(cfg)}),
+                        message_type=MessageType.EVALUATE, dst_node_id=self.nodes[i]) for i in range(self.num_clients)]
 
     def aggregate_evaluate(self, server_round, replies):
-        return None
+        """``_evaluates``: the engine round's loss (:meth:`_round_loss` of the answering clients' objectives, NaN
+        when none answered) appended to ``losses``; a failed, late, repeated or malformed reply is dropped and
+        logged as ``(k, client, "evaluation: …")``, k the loss's index."""
+        from flwr.app import MetricRecord
+
+        if not self._evaluation_due:
+            return None
+        self._evaluation_due = False
+        k, objectives = len(self.losses), {}
+        for reply in replies:
+            i, reason = self._client_of.get(reply.metadata.src_node_id), None
+            try:
+                if reply.has_error():
+                    raise ValueError(f"client error: {reply.error.reason}")
+                meta = reply.content["meta"]
+                i = int(meta["partition-id"])
+                if int(meta["evaluation"]) != k:
+                    raise ValueError(f"reply to evaluation {int(meta['evaluation'])} arrived in evaluation {k}")
+                if not 0 <= i < self.num_clients or i in objectives:
+                    raise ValueError("not asked, or a second reply")
+                objectives[i] = float(reply.content["metrics"]["objective"])
+            except KeyError as err:
+                reason = f"malformed reply: no entry {err}"
+            except (ValueError, TypeError) as err:
+                reason = str(err)
+            if reason is not None:
+                self.dropped.append((k, i, f"evaluation: {reason}"))
+                log.warning("evaluation %d: dropped the reply of client %s: %s", k, i, reason)
+        self._loss = self._round_loss(dict(sorted(objectives.items()))) if objectives else float("nan")
+        self.losses.append(self._loss)
+        return MetricRecord({"loss": self._loss, "answered": len(objectives), "asked": self.num_clients})
 
     # -- results --------------------------------------------------------------------------------------------------
     def result(self) -> RunResult:
-        """The run as a ``RunResult``: params, the server state, the losses (the answering clients' objective, see
-        the subclass) and ``diagnostics["dropped"]`` (``(round, client, reason)`` per dropped reply)."""
+        """The run as a ``RunResult``: params, the server state, the losses (one per engine round: the answering
+        clients' objective, see the subclass) and ``diagnostics["dropped"]`` (``(round, client, reason)`` per
+        dropped reply)."""
         return RunResult(self.get_params(), self.state, jnp.asarray(self.losses),
                          {"num_steps": len(self.losses), "stop_reason": "completed", "non_finite_step": None,
                           "skipped_steps": 0, "dropped": list(self.dropped)})
@@ -920,11 +993,14 @@ class FedLocalVIStrategy(_EngineStrategy):
     local step (x, then z): their engine round takes two Flower rounds (``phases = 2``): the clients reply with x,
     the server averages it and sends x̄ back, the clients finish the step and reply as above.  Drift correction:
     each client keeps h_m in ``Context.state`` and takes Scaffnew's step when the next round's z̄ arrives.  A
-    dropped reply is left out of that average.  The losses are the answering clients' objective at the round's
-    starting iterate (one round behind ``FedLocalVI.run``'s); RobustFedVI's is the robust objective ψ(θ) when every
-    group answered (NaN otherwise: ψ needs every group's loss).  ``step_size="auto"``: the preconditioner (η, H) is
-    estimated at the handshake and refreshed before the round after rounds 1, 2, 4, … (:meth:`_refresh`); it
-    travels with every broadcast.
+    dropped reply is left out of that average.  The losses are ``FedLocalVI.update``'s: after each engine round an
+    EVALUATE exchange sends every client the engine's output iterate (``engine.output``: the tail average by
+    default) and the run's fixed loss key; ``losses[t]`` is the μ-weighted mean of the answering clients' objectives
+    there (the full-data negative ELBO when all answer, as in process); RobustFedVI's is the robust objective ψ(θ)
+    when every group answered (NaN otherwise: ψ needs every group's loss).  A round that is not taken (non-finite
+    replies) is repeated over Flower and its loss is the one at the kept iterate.  ``step_size="auto"``: the
+    preconditioner (η, H) is estimated at the handshake and refreshed before the round after rounds 1, 2, 4, …
+    (:meth:`_refresh`); it travels with every broadcast.
 
     :param engine: a ``FedLocalVI`` / ``RobustFedVI`` built with ``clients=`` / ``num_clients=`` (blocks of the
         data plate).
@@ -1055,6 +1131,12 @@ class FedLocalVIStrategy(_EngineStrategy):
             step=self.state.step + K, round=self.state.round + 1))
         self.phase = 0
         return True
+
+    _evaluates = True   # FedLocalVI.update's loss is at the iterate a round ends at
+
+    def _evaluation_broadcast(self):
+        """The engine's reported point (``_iterate``: ``engine.output`` of the state after the round) and key."""
+        return {"z": self.engine._iterate(self.state), "key": self.engine._eval_key(self.state)}
 
     def _round_loss(self, objectives):
         if not isinstance(self.engine, RobustFedVI):

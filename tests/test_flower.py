@@ -236,17 +236,25 @@ def _sorted_sites():
 
 
 def _fedlocalvi_pair(make, X, y, site, rounds=4):
-    """(an engine ``make()``, its state after ``rounds`` in-process rounds, a second engine, its strategy, a grid of
-    its client apps over the 3 sites)."""
+    """(an engine ``make()``, its state after ``rounds`` in-process rounds, the losses ``update`` returned, a second
+    engine, its strategy, a grid of its client apps over the 3 sites)."""
     expected = make()
-    state = expected.init(random.key(5), X, y)
+    state, losses = expected.init(random.key(5), X, y), []
     for _ in range(rounds):
-        state, _ = expected.update(state, X, y)
+        state, loss = expected.update(state, X, y)
+        losses.append(float(loss))
     engine = make()
     strategy = flower.FedLocalVIStrategy(engine, random.key(5), X[:1], y[:1], num_clients=3)
     grid = _Grid(flower.make_client_app(engine, lambda ctx: (X[site == ctx.node_config["partition-id"]],
                                                              y[site == ctx.node_config["partition-id"]])), 3)
-    return expected, state, engine, strategy, grid
+    return expected, state, losses, engine, strategy, grid
+
+
+def _flower_round(strategy, grid, r):
+    """Flower round ``r`` as ``Strategy.start`` runs it: train (configure, send, aggregate), then evaluate (none but
+    FedLocalVI's: its loss at the iterate the engine round ended at)."""
+    strategy.aggregate_train(r, grid.send_and_receive(strategy.configure_train(r, None, None, grid)))
+    strategy.aggregate_evaluate(r, grid.send_and_receive(strategy.configure_evaluate(r, None, None, grid)))
 
 
 _SLOW = pytest.mark.slow   # the default suite keeps one method: LESGD with Scaffnew drift correction, two syncs per
@@ -275,14 +283,15 @@ def test_fedlocalvi_rounds_equal_the_in_process_engine(method, drift):
         return nfv.FedLocalVI(logistic, AutoNormal(logistic), Trace_ELBO(), clients=site, method=method,
                               local_steps=3, step_size=0.02, drift_correction=drift, **extra)
 
-    expected, state, engine, strategy, grid = _fedlocalvi_pair(make, X, y, site)
+    expected, state, losses, engine, strategy, grid = _fedlocalvi_pair(make, X, y, site)
     before = set(flower._CLIENTS)
     strategy.handshake(grid)
     assert strategy.phases == (2 if method in ("lesgd", "local_dual_averaging", "robust") else 1)
     for r in range(1, 4 * strategy.phases + 1):
-        strategy.aggregate_train(r, grid.send_and_receive(strategy.configure_train(r, None, None, grid)))
+        _flower_round(strategy, grid, r)
     assert strategy.dropped == [] and int(strategy.state.round) == 4 and int(strategy.state.step) == 12
-    assert len(strategy.losses) == 4 and np.all(np.isfinite(strategy.losses))
+    # the losses are update's: round t's at the (tail-averaged) iterate it ended at, one per engine round
+    np.testing.assert_allclose(strategy.result().losses, losses, rtol=1e-5)
     clients = [flower._CLIENTS[k] for k in sorted(set(flower._CLIENTS) - before, key=lambda k: k[1])
                if k[2:] == (50, 3)]
     step = "first_half" if strategy.phases == 2 else "round"   # the two same-size clients share one program
@@ -317,12 +326,13 @@ def test_fedlocalvi_default_step_size_over_flower_equals_in_process():
         return nfv.FedLocalVI(logistic, AutoNormal(logistic), Trace_ELBO(), clients=site, local_steps=3,
                               drift_correction="scaffnew")
 
-    expected, state, engine, strategy, grid = _fedlocalvi_pair(make, X, y, site)
+    expected, state, losses, engine, strategy, grid = _fedlocalvi_pair(make, X, y, site)
     strategy.handshake(grid)
     for r in range(1, 5):
-        strategy.aggregate_train(r, grid.send_and_receive(strategy.configure_train(r, None, None, grid)))
+        _flower_round(strategy, grid, r)
     messages = strategy.configure_train(5, None, None, grid)   # the refresh after round 4, then round 5's messages
     assert strategy.dropped == [] and int(strategy.state.round) == 4
+    np.testing.assert_allclose(strategy.losses, losses, rtol=1e-5)
     assert [int(m.content["config"]["rescale"]) for m in messages] == [1, 1, 1]
     s = strategy.state
     for a, b in zip(jax.tree.leaves((s.z, s.output, s.tail, s.precond)),
@@ -341,6 +351,9 @@ def test_fedlocalvi_default_step_size_over_flower_equals_in_process():
     strategy.aggregate_train(5, replies)
     assert int(strategy.state.round) == 4 and float(strategy.state.precond["eta"]) == eta / 2
     assert [t for t, _, _ in strategy.dropped] == [4, 4] and "NaN" in strategy.dropped[0][2]
+    # the round not taken still reports its loss: at the kept iterate (over Flower the round is repeated)
+    strategy.aggregate_evaluate(5, grid.send_and_receive(strategy.configure_evaluate(5, None, None, grid)))
+    assert len(strategy.losses) == 5 and strategy.losses[4] == strategy.losses[3]
 
 
 @pytest.mark.slow   # 54 s
@@ -353,13 +366,14 @@ def test_robust_default_step_size_over_flower_equals_in_process():
     def make():
         return nfv.RobustFedVI(logistic, AutoNormal(logistic), Trace_ELBO(), clients=site, tau=0.5)
 
-    expected, state, engine, strategy, grid = _fedlocalvi_pair(make, X, y, site)
+    expected, state, losses, engine, strategy, grid = _fedlocalvi_pair(make, X, y, site)
     assert strategy.phases == 2
     strategy.handshake(grid)
     for r in range(1, 9):   # 4 engine rounds of 2 Flower rounds
-        strategy.aggregate_train(r, grid.send_and_receive(strategy.configure_train(r, None, None, grid)))
+        _flower_round(strategy, grid, r)
     messages = strategy.configure_train(9, None, None, grid)   # the refresh after round 4, then round 5's
     assert strategy.dropped == [] and int(strategy.state.round) == 4
+    np.testing.assert_allclose(strategy.losses, losses, rtol=1e-5)   # ψ(θ) after each round, as update's
     np.testing.assert_allclose(strategy.state.precond["curvature"]["w"], 0.5, rtol=1e-6)
     s = strategy.state
     for a, b in zip(jax.tree.leaves((s.z, s.output, s.tail, s.precond)),
@@ -376,7 +390,8 @@ def test_robust_default_step_size_over_flower_equals_in_process():
 @pytest.mark.slow
 def test_two_sync_round_survives_a_dropped_reply_in_either_phase():
     """LESGD over Flower: a reply dropped in phase 0 (its x left out of x̄) and another in phase 1 (its z left out of
-    z̄) are logged with their round; every engine round still completes with the answering clients' averages."""
+    z̄) are logged with their round; every engine round still completes with the answering clients' averages.  A
+    dropped EVALUATE reply is logged too; that round's loss comes from the clients that answered."""
     X, y, site = _sorted_sites()
     engine = nfv.FedLocalVI(logistic, AutoNormal(logistic), Trace_ELBO(), clients=site, method="lesgd",
                             local_steps=2, step_size=0.02)
@@ -389,14 +404,17 @@ def test_two_sync_round_survives_a_dropped_reply_in_either_phase():
         cfg = msg.content["config"]
         if "round" in cfg and (int(cfg["round"]), int(cfg["phase"]), node) in lost:
             return _Reply(None, Error(code=0, reason="client raised"), node)
+        if msg.metadata.message_type == MessageType.EVALUATE and (int(cfg["evaluation"]), node) == (2, 100):
+            return _Reply(None, Error(code=0, reason="client raised"), node)
         return reply
 
     grid = _Grid(app, 3, fault)
     strategy.handshake(grid)
     for r in range(1, 7):
-        strategy.aggregate_train(r, grid.send_and_receive(strategy.configure_train(r, None, None, grid)))
-    assert int(strategy.state.round) == 3 and len(strategy.losses) == 3
-    assert [(t, i) for t, i, _ in strategy.dropped] == [(0, 1), (1, 2)]
+        _flower_round(strategy, grid, r)
+    assert int(strategy.state.round) == 3 and len(strategy.losses) == 3 and np.all(np.isfinite(strategy.losses))
+    assert [(t, i) for t, i, _ in strategy.dropped] == [(0, 1), (1, 2), (2, 0)]
+    assert strategy.dropped[2][2].startswith("evaluation: client error")
     assert all(np.all(np.isfinite(a)) for a in jax.tree.leaves((strategy.state.z, strategy.state.output)))
 
 
@@ -411,16 +429,18 @@ def test_pdvi_rounds_equal_the_in_process_engine(eta, refresh):
     every client's fresh dual, committed when accepted) equal the engine's."""
     x, site, make = _pdvi_problem(eta, refresh)
     expected = make()
-    state = expected.init(random.key(2), x)
+    state, losses = expected.init(random.key(2), x), []
     for _ in range(4):
-        state, _ = expected.update(state, x)
+        state, loss = expected.update(state, x)
+        losses.append(float(loss))
     before = set(flower._CLIENTS)
     strategy, grid = _pdvi_federation(make(), x, site, rounds=4)
     if refresh:   # the refresh after iteration 4 (in process: inside update 4) runs at the next round's configure
         assert strategy._refresh_steps >= {2, 4} and strategy._refreshed_step == 2
         strategy.configure_train(5, None, None, grid)
         assert strategy._refreshed_step == 4 and set(strategy.accepted) == {-7}
-    assert strategy.dropped == [] and int(strategy.state.step) == 4 and len(strategy.losses) == 4
+    assert strategy.dropped == [] and int(strategy.state.step) == 4
+    np.testing.assert_allclose(strategy.losses, losses, rtol=1e-5)   # (n/|S_t|) Σ f_i, as update's
     clients = [flower._CLIENTS[k] for k in set(flower._CLIENTS) - before if k[2:] == (30, 3)]   # 3 x 10 rows
     assert len(clients) == 3 and all(c.solve is clients[0].solve for c in clients)   # one program
     assert clients[0].solve._jit._cache_size() == 1
@@ -535,7 +555,8 @@ def test_simulation_of_fedlocalvi_defaults_equals_in_process_run():
     got = flower.simulate(strategy, flower.make_client_app(
         engine, lambda ctx: (X[ids == int(ctx.node_config["partition-id"])],
                              y[ids == int(ctx.node_config["partition-id"])])), 5)
-    assert got.diagnostics["dropped"] == [] and len(got.losses) == 5
+    assert got.diagnostics["dropped"] == []
+    np.testing.assert_allclose(got.losses, expected.losses, rtol=1e-5)   # after each round, as run's (5 of them)
     np.testing.assert_allclose(got.state.precond["eta"], expected.state.precond["eta"], rtol=1e-5)
     for k in expected.params:
         np.testing.assert_allclose(got.params[k], expected.params[k], rtol=1e-5, atol=1e-6)
@@ -587,6 +608,7 @@ def test_simulation_equals_in_process_run_and_survives_failures():
     assert got.diagnostics["dropped"] == []
     for k in expected.params:
         np.testing.assert_allclose(got.params[k], expected.params[k], rtol=1e-5, atol=1e-6)
+    # FixedSize(2): the answering clients' objective at θ_t, the full-data one only with full participation
     assert len(got.losses) == _ROUNDS and np.all(np.isfinite(got.losses))
 
     engine = nfv.FedSVI(logistic, AutoNormal(logistic), Trace_ELBO(), clients=ids, rho=0.01, cv_step=0.5)  # all
