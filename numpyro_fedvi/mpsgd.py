@@ -41,6 +41,7 @@ from .whitening import WhitenedState, make_whitened_step, project_scale, whitene
 THEORY_STEP_WARN = 1e4  # (theory) a float step_size above THEORY_STEP_WARN / L is warned about (1/(2L): theory)
 MIN_STAGES = 3          # adaptive: a run counts as converged after this many stages ...
 CONVERGED_MOVE = 0.1    # ... when the last one moved the mean and the scale by at most this (posterior sd / rel.)
+MIN_RADII = 4           # adaptive: at least this many ± pairs (radii) per step: 2·max(d, MIN_RADII) draws
 
 __all__ = ["MPSGD", "MPSGDState", "estimate_smoothness", "make_mpsgd_step", "mc_gradient", "mpsgd_init",
            "project_scale"]
@@ -180,7 +181,7 @@ class MPSGD:
     * ``schedule="adaptive"`` (default): the step runs in stages of affine whitening (:mod:`numpyro_fedvi.whitening`):
       the frame starts at the init point and its |Hessian|^{-1/2}, then follows the stage averages; in whitened
       coordinates γ = 1/(2L′) with L′ from a free Stein estimate of the expected Hessian, ``num_particles`` defaults to
-      ``2d`` spherical–radial draws (unbiased, exact second moments), and ``get_params`` is the frame applied to the
+      ``2·max(d, MIN_RADII)`` spherical–radial draws (unbiased, exact second moments), and ``get_params`` is the frame applied to the
       tail average of the current stage.  No tuning: ``MPSGD(model, AutoLocationScale(model)).run(key, 1000, *args)``.
       ``result.diagnostics["stage_moves"]`` says how far the last completed stage moved ``q`` (mean in posterior sd,
       scale change); a run that ends with moves above 0.1 (or before 3 stages) warns that it has not converged.
@@ -189,7 +190,7 @@ class MPSGD:
       ``preconditioner="identity"``, case ii with ``"theory"``).  The options below marked (theory) belong to it.
 
     :param schedule: ``"adaptive"`` or ``"theory"``.
-    :param num_particles: N (even with spherical draws) — adaptive default ``2d``; theory default 1, an int or a
+    :param num_particles: N (even with spherical draws) — adaptive default ``2·max(d, 4)``; theory default 1, an int or a
         schedule ``k -> N_k`` drawn ``chunk_size`` at a time (a schedule giving N_k < 1 at any step of a run is
         refused before the run compiles).
     :param draws: ``"spherical"`` (adaptive default) or ``"iid"`` (theory default, the paper's estimator).
@@ -359,7 +360,7 @@ class MPSGD:
         self._enum = self._enum_info(args, kwargs)
         self.default_num_steps = None
         if self.adaptive:
-            self._num_particles = int(self.num_particles or 2 * self.dim)
+            self._num_particles = int(self.num_particles or 2 * max(self.dim, MIN_RADII))
             self.L = self.L_proj = None
             self._setup_done = True
             return

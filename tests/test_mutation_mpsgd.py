@@ -29,6 +29,7 @@ from numpyro.infer.autoguide import AutoNormal
 import numpyro_fedvi.mpsgd as mp
 from numpyro_fedvi import MPSGD, AutoLocationScale, EarlyStopping
 from numpyro_fedvi.guides import make_base
+from numpyro_fedvi.mpsgd import MIN_RADII
 from numpyro_fedvi.schedules import dynamic_batching, theorem4
 from numpyro_fedvi.whitening import make_whitened_step, whitened_init
 
@@ -824,7 +825,7 @@ def _adaptive(scale="diag", **kw):
 
 def test_adaptive_engine_is_the_whitened_step():
     """Default schedule 'adaptive': init is whitened_init at μ0 (frame from the Hessian, or init_scale·I), a step is
-    make_whitened_step with 2d spherical draws; evaluate and get_params read whitened_params."""
+    make_whitened_step with 2·max(d, MIN_RADII) spherical draws; evaluate and get_params read whitened_params."""
     from numpyro_fedvi.whitening import whitened_params
 
     y = _y()
@@ -832,7 +833,7 @@ def test_adaptive_engine_is_the_whitened_step():
     assert (eng.schedule, eng.averaging, eng.draws, eng.stage_length) == ("adaptive", "tail", "spherical", 3)
     key = random.key(6)
     st = eng.init(key, y)
-    assert eng._num_particles == 2 * D and eng.L is None and eng.L_proj is None
+    assert eng._num_particles == 2 * max(D, MIN_RADII) and eng.L is None and eng.L_proj is None
     pot = eng._potential((y,), {})
     ref = jax.jit(lambda loc, k: whitened_init(pot, loc, "full", k, frame_scale=0.7 * jnp.eye(D), stage_length=3))(
         st.frame_loc, random.split(key)[1])          # jitted: one compile instead of one per eager op
@@ -840,7 +841,7 @@ def test_adaptive_engine_is_the_whitened_step():
         _close(getattr(st, f), getattr(ref, f), f) if f != "rng_key" else None
     np.testing.assert_array_equal(random.key_data(st.rng_key), random.key_data(ref.rng_key))
     new, loss = eng.update(st, y)
-    new_ref, loss_ref = jax.jit(make_whitened_step(pot, eng.base, "full", 2 * D, "spherical"))(st)
+    new_ref, loss_ref = jax.jit(make_whitened_step(pot, eng.base, "full", 2 * max(D, MIN_RADII), "spherical"))(st)
     _close(loss, loss_ref, atol=1e-5)
     for f in ("loc", "scale", "smoothness", "avg_loc", "step"):
         _close(getattr(new, f), getattr(new_ref, f), f, atol=1e-5)
@@ -886,7 +887,8 @@ def test_adaptive_run_diagnostics_and_convergence_flag(monkeypatch):
     eng = _adaptive("diag", stage_length=2)
     res = eng.run(random.key(0), 3, y, progress_bar=False)
     d = res.diagnostics
-    assert d["gradient_evaluations"] == 3 * 2 * D and d["num_particles"] == 2 * D and d["num_steps"] == 3
+    n = 2 * max(D, MIN_RADII)
+    assert d["gradient_evaluations"] == 3 * n and d["num_particles"] == n and d["num_steps"] == 3
     assert d["L"] == float(res.state.smoothness) and d["stages_completed"] == int(res.state.stages_completed) == 1
     _close(d["stage_moves"], res.state.stage_moves)
     assert isinstance(d["stage_moves"], list) and d["converged"] is False and "lambda" not in d
@@ -1062,4 +1064,7 @@ def test_setup_traces_the_guide_with_the_static_kwargs():
     (without them the model cannot even run)."""
     e = MPSGD(_sized_model, AutoLocationScale(_sized_model), w=3)
     e._setup(random.key(0), (), {})
-    assert e.dim == 3 and e._init_loc.shape == (3,) and e._num_particles == 6
+    assert e.dim == 3 and e._init_loc.shape == (3,) and e._num_particles == 2 * MIN_RADII  # at least 4 radii
+    e = MPSGD(_sized_model, AutoLocationScale(_sized_model), w=5)
+    e._setup(random.key(0), (), {})
+    assert e._num_particles == 10  # 2d from d = MIN_RADII on
