@@ -11,6 +11,7 @@ that uses a Python int for a shape (``plate("data", N)``) still sees a concrete 
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable
 
@@ -41,6 +42,8 @@ def _convert(value, where: str):
             raise TypeError(f"{where} is a ragged Python list; pass a rectangular array (np.asarray) or a "
                             "pytree of arrays.") from err
         if arr.dtype.kind in "biufc":
+            value = arr
+        elif arr.dtype.kind in "US":  # as a NumPy array of strings would be: refused, not passed to the model
             value = arr
     if isinstance(value, (np.ndarray, np.generic)):
         if value.dtype.kind not in "biufc":
@@ -90,11 +93,28 @@ def _convert_nested(value, where: str):
     return _convert(value, where)
 
 
-def check_static_kwargs(static_kwargs: dict) -> None:
+def check_static_kwargs(static_kwargs: dict, model=None, engine: str = "the engine") -> None:
     """The model keywords an engine takes at construction (``**static_kwargs``): NaN / inf in their arrays is
-    refused (``ValueError`` naming the keyword) as in :func:`prepare_inputs`; they are not converted."""
+    refused (``ValueError`` naming the keyword) as in :func:`prepare_inputs`; they are not converted.  A keyword
+    that ``model``'s signature does not take (a misspelt engine option, ``num_client=4``) is refused with a
+    ``TypeError`` naming both, before anything is traced (a model taking ``**kwargs``, or whose signature cannot be
+    read, e.g. wrapped in a handler, is not checked)."""
     for k, v in static_kwargs.items():
         _check_finite(v, f"argument {k!r}")
+    if model is None or not static_kwargs:
+        return
+    try:
+        params = inspect.signature(model).parameters.values()
+    except (TypeError, ValueError):
+        return
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return
+    names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    unknown = sorted(set(static_kwargs) - names)
+    if unknown:
+        raise TypeError(f"{engine} got unexpected keyword argument(s) {unknown}: not options of {engine} (a typo?) "
+                        f"and not arguments of the model {getattr(model, '__name__', model)!s}{inspect.signature(model)} "
+                        "(extra keywords of an engine are passed to the model and the guide).")
 
 
 def is_real_number(value) -> bool:

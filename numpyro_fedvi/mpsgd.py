@@ -42,6 +42,7 @@ THEORY_STEP_WARN = 1e4  # (theory) a float step_size above THEORY_STEP_WARN / L 
 MIN_STAGES = 3          # adaptive: a run counts as converged after this many stages ...
 CONVERGED_MOVE = 0.1    # ... when the last one moved the mean and the scale by at most this (posterior sd / rel.)
 MIN_RADII = 4           # adaptive: at least this many ± pairs (radii) per step: 2·max(d, MIN_RADII) draws
+PER_DATUM_WARN_DIM = 200  # warn when at least this many latent coordinates sit in the plate of the observations
 
 __all__ = ["MPSGD", "MPSGDState", "estimate_smoothness", "make_mpsgd_step", "mc_gradient", "mpsgd_init",
            "project_scale"]
@@ -304,7 +305,7 @@ class MPSGD:
         self.step_size, self.smoothness, self.projection_smoothness = step_size, smoothness, projection_smoothness
         self.num_particles, self.step_schedule, self.preconditioner = num_particles, step_schedule, preconditioner
         self.averaging, self.averaging_a, self.budget = averaging, averaging_a, budget
-        check_static_kwargs(static_kwargs)
+        check_static_kwargs(static_kwargs, model, "MPSGD")
         self.init_scale, self.chunk_size, self.static_kwargs = init_scale, chunk_size, static_kwargs
         self._setup_done = False
 
@@ -350,6 +351,22 @@ class MPSGD:
                                    provided=self.guide._unpack_latent(self._init_loc))
         return cache[key]
 
+    def _warn_per_datum_latents(self):
+        """Per-datum latents (sites in the plate around every observation) all go into MPSGD's one latent vector:
+        d grows with N and the scale with d² (``"full"``); warned about from ``PER_DATUM_WARN_DIM`` coordinates."""
+        tr = getattr(self.guide, "prototype_trace", None) or {}
+        observed = [s for s in tr.values() if s["type"] == "sample" and s["is_observed"] and s["cond_indep_stack"]]
+        if not observed:
+            return
+        data_plates = set.intersection(*[{f.name for f in s["cond_indep_stack"]} for s in observed])
+        local = sum(int(np.prod(s["fn"].shape())) for s in tr.values() if s["type"] == "sample"
+                    and not s["is_observed"] and data_plates & {f.name for f in s["cond_indep_stack"]})
+        if local >= PER_DATUM_WARN_DIM:
+            warnings.warn(f"MPSGD: {local} of the d = {self.dim} latent coordinates are per-datum (sites in the plate "
+                          f"{sorted(data_plates)} of the observations); MPSGD optimises them in one vector (cost per "
+                          f"step O(d{'²' if self.scale_type != 'diag' else ''}) and growing with N). PDVI is made for "
+                          "per-datum latents.", UserWarning, stacklevel=4)
+
     def _setup(self, rng_key, args, kwargs):
         with handlers.trace() as tr, handlers.seed(rng_seed=rng_key):
             self.guide(*args, **kwargs, **self.static_kwargs)
@@ -357,6 +374,7 @@ class MPSGD:
         self.dim, self.scale_type, self.base = guide.latent_dim, guide.scale_type, guide.base
         self.kurtosis = float(self.base.kurtosis)
         self._init_loc = tr[guide.loc_name]["value"]
+        self._warn_per_datum_latents()
         self._enum = self._enum_info(args, kwargs)
         self.default_num_steps = None
         if self.adaptive:

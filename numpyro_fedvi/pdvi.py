@@ -526,7 +526,7 @@ class PDVI:
             raise ValueError("local_table='host' needs dual_granularity='partition': with 'datum' the duals (one per "
                              "datum, on the device) are as large as the table.")
         self.local_table = local_table
-        check_static_kwargs(static_kwargs)
+        check_static_kwargs(static_kwargs, model, "PDVI")
         self.static_kwargs = static_kwargs
         self.structure: ModelStructure | None = None
         self.blocks: Partitions | None = None

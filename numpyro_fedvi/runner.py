@@ -245,6 +245,8 @@ def run_loop(
                 bar.set_postfix_str(f"loss {finite[-1]:.4g}" if finite.size else "", refresh=False)
                 compiling = False
             reason = _REASONS[int(carry.reason)]
+            if reason == EARLY_STOPPED and done >= num_steps:  # the rule met at the last step shortened nothing
+                break
             if reason != COMPLETED:
                 stop_reason = reason
                 break

@@ -109,7 +109,11 @@ def test_early_stopping_triggers_with_rule_as_documented():
     # min_steps is respected even when the rule holds earlier
     late = run_loop(gd_step, init_state(), 2000, get_params=ident, progress_bar=False,
                     early_stopping=es._replace(min_steps=n + 30))
-    assert late.diagnostics["num_steps"] == n + 30
+    assert late.diagnostics["num_steps"] == n + 30 and late.diagnostics["stop_reason"] == "early_stopping"
+    # met at the run's last step: nothing was shortened, the run completed
+    last = run_loop(gd_step, init_state(), n + 30, get_params=ident, progress_bar=False,
+                    early_stopping=es._replace(min_steps=n + 30))
+    assert last.diagnostics["num_steps"] == n + 30 and last.diagnostics["stop_reason"] == "completed"
 
 
 @pytest.mark.parametrize("nan_in_state", [False, True])

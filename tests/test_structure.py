@@ -332,6 +332,14 @@ def test_non_finite_data_refused_naming_the_argument():
         prepare_inputs((), {"data": {"obs": np.array([[1.0, -np.inf]]), "ok": np.zeros(2)}})
     # integers are never NaN
     prepare_inputs((np.array([1, 2]),), {})
+    # strings are no model data, as a list as an array; a ragged list neither; pandas and lists of numbers convert
+    for bad in (["a", "b", "a"], np.array(["a", "b"])):
+        with pytest.raises(TypeError, match="positional argument 0 has dtype <U1.*integer codes"):
+            prepare_inputs((bad,), {})
+    with pytest.raises(TypeError, match="ragged"):
+        prepare_inputs(([[1.0], [2.0, 3.0]],), {})
+    (lst,), _ = prepare_inputs(([1, 2, 3],), {})
+    assert isinstance(lst, jax.Array) and lst.shape == (3,)
 
 
 # ----------------------------------------------------------------------------------------------------------

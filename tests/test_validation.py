@@ -156,7 +156,7 @@ def test_bernoulli_one_is_full_participation():
     full = FedMM(GMM, participation=Full()).run(random.key(0), 3, GMM_CLIENTS, S0, progress_bar=False)
     np.testing.assert_allclose(result.params, full.params, rtol=1e-6)
     with pytest.raises(ValueError, match="cv_step=0"):
-        FedMM(GMM, participation=Bernoulli(0.5))
+        FedMM(GMM, cv_step=0.0, participation=Bernoulli(0.5))
 
 
 def test_cv_step_above_its_bound_is_refused():
@@ -166,6 +166,26 @@ def test_cv_step_above_its_bound_is_refused():
         FedMM(GMM, cv_step=5.0, participation=Bernoulli(0.5)).run(random.key(0), 5, GMM_CLIENTS, S0,
                                                                    progress_bar=False)
     FedMM(GMM, cv_step=0.5, participation=FixedSize(2)).init(random.key(0), GMM_CLIENTS, S0)  # at the bound: fine
+
+
+def test_auto_cv_step_is_zero_for_exact_communications_else_the_bound():
+    """``cv_step="auto"`` (default): 0 with full participation and no compression (bitwise the explicit 0), else
+    the theory's largest α = 1/(1+ω_p), set at init (partial participation used to need it by hand)."""
+    assert FedMM(GMM).auto_cv_step and FedMM(GMM).cv_step == 0.0
+    auto = FedMM(GMM, participation=Bernoulli(1.0)).run(random.key(0), 3, GMM_CLIENTS, S0, progress_bar=False)
+    zero = FedMM(GMM, cv_step=0.0, participation=Bernoulli(1.0)).run(random.key(0), 3, GMM_CLIENTS, S0,
+                                                                    progress_bar=False)
+    np.testing.assert_array_equal(np.asarray(auto.params), np.asarray(zero.params))
+    for participation, bound in ((FixedSize(2), 0.5), (Bernoulli(0.25), 0.25)):   # ω = 0: 1/(1+(1-p)/p) = p
+        engine = FedMM(GMM, participation=participation)
+        engine.init(random.key(0), GMM_CLIENTS, S0)
+        assert engine.cv_step == pytest.approx(bound)
+        res = FedMM(GMM, participation=participation).run(random.key(0), 3, GMM_CLIENTS, S0, progress_bar=False)
+        ref = FedMM(GMM, cv_step=bound, participation=participation).run(random.key(0), 3, GMM_CLIENTS, S0,
+                                                                        progress_bar=False)
+        np.testing.assert_allclose(np.asarray(res.params), np.asarray(ref.params), rtol=1e-6)
+    with pytest.raises(ValueError, match="'auto' or a finite float"):
+        FedMM(GMM, cv_step="max")
 
 
 def test_fedmm_nan_stop_returns_the_last_finite_state():
@@ -261,3 +281,64 @@ def test_every_engine_refuses_a_loss_that_is_not_a_sum_over_the_data():
         make(Trace_ELBO())
     with pytest.raises(ValueError, match="RenyiELBO's bound is a log-mean-exp"):
         ControlledDraws(RenyiELBO(alpha=0.5), 4)
+
+
+def test_misspelt_engine_option_is_refused_naming_it_and_the_model():
+    """Extra keywords of an engine go to the model: one the model does not take (``num_client=4``, ``local_step=``)
+    is a TypeError naming it before anything is traced (it was passed on and surfaced as "needs its clients" or
+    "model() got an unexpected keyword argument"); a model keyword the model takes, or any keyword to a model with
+    ``**kwargs``, passes."""
+    def scaled(x, scale=1.0):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 10.0))
+        with numpyro.plate("data", x.shape[0]):
+            numpyro.sample("x", dist.Normal(mu, scale), obs=x)
+
+    def flexible(x, **kwargs):
+        normal_mean(x)
+
+    with pytest.raises(TypeError, match=r"FedSVI got unexpected keyword argument\(s\) \['num_client'\].*normal_mean"):
+        FedSVI(normal_mean, AutoNormal(normal_mean), Trace_ELBO(), num_client=4)
+    with pytest.raises(TypeError, match=r"\['local_step'\]"):
+        nfv.FedLocalVI(normal_mean, AutoNormal(normal_mean), Trace_ELBO(), num_clients=3, local_step=2)
+    with pytest.raises(TypeError, match=r"PDVI got .*\['num_partition'\]"):
+        nfv.PDVI(normal_mean, AutoNormal(normal_mean), num_partition=3)
+    with pytest.raises(TypeError, match=r"MPSGD got .*\['num_particle'\]"):
+        nfv.MPSGD(normal_mean, nfv.AutoLocationScale(normal_mean), num_particle=4)
+    assert nfv.PDVI(scaled, AutoNormal(scaled), num_partitions=3, scale=2.0).static_kwargs == {"scale": 2.0}
+    nfv.PDVI(flexible, AutoNormal(flexible), num_partitions=3, anything=1)
+
+
+def test_client_ids_that_are_not_0_to_m_minus_1_are_shown():
+    from numpyro_fedvi.federated import check_clients
+
+    with pytest.raises(ValueError, match=r"got ids \[10, 20, 30, 40\]; ids \[0, 1, 2, 3, 4\] have no rows.*relabel"):
+        check_clients(np.repeat([10, 20, 30, 40], 3), None)
+    with pytest.raises(ValueError, match=r"got ids \[-1, 0\]\).*relabel"):
+        check_clients(np.array([-1, 0, 0]), None)
+
+
+def test_mpsgd_warns_about_per_datum_latents():
+    """Per-datum latents go into MPSGD's one latent vector (d grows with N): warned from PER_DATUM_WARN_DIM
+    coordinates in the plate of the observations; a group-level plate of latents is not per-datum."""
+    from numpyro_fedvi.mpsgd import PER_DATUM_WARN_DIM
+
+    def per_datum(x):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+        with numpyro.plate("data", x.shape[0]):
+            u = numpyro.sample("u", dist.Normal(mu, 1.0))
+            numpyro.sample("x", dist.Normal(u, 0.5), obs=x)
+
+    def grouped(g, x):
+        with numpyro.plate("groups", PER_DATUM_WARN_DIM):
+            a = numpyro.sample("a", dist.Normal(0.0, 1.0))
+        with numpyro.plate("data", x.shape[0]):
+            numpyro.sample("x", dist.Normal(a[g], 0.5), obs=x)
+
+    x = np.zeros(PER_DATUM_WARN_DIM, np.float32)
+    with pytest.warns(UserWarning, match=f"{PER_DATUM_WARN_DIM} of the d = {PER_DATUM_WARN_DIM + 1} latent .*PDVI"):
+        nfv.MPSGD(per_datum, nfv.AutoLocationScale(per_datum, scale="diag")).init(random.key(0), x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        nfv.MPSGD(per_datum, nfv.AutoLocationScale(per_datum, scale="diag")).init(random.key(0), x[:50])
+        nfv.MPSGD(grouped, nfv.AutoLocationScale(grouped, scale="diag")).init(
+            random.key(0), np.arange(2 * PER_DATUM_WARN_DIM) % PER_DATUM_WARN_DIM, np.zeros(2 * PER_DATUM_WARN_DIM))

@@ -296,7 +296,8 @@ def check_clients(clients, num_clients) -> int:
         missing = sorted(set(range(int(uniq[-1]) + 1)) - set(uniq.tolist()))[:5] if uniq.size and uniq[0] >= 0 \
             else []
         raise ValueError("client ids must be 0..M-1 with every id used"
-                         + (f" (ids {missing} have no rows)" if missing else f" (got ids {uniq[:5].tolist()}...)")
+                         + f" (got ids {uniq[:5].tolist()}{'...' if uniq.size > 5 else ''}"
+                         + (f"; ids {missing} have no rows)" if missing else ")")
                          + "; relabel with np.unique(ids, return_inverse=True)[1].")
     return int(uniq.size)
 

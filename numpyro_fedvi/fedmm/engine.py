@@ -252,8 +252,11 @@ class FedMM(_Engine):
 
     :param family: a :class:`~numpyro_fedvi.fedmm.SurrogateFamily`.
     :param step_size: γ in (0, 1] or a schedule ``t -> γ_{t+1}`` (paper: ``β/√(β+t)``).
-    :param cv_step: the control-variate step α ≥ 0; α = 0 is allowed only with full participation and no
-        compression (otherwise the method plateaus); theory: α ≤ 1/(1+ω_p) (refused when exceeded, at init).
+    :param cv_step: the control-variate step α ≥ 0, or ``"auto"`` (default): 0 with full participation and no
+        compression (the control variates then change nothing), else the theory's largest α = 1/(1+ω_p) (ω: the
+        compressor's variance factor, p: the inclusion probability; computed at init).  α = 0 is allowed only with
+        full participation and no compression (otherwise the method plateaus); α ≤ 1/(1+ω_p) (refused when
+        exceeded, at init).
     :param participation: ``Full()``, ``Bernoulli(p)`` or ``FixedSize(m)`` (numpyro_fedvi.federated).
     :param compressor: ``Identity()``, ``StochasticQuantizer(bits=8)`` or ``RandK(k)``.
     :param batch_size: rows per client per round, ``None`` = all rows (exact oracle).
@@ -280,7 +283,7 @@ class FedMM(_Engine):
     ``client_data`` is a :class:`~numpyro_fedvi.federated.ClientData`.
     """
 
-    def __init__(self, family: SurrogateFamily, *, step_size=1.0, cv_step: float = 0.0, participation=None,
+    def __init__(self, family: SurrogateFamily, *, step_size=1.0, cv_step: float | str = "auto", participation=None,
                  compressor=None, batch_size: int | None = None, init_control_variates: str = "zero",
                  aggregate: str = "surrogate", to_params: Callable | None = None,
                  projection: Callable | None = None, log_every: int = 10, mesh=None, server_optimizer=None):
@@ -300,12 +303,16 @@ class FedMM(_Engine):
         self.log_every = int(log_every)
         self.participation = Full() if participation is None else participation
         self.compressor = Identity() if compressor is None else compressor
-        if not (isinstance(cv_step, (int, float)) and math.isfinite(cv_step) and cv_step >= 0):
-            raise ValueError(f"cv_step (α) must be a finite float >= 0, got {cv_step!r}.")
+        self.auto_cv_step = isinstance(cv_step, str) and cv_step == "auto"
+        if not self.auto_cv_step and not (isinstance(cv_step, (int, float)) and not isinstance(cv_step, bool)
+                                          and math.isfinite(cv_step) and cv_step >= 0):
+            raise ValueError(f"cv_step (α) must be 'auto' or a finite float >= 0, got {cv_step!r}.")
         full = isinstance(self.participation, Full) or (isinstance(self.participation, Bernoulli)
                                                         and self.participation.p == 1.0)
         exact_comms = full and isinstance(self.compressor, Identity)
-        if cv_step == 0 and not exact_comms:
+        if self.auto_cv_step:
+            cv_step = 0.0  # exact communications; otherwise 1/(1+ω_p), set by check_settings at init
+        elif cv_step == 0 and not exact_comms:
             raise ValueError("cv_step=0 (no control-variate updates) is only valid with full participation and no "
                              "compression (specs/fedmm.md: it plateaus otherwise); use cv_step in (0, 1/(1+ω_p)].")
         if init_control_variates not in ("zero", "full"):
@@ -374,6 +381,8 @@ class FedMM(_Engine):
         s0 = family.project(jax.tree.map(jnp.asarray, init_stat))
         omega = float(self.compressor.omega(s0 if self.aggregate == "surrogate" else family.T(s0)))
         omega_p = omega + (1 - p) * (1 + omega) / p
+        if self.auto_cv_step:
+            self.cv_step = 1 / (1 + omega_p) if omega_p > 0 else 0.0
         if omega_p > 0 and self.cv_step > 1 / (1 + omega_p) + 1e-12:
             raise ValueError(f"cv_step={self.cv_step} exceeds its bound 1/(1+ω_p) = {1 / (1 + omega_p):.3g} (ω = "
                              f"{omega:.3g}, p = {p:.3g}): the control variates overshoot and the run diverges. Use "

@@ -166,7 +166,7 @@ class FedSVI(FedMM):
     """
 
     def __init__(self, model, guide, loss=None, *, rho: float | None = None, clients=None,
-                 num_clients: int | None = None, data_plate: str | None = None, step_size=1.0, cv_step: float = 0.0,
+                 num_clients: int | None = None, data_plate: str | None = None, step_size=1.0, cv_step: float | str = "auto",
                  participation=None, compressor=None, batch_size: int | None = None,
                  init_control_variates: str = "zero", prox=None, projection: Callable | None = None,
                  log_every: int = 10, mesh=None, server_optimizer=None, oracle_draws: str | None = "orthogonal",
@@ -190,7 +190,7 @@ class FedSVI(FedMM):
         # what the clients' oracles and the reported loss evaluate (Flower's clients too): FedLocalVI's controlled draws
         self.oracle_draws, self.oracle_particles = oracle_draws, oracle_particles
         self.elbo = oracle_elbo(self.loss, oracle_draws, oracle_particles)
-        check_static_kwargs(static_kwargs)
+        check_static_kwargs(static_kwargs, model, "FedSVI")
         self.rho, self.data_plate, self.static_kwargs = float(rho), data_plate, static_kwargs
         self._fixed_rows = None      # a ClientData given at construction (lower layer)
         self._plate_clients = None   # (clients, num_clients): blocks of the data plate
