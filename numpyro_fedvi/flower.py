@@ -646,6 +646,14 @@ def _strategy_base():
     return Strategy
 
 
+def _reply_meta(reply):
+    """``(client id, meta)`` of a Flower reply; ``ValueError`` for a client's error reply."""
+    if reply.has_error():
+        raise ValueError(f"client error: {reply.error.reason}")
+    meta = reply.content["meta"]
+    return int(meta["partition-id"]), meta
+
+
 class _EngineStrategy(_strategy_base()):
     """The shared Flower machinery: the set-up handshake, one message per active client, replies checked and
     dropped with a reason, the losses and the result.  Subclasses give the round's clients, the broadcast, the
@@ -783,10 +791,7 @@ class _EngineStrategy(_strategy_base()):
         for reply in replies:
             i, reason = self._client_of.get(reply.metadata.src_node_id), None
             try:
-                if reply.has_error():
-                    raise ValueError(f"client error: {reply.error.reason}")
-                meta = reply.content["meta"]
-                i = int(meta["partition-id"])
+                i, meta = _reply_meta(reply)
                 if int(meta["round"]) != t or int(meta.get("phase", 0)) != self.phase:
                     raise ValueError(f"reply to round {int(meta['round'])} phase {int(meta.get('phase', 0))} arrived "
                                      f"in round {t} phase {self.phase}")
@@ -849,10 +854,7 @@ class _EngineStrategy(_strategy_base()):
         for reply in replies:
             i, reason = self._client_of.get(reply.metadata.src_node_id), None
             try:
-                if reply.has_error():
-                    raise ValueError(f"client error: {reply.error.reason}")
-                meta = reply.content["meta"]
-                i = int(meta["partition-id"])
+                i, meta = _reply_meta(reply)
                 if int(meta["evaluation"]) != k:
                     raise ValueError(f"reply to evaluation {int(meta['evaluation'])} arrived in evaluation {k}")
                 if not 0 <= i < self.num_clients or i in objectives:

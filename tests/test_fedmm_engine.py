@@ -87,7 +87,7 @@ def test_resume_equals_uninterrupted(gmm):
 def test_errors_and_warnings(gmm):
     fam, cd, _, s0 = gmm
     with pytest.raises(ValueError, match="cv_step=0"):
-        FedMM(fam, participation=FixedSize(2))
+        FedMM(fam, cv_step=0.0, participation=FixedSize(2))
     with pytest.raises(ValueError, match="step_size"):
         FedMM(fam, step_size=1.5)
     with pytest.raises(ValueError, match="batch_size"):

@@ -985,13 +985,17 @@ def test_constructor_messages():
         MPSGD(_model, AutoLocationScale(_model), w=np.array([np.nan]))
 
 
+def _model_w(y, w=None):
+    _model(y)
+
+
 def test_constructor_accepts_and_stores():
-    g = AutoLocationScale(_model)
+    g = AutoLocationScale(_model_w)
     sched = lambda k: 0.1  # noqa: E731
-    e = MPSGD(_model, g, schedule="theory", num_particles=np.int64(1), stage_length=np.int64(2), budget=np.int64(1),
+    e = MPSGD(_model_w, g, schedule="theory", num_particles=np.int64(1), stage_length=np.int64(2), budget=np.int64(1),
               smoothness=np.float32(2.0), projection_smoothness=3, step_size=sched, step_schedule="constant",
               preconditioner=(1.0, 1.0), averaging_a=0, init_scale=1, averaging="none", chunk_size=4, w=3)
-    assert e.model is _model and e.guide is g and e.schedule == "theory" and e.draws == "iid" and not e.adaptive
+    assert e.model is _model_w and e.guide is g and e.schedule == "theory" and e.draws == "iid" and not e.adaptive
     assert e.stage_length == 2 and type(e.stage_length) is int
     assert e.step_size is sched and e.smoothness == 2.0 and type(e.smoothness) is float
     assert e.projection_smoothness == 3.0 and type(e.projection_smoothness) is float

@@ -254,6 +254,17 @@ def re_optimum(x):
     return random_effects.mean_field_optimum(x, sigma=SIG, tau=TAU, prior_sd=S0)
 
 
+def _assert_exact_for_every_key(loss, model, guide, p, neg_elbo):
+    """The SAA ``loss`` and its gradient equal the closed-form ``neg_elbo(p, XS)`` and its gradient for every key."""
+    exact, exact_grad = jax.value_and_grad(lambda q: neg_elbo(q, XS))(p)
+    vg = jax.jit(jax.value_and_grad(lambda q, k: loss.loss(k, q, model, guide, XS)))
+    for key in KEYS:
+        value, grad = vg(p, key)
+        np.testing.assert_allclose(value, exact, rtol=1e-5)
+        for k in p:
+            np.testing.assert_allclose(grad[k], exact_grad[k], rtol=1e-4, atol=1e-4)
+
+
 def test_random_effects_closed_form_optimum_is_stationary():
     opt = {k: jnp.asarray(v) for k, v in re_optimum(XS).items()}
     grad = jax.grad(lambda p: re_neg_elbo(p, XS))(opt)
@@ -265,15 +276,10 @@ def test_random_effects_closed_form_optimum_is_stationary():
 def test_random_effects_orthogonal_saa_is_exact_moment_matched_is_not(elbo):
     """Global–local cross moments are the only error of moment matching here; "orthogonal" removes them."""
     p = {"m": jnp.asarray(0.5), "s": jnp.asarray(0.3), "a": jnp.linspace(-1, 1, N_RE), "b": jnp.full(N_RE, 0.4)}
-    exact, exact_grad = jax.value_and_grad(lambda q: re_neg_elbo(q, XS))(p)
+    exact = re_neg_elbo(p, XS)
     orth = ControlledDraws(elbo)  # the default: "orthogonal", "auto" particles
     assert orth.scheme == "orthogonal" and orth.particles_for(re_guide, KEYS[0], p, XS) == 6
-    vg = jax.jit(jax.value_and_grad(lambda q, k: orth.loss(k, q, re_model, re_guide, XS)))
-    for key in KEYS:
-        value, grad = vg(p, key)
-        np.testing.assert_allclose(value, exact, rtol=1e-5)
-        for k in p:
-            np.testing.assert_allclose(grad[k], exact_grad[k], rtol=1e-4, atol=1e-4)
+    _assert_exact_for_every_key(orth, re_model, re_guide, p, re_neg_elbo)
     mm = ControlledDraws(elbo, num_particles=4, scheme="moment_matched")
     errs = [abs(float(mm.loss(k, p, re_model, re_guide, XS)) - float(exact)) for k in KEYS]
     assert max(errs) > 1e-2
@@ -317,15 +323,10 @@ def test_local_vector_site_saa_is_exact_with_the_rules_particles(rule):
     datum's coordinates are ± one vector and the SAA is off."""
     p = {"m": jnp.asarray(0.5), "s": jnp.asarray(0.3), "a": jnp.linspace(-1, 1, N_RE * D_VEC).reshape(N_RE, D_VEC),
          "b": jnp.full((N_RE, D_VEC), 0.4) + jnp.linspace(0, 0.2, D_VEC)}
-    exact, exact_grad = jax.value_and_grad(lambda q: vec_neg_elbo(q, XS))(p)
+    exact = vec_neg_elbo(p, XS)
     loss = ControlledDraws(Trace_ELBO(), num_particles=rule)
     assert loss.particles_for(vec_guide, KEYS[0], p, XS) == 2 * (1 + D_VEC + 1 + (rule == "auto"))
-    vg = jax.jit(jax.value_and_grad(lambda q, k: loss.loss(k, q, vec_model, vec_guide, XS)))
-    for key in KEYS:
-        value, grad = vg(p, key)
-        np.testing.assert_allclose(value, exact, rtol=1e-5)
-        for k in p:
-            np.testing.assert_allclose(grad[k], exact_grad[k], rtol=1e-4, atol=1e-4)
+    _assert_exact_for_every_key(loss, vec_model, vec_guide, p, vec_neg_elbo)
     few = ControlledDraws(Trace_ELBO(), num_particles=4)
     errs = [abs(float(few.loss(k, p, vec_model, vec_guide, XS)) - float(exact)) for k in KEYS]
     assert max(errs) > 1.0
