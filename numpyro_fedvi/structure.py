@@ -257,7 +257,8 @@ def is_factor(site) -> bool:
 
 def _observation_plates(model_trace) -> list[str]:
     """Plates that enclose every observed sample site of the model (candidates for an unsubsampled data plate);
-    ``numpyro.factor`` terms (a prior penalty outside the plate) count only when there is no other observation."""
+    ``numpyro.factor`` terms count only when there is no other observation, and then those inside a plate (a
+    factor likelihood) before one outside every plate (a prior penalty)."""
     observed = [s for s in model_trace.values() if s["type"] == "sample" and s.get("is_observed")]
     # a factor in a plate is a likelihood term; one outside every plate (a prior penalty) is not an observation
     observed = ([s for s in observed if not is_factor(s)] or [s for s in observed if s["cond_indep_stack"]]
