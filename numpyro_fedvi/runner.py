@@ -10,7 +10,10 @@ inside a chunk at ``num_steps`` or a stop, so no step is ever padded or copied.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import signal
+import threading
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -151,6 +154,30 @@ def _make_chunk(step_fn, chunk_size, early_stopping, stable_update):
     return jax.jit(chunk, static_argnums=3)
 
 
+@contextlib.contextmanager
+def _ctrl_c_between_chunks():
+    """While the run loop runs in the main thread: the first Ctrl-C only asks it to stop after the running chunk
+    (yields a list that becomes non-empty), so no ``KeyboardInterrupt`` lands inside a compiled chunk's host
+    callback (PD-VI's ``local_table="host"`` writes rows in place: an exception there fails the chunk half-written);
+    a second Ctrl-C raises at once, as Python's default handler does."""
+    asked: list = []
+    if threading.current_thread() is not threading.main_thread():
+        yield asked
+        return
+
+    def on_sigint(signum, frame):
+        if asked:
+            signal.signal(signal.SIGINT, previous)
+            raise KeyboardInterrupt
+        asked.append(True)
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield asked
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def run_loop(
     step_fn: Callable,
     init_state: Any,
@@ -192,8 +219,10 @@ def run_loop(
     :param cache: a dict owned by the engine that keeps the compiled chunks across runs (key: ``step_fn`` and the
         loop's static settings; pass a bound method as ``step_fn`` so the key is stable).
 
-    Ctrl-C (``KeyboardInterrupt``) between or during chunks returns the state and losses of the last finished
-    chunk with ``stop_reason="interrupted"``.
+    Ctrl-C returns the state and losses reached with ``stop_reason="interrupted"``: the running chunk finishes
+    first (at most ``chunk_size`` steps), so host-side effects of its steps (PD-VI's ``local_table="host"``, written
+    in place) are those of the returned state; a second Ctrl-C stops at once and drops the running chunk (warned).
+    A ``KeyboardInterrupt`` raised by a callback stops the run the same way.
     """
     if isinstance(num_steps, bool) or not isinstance(num_steps, (int, np.integer)) or num_steps < 1:
         raise ValueError(f"num_steps must be a positive integer, got {num_steps!r}.")
@@ -226,42 +255,58 @@ def run_loop(
     for cb in callbacks:
         if hasattr(cb, "start_run"):
             cb.start_run(get_params=get_params, num_steps=num_steps)
+    def finish(dispatched):
+        """``(carry, losses, steps)`` of a dispatched chunk, waiting for it, with the hooks due at its end."""
+        new_carry, chunk_losses, steps = dispatched
+        steps = int(steps)  # waits for the chunk
+        for k, fn in hooks:
+            if k == done + steps and new_carry.reason == 0:
+                new_carry = new_carry._replace(state=fn(new_carry.state))
+        return new_carry, np.asarray(chunk_losses)[:steps], steps
+
+    running = None  # the chunk dispatched and not yet taken
     try:
-        while done < num_steps:
-            pending = [k for k, _ in hooks if k > done] + [done - done % k + k for k in every]
-            stop_at = jnp.asarray(min([done + per_chunk, num_steps] + pending))
-            new_carry, chunk_losses, steps = chunk(carry, stop_at, arrays, static)
-            steps = int(steps)  # waits for the chunk: an interrupt before this line keeps the previous carry
-            chunk_losses = np.asarray(chunk_losses)[:steps]
-            carry = new_carry
-            for k, fn in hooks:
-                if k == done + steps and carry.reason == 0:
-                    carry = carry._replace(state=fn(carry.state))
-            losses.append(chunk_losses)
-            bar.update(steps)
-            done += steps
-            finite = chunk_losses[np.isfinite(chunk_losses)]
-            if finite.size or compiling:
-                bar.set_postfix_str(f"loss {finite[-1]:.4g}" if finite.size else "", refresh=False)
-                compiling = False
-            reason = _REASONS[int(carry.reason)]
-            if reason == EARLY_STOPPED and done >= num_steps:  # the rule met at the last step shortened nothing
-                break
-            if reason != COMPLETED:
-                stop_reason = reason
-                break
-            if steps == 0:
-                break
-            if callbacks:
-                all_losses = np.concatenate(losses)
-                if any([bool(cb(done, carry.state, all_losses)) for cb in callbacks]):  # every callback sees it
-                    if done < num_steps:
-                        stop_reason = CALLBACK
-                    break
-    except KeyboardInterrupt:
-        stop_reason = INTERRUPTED
-        warnings.warn(f"Interrupted after {done} steps; returning the state and losses reached so far "
-                      "(resume with run(..., init_state=result.state)).", RuntimeWarning, stacklevel=2)
+        with _ctrl_c_between_chunks() as stop_asked:
+            try:
+                while done < num_steps:
+                    due = [k for k, _ in hooks if k > done] + [done - done % k + k for k in every]
+                    stop_at = jnp.asarray(min([done + per_chunk, num_steps] + due))
+                    running = chunk(carry, stop_at, arrays, static)
+                    new_carry, chunk_losses, steps = finish(running)
+                    carry, losses, running = new_carry, [*losses, chunk_losses], None  # one assignment: no signal check
+                    bar.update(steps)
+                    done += steps
+                    finite = chunk_losses[np.isfinite(chunk_losses)]
+                    if finite.size or compiling:
+                        bar.set_postfix_str(f"loss {finite[-1]:.4g}" if finite.size else "", refresh=False)
+                        compiling = False
+                    reason = _REASONS[int(carry.reason)]
+                    if reason == EARLY_STOPPED and done >= num_steps:  # the rule met at the last step shortened nothing
+                        break
+                    if reason != COMPLETED:
+                        stop_reason = reason
+                        break
+                    if steps == 0:
+                        break
+                    if callbacks:
+                        all_losses = np.concatenate(losses)
+                        if any([bool(cb(done, carry.state, all_losses)) for cb in callbacks]):  # every callback sees it
+                            if done < num_steps:
+                                stop_reason = CALLBACK
+                            break
+                    if stop_asked and done < num_steps:
+                        raise KeyboardInterrupt
+            except (KeyboardInterrupt, jax.errors.JaxRuntimeError) as err:
+                if isinstance(err, jax.errors.JaxRuntimeError) and "KeyboardInterrupt" not in str(err):
+                    raise
+                if running is not None:  # a second Ctrl-C (or one raised inside a host callback) dropped this chunk
+                    warnings.warn("The chunk running at the interrupt was dropped; host-side state it wrote "
+                                  "(local_table='host') may be ahead of the returned state.", RuntimeWarning,
+                                  stacklevel=3)
+                stop_reason = INTERRUPTED
+                done = sum(map(len, losses))
+                warnings.warn(f"Interrupted after {done} steps; returning the state and losses reached so far "
+                              "(resume with run(..., init_state=result.state)).", RuntimeWarning, stacklevel=3)
     finally:
         bar.close()
 

@@ -1,6 +1,7 @@
 """The shared run loop (numpyro_fedvi.runner.run_loop) on toy step functions: chunking does not change the
 result, early stopping, the NaN guard, stable updates, callbacks, and the SVIRunResult surface."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -216,6 +217,40 @@ def test_ctrl_c_returns_the_state_and_losses_reached():
                        callbacks=[interrupt])
     assert res.diagnostics["stop_reason"] == "interrupted" and res.diagnostics["num_steps"] == 8
     ref = run_loop(gd_step, init_state(), 8, get_params=ident, progress_bar=False)
+    np.testing.assert_array_equal(np.asarray(res.state["x"]), np.asarray(ref.state["x"]))
+    np.testing.assert_array_equal(np.asarray(res.losses), np.asarray(ref.losses))
+
+
+def test_ctrl_c_during_a_chunk_keeps_that_chunk_and_its_host_side_effects():
+    """A real SIGINT while a compiled chunk runs (sent from a host callback inside step 6, the second chunk of 4):
+    the chunk finishes and is kept, so host-side state the steps wrote in place (counted here; PD-VI's
+    local_table="host" in practice) matches the returned state.  Dropping the chunk returned step 4's state while
+    the host had seen 8 steps, and a resume then differed from the uninterrupted run."""
+    import os
+    import signal
+
+    from jax.experimental import io_callback
+
+    seen, kill_at = [], [5]
+
+    def host_write(t):
+        seen.append(int(t))
+        if int(t) in kill_at:
+            os.kill(os.getpid(), signal.SIGINT)
+        return np.int32(0)
+
+    def step(state, inputs=None):
+        new, loss = gd_step(state)
+        io_callback(host_write, jax.ShapeDtypeStruct((), jnp.int32), state["t"], ordered=True)
+        return new, loss
+
+    with pytest.warns(RuntimeWarning, match="Interrupted after 8 steps"):
+        res = run_loop(step, init_state(), 40, get_params=ident, progress_bar=False, chunk_size=4,
+                       callbacks=[lambda *a: None])
+    assert res.diagnostics["stop_reason"] == "interrupted" and res.diagnostics["num_steps"] == 8
+    assert seen == list(range(8)) and int(res.state["t"]) == 8
+    kill_at.clear()  # the same compiled step, uninterrupted
+    ref = run_loop(step, init_state(), 8, get_params=ident, progress_bar=False, chunk_size=4)
     np.testing.assert_array_equal(np.asarray(res.state["x"]), np.asarray(ref.state["x"]))
     np.testing.assert_array_equal(np.asarray(res.losses), np.asarray(ref.losses))
 
