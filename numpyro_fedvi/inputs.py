@@ -112,9 +112,10 @@ def check_static_kwargs(static_kwargs: dict, model=None, engine: str = "the engi
     names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     unknown = sorted(set(static_kwargs) - names)
     if unknown:
+        name = getattr(model, "__name__", model)
         raise TypeError(f"{engine} got unexpected keyword argument(s) {unknown}: not options of {engine} (a typo?) "
-                        f"and not arguments of the model {getattr(model, '__name__', model)!s}{inspect.signature(model)} "
-                        "(extra keywords of an engine are passed to the model and the guide).")
+                        f"and not arguments of the model {name!s}{inspect.signature(model)} (extra keywords of an "
+                        "engine are passed to the model and the guide).")
 
 
 def is_real_number(value) -> bool:

@@ -182,8 +182,9 @@ class MPSGD:
     * ``schedule="adaptive"`` (default): the step runs in stages of affine whitening (:mod:`numpyro_fedvi.whitening`):
       the frame starts at the init point and its |Hessian|^{-1/2}, then follows the stage averages; in whitened
       coordinates γ = 1/(2L′) with L′ from a free Stein estimate of the expected Hessian, ``num_particles`` defaults to
-      ``2·max(d, MIN_RADII)`` spherical–radial draws (unbiased, exact second moments), and ``get_params`` is the frame applied to the
-      tail average of the current stage.  No tuning: ``MPSGD(model, AutoLocationScale(model)).run(key, 1000, *args)``.
+      ``2·max(d, MIN_RADII)`` spherical–radial draws (unbiased, exact second moments), and ``get_params`` is the
+      frame applied to the tail average of the current stage.  No tuning:
+      ``MPSGD(model, AutoLocationScale(model)).run(key, 1000, *args)``.
       ``result.diagnostics["stage_moves"]`` says how far the last completed stage moved ``q`` (mean in posterior sd,
       scale change); a run that ends with moves above 0.1 (or before 3 stages) warns that it has not converged.
     * ``schedule="theory"``: the paper's method: γ = 1/(2 L_step), Σ kept in ``Θ_L = {σ_min(Σ) ≥ 1/√L}``, Σ0 = I/√L,
@@ -191,8 +192,8 @@ class MPSGD:
       ``preconditioner="identity"``, case ii with ``"theory"``).  The options below marked (theory) belong to it.
 
     :param schedule: ``"adaptive"`` or ``"theory"``.
-    :param num_particles: N (even with spherical draws) — adaptive default ``2·max(d, 4)``; theory default 1, an int or a
-        schedule ``k -> N_k`` drawn ``chunk_size`` at a time (a schedule giving N_k < 1 at any step of a run is
+    :param num_particles: N (even with spherical draws) — adaptive default ``2·max(d, 4)``; theory default 1, an
+        int or a schedule ``k -> N_k`` drawn ``chunk_size`` at a time (a schedule giving N_k < 1 at any step of a run is
         refused before the run compiles).
     :param draws: ``"spherical"`` (adaptive default) or ``"iid"`` (theory default, the paper's estimator).
     :param stage_length: (adaptive) length of the first stage (stages double).

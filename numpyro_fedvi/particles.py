@@ -253,8 +253,9 @@ class ControlledDraws(ELBO):
         plates) plus, for a site in plates with m > 1 coordinates per slice, m (a per-datum vector is whitened
         jointly, with one dimension to spare: with too few particles its coordinates are ± one vector and the SAA of
         a likelihood that couples them, ``Normal(w.sum(-1), σ)``, is off by ``±2 Σ b_j b_k`` per datum), so that
-        each local coordinate keeps ≥ 2 antisymmetric dimensions: with one left, every datum gets ±the same vector and the non-quadratic (4th-order) error is the same for all data instead of averaging out
-        over them.  ``"minimal"``: ``2(d + 1)`` in [min_particles, max_particles], the fewest that make every cross
+        each local coordinate keeps ≥ 2 antisymmetric dimensions: with one left, every datum gets ±the same vector
+        and the non-quadratic (4th-order) error is the same for all data instead of averaging out over them.
+        ``"minimal"``: ``2(d + 1)`` in [min_particles, max_particles], the fewest that make every cross
         moment above exactly 0 (one antisymmetric dimension left per local coordinate); with fewer, a site is
         projected off only the top directions of the earlier ones, and equally whitened directions tie (PD-VI's
         default, see ``PDVI``)."""

@@ -88,8 +88,8 @@ class RobustFedVI(FedLocalVI):
         of the data plate, as PD-VI's ``partitions=``), or ``num_clients=G``; lower layer: a
         :class:`~numpyro_fedvi.federated.ClientData` of each group's rows (also accepted as the third positional
         argument, ``RobustFedVI(model, guide, groups, loss, ...)``, with ``model(rows, *args)``).
-    :param tau: τ > 0, the strength of the pull of w toward 1/G (τ → ∞: the average posterior of EQUAL groups, mean_g L_g —
-        not the ordinary posterior when groups differ in size; that is FedLocalVI's).
+    :param tau: τ > 0, the strength of the pull of w toward 1/G (τ → ∞: the average posterior of EQUAL groups,
+        mean_g L_g — not the ordinary posterior when groups differ in size; that is FedLocalVI's).
     :param local_steps: K, local steps per round (default 5).
     :param step_size: ``"auto"`` (default; module docstring: preconditioned θ and w, η from the operator's largest
         preconditioned singular value), or a float: η of dual averaging for θ, on the PER-DATUM

@@ -255,6 +255,7 @@ def run_loop(
     for cb in callbacks:
         if hasattr(cb, "start_run"):
             cb.start_run(get_params=get_params, num_steps=num_steps)
+
     def finish(dispatched):
         """``(carry, losses, steps)`` of a dispatched chunk, waiting for it, with the hooks due at its end."""
         new_carry, chunk_losses, steps = dispatched

@@ -166,8 +166,8 @@ class FedSVI(FedMM):
     """
 
     def __init__(self, model, guide, loss=None, *, rho: float | None = None, clients=None,
-                 num_clients: int | None = None, data_plate: str | None = None, step_size=1.0, cv_step: float | str = "auto",
-                 participation=None, compressor=None, batch_size: int | None = None,
+                 num_clients: int | None = None, data_plate: str | None = None, step_size=1.0,
+                 cv_step: float | str = "auto", participation=None, compressor=None, batch_size: int | None = None,
                  init_control_variates: str = "zero", prox=None, projection: Callable | None = None,
                  log_every: int = 10, mesh=None, server_optimizer=None, oracle_draws: str | None = "orthogonal",
                  oracle_particles: int | str = "minimal", **static_kwargs):
