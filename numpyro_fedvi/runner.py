@@ -161,8 +161,8 @@ def _ctrl_c_between_chunks():
     callback (PD-VI's ``local_table="host"`` writes rows in place: an exception there fails the chunk half-written);
     a second Ctrl-C raises at once, as Python's default handler does."""
     asked: list = []
-    if threading.current_thread() is not threading.main_thread():
-        yield asked
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
+        yield asked  # (a handler installed from C cannot be restored from Python: left alone)
         return
 
     def on_sigint(signum, frame):
