@@ -104,9 +104,10 @@ def check_static_kwargs(static_kwargs: dict, model=None, engine: str = "the engi
     if model is None or not static_kwargs:
         return
     try:
-        params = inspect.signature(model).parameters.values()
+        signature = inspect.signature(model)
     except (TypeError, ValueError):
         return
+    params = signature.parameters.values()
     if any(p.kind is p.VAR_KEYWORD for p in params):
         return
     names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
@@ -114,7 +115,7 @@ def check_static_kwargs(static_kwargs: dict, model=None, engine: str = "the engi
     if unknown:
         name = getattr(model, "__name__", model)
         raise TypeError(f"{engine} got unexpected keyword argument(s) {unknown}: not options of {engine} (a typo?) "
-                        f"and not arguments of the model {name!s}{inspect.signature(model)} (extra keywords of an "
+                        f"and not arguments of the model {name!s}{signature} (extra keywords of an "
                         "engine are passed to the model and the guide).")
 
 

@@ -33,6 +33,7 @@ from numpyro import handlers
 from .inputs import InputJit, check_positive, check_static_kwargs, is_real_number, prepare_inputs, split_inputs
 from .runner import EarlyStopping, RunResult, revert_non_finite, run_loop, tree_all_finite
 from .schedules import batch_growth, constant, dynamic_batching, theorem4
+from .structure import observation_plates
 from .curvature import lbfgs_minimize
 from .enumeration import enum_info, potential_fn
 from .guides import apply_scale, log_abs_det_scale
@@ -356,10 +357,9 @@ class MPSGD:
         """Per-datum latents (sites in the plate around every observation) all go into MPSGD's one latent vector:
         d grows with N and the scale with d² (``"full"``); warned about from ``PER_DATUM_WARN_DIM`` coordinates."""
         tr = getattr(self.guide, "prototype_trace", None) or {}
-        observed = [s for s in tr.values() if s["type"] == "sample" and s["is_observed"] and s["cond_indep_stack"]]
-        if not observed:
+        data_plates = set(observation_plates(tr))
+        if not data_plates:
             return
-        data_plates = set.intersection(*[{f.name for f in s["cond_indep_stack"]} for s in observed])
         local = sum(int(np.prod(s["fn"].shape())) for s in tr.values() if s["type"] == "sample"
                     and not s["is_observed"] and data_plates & {f.name for f in s["cond_indep_stack"]})
         if local >= PER_DATUM_WARN_DIM:

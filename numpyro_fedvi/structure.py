@@ -255,7 +255,7 @@ def is_factor(site) -> bool:
     return site["type"] == "sample" and isinstance(site["fn"], Unit) and bool(site["infer"].get("is_auxiliary"))
 
 
-def _observation_plates(model_trace) -> list[str]:
+def observation_plates(model_trace) -> list[str]:
     """Plates that enclose every observed sample site of the model (candidates for an unsubsampled data plate);
     ``numpyro.factor`` terms count only when there is no other observation, and then those inside a plate (a
     factor likelihood) before one outside every plate (a prior penalty)."""
@@ -361,7 +361,7 @@ def inspect_model(
         raise ValueError(f"The model has several subsampled plates {subsampled}; name the one that indexes the "
                          "data with data_plate='...'.")
     else:
-        candidates = _observation_plates(model_trace)
+        candidates = observation_plates(model_trace)
         if len(candidates) > 1:  # nested plates around the observations: the one sized like the data's rows
             rows = _rows_of_data(args, kwargs)
             candidates = [c for c in candidates if plates[c][0] in rows] or candidates
