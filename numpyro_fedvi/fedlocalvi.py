@@ -42,7 +42,7 @@ from .objectives import block_loss_fn, check_elbo, client_loss_fn, client_loss_f
 from .particles import oracle_elbo
 from .prox import as_prox, zero_prox
 from .runner import EarlyStopping, RunResult, revert_non_finite, run_loop, tree_all_finite
-from .structure import Partitions, inspect_global_model, warn_if_unsubsampled
+from .structure import ModelStructure, Partitions, inspect_global_model, warn_if_unsubsampled
 
 __all__ = ["METHODS", "FedLocalVI"]
 
@@ -56,6 +56,14 @@ OUTPUTS = ("tail", "last", "average")
 # step_size="auto": η = STEP_SCALE / λ̂ (λ̂: the largest eigenvalue of a client's preconditioned Hessian).  0.5 left
 # one of five eight-schools seeds with a non-finite estimate after a log-scale collapsed; 0.25 none (README)
 STEP_SCALE = 0.25
+# step_size="auto": a round that moves a positive guide param (a scale, a probability) by more than a factor
+# e^MAX_LOG_MOVE is not taken and η halves, as a non-finite round is.  A curvature estimate at one point can be far
+# too large a few steps away, and the preconditioned step then throws a scale to ~0 in one round, where the next
+# rounds are non-finite: measured on non-centred eight schools (AutoDiagonalNormal, one school per client, key 0) the
+# initial η = 1.73 (0.04-0.07 after one taken round) sent q(log tau)'s scale from 0.1 to 1.9e-18 in round 2, every
+# later round was refused and the run ended at -ELBO 158 (31 at the optimum); a converged Bernoulli probability
+# jumped from 1 - 1e-7 to 1e-38 after the refresh of round 512.  Moves that large are never progress: a factor e^10
+MAX_LOG_MOVE = 10.0
 NON_FINITE_INITIAL_ESTIMATE = ("step_size='auto': the curvature estimate at the initial params is not finite (check "
                                "the model's log density there, or init_params=); pass a float step_size to run "
                                "without it.")
@@ -141,7 +149,8 @@ class FedLocalVI:
         VI, at every call, from the guide alone) and ``∇²F̄`` the full-data curvature, and ``η = 0.25/λ̂`` (``λ̂``: the
         largest eigenvalue of a client's ``D^{1/2}∇V_m D^{1/2}``, up to 8 evenly spaced clients) — ``∇²F̄`` and η
         re-estimated after rounds 1, 2, 4, 8, … (:mod:`numpyro_fedvi.preconditioning`); a round that leaves non-finite
-        values is not taken and halves η.  Same zeros as the plain operator (a positive diagonal rescaling, equal on
+        values, or moves a positive param by more than a factor ``e^MAX_LOG_MOVE`` (:meth:`collapsed`), is not taken
+        and halves η.  Same zeros as the plain operator (a positive diagonal rescaling, equal on
         every client at one θ).  A float: the paper's constant η on the unconstrained params (on the full-data
         negative ELBO: η ≤ 1/L of ``F``; see ``vi_solvers.theory_step_size``); needed with ``prox``.
     :param L: Lipschitz constant of ∇F for (S)LIPPAX's inner step γ = η/(1+ηL)²; default ``1/step_size`` (η = 1/L;
@@ -578,8 +587,9 @@ class FedLocalVI:
             state = self.with_tail(self.solver.round(state, operator)[0])
             return state, objective(state)
         new, _ = self.solver.round(state, self._preconditioned(operator, state, inputs))
-        # step_size="auto": a round that leaves non-finite values is not taken; η halves and the counters move on
-        finite = tree_all_finite(new.z) & tree_all_finite(new.control)
+        # step_size="auto": a round that leaves non-finite values, or collapses a positive param (MAX_LOG_MOVE), is
+        # not taken; η halves and the counters move on
+        finite = tree_all_finite(new.z) & tree_all_finite(new.control) & ~self.collapsed(state, new)
         new = self.with_tail(new)
         precond = {**state.precond, "eta": state.precond["eta"] / 2}
         kept = self.with_tail(state._replace(step=new.step, round=new.round, precond=precond))
@@ -598,6 +608,19 @@ class FedLocalVI:
         tries, value = jax.lax.while_loop(retry, attempt, (jnp.asarray(0), nan))
         ok = tries == 1
         return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, kept), value
+
+    def collapsed(self, old: vs.VIState, new: vs.VIState, structure: ModelStructure | None = None) -> jax.Array:
+        """True when the round from ``old`` to ``new`` moved an element of a positive guide param (constrained to
+        ``(0, ∞)`` or ``(0, b)``: a scale, a rate, a probability) by more than a factor ``e^MAX_LOG_MOVE`` between
+        their synchronised iterates (``step_size="auto"`` does not take such a round; a Flower server checks the
+        same with its own ``structure``)."""
+        params = (structure or self.structure).params
+        before, after = (self._theta(self._iterate(s, "last")) for s in (old, new))
+        moves = [jnp.any(jnp.abs(jnp.log(t(after[k])) - jnp.log(t(before[k]))) > MAX_LOG_MOVE)
+                 for k, t in ((k, params[k].transform) for k in before)
+                 if getattr(t.codomain, "lower_bound", None) is not None and t.codomain.event_dim == 0
+                 and np.all(np.asarray(t.codomain.lower_bound) == 0)]
+        return jnp.any(jnp.stack(moves)) if moves else jnp.asarray(False)
 
     def _require_init(self):
         if self.structure is None:

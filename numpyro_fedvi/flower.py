@@ -1086,7 +1086,8 @@ class FedLocalVIStrategy(_EngineStrategy):
         self.state = self.state._replace(precond=new)
 
     def _halve_step(self):
-        """``step_size="auto"``: a round with non-finite values is not taken and η halves (as in process)."""
+        """``step_size="auto"``: a round with non-finite values or a collapsed positive param
+        (:meth:`~numpyro_fedvi.fedlocalvi.FedLocalVI.collapsed`) is not taken and η halves (as in process)."""
         if self.engine.auto_step:
             self.state = self.state._replace(precond={**self.state.precond, "eta": self.state.precond["eta"] / 2})
 
@@ -1124,13 +1125,13 @@ class FedLocalVIStrategy(_EngineStrategy):
                 self._halve_step()
             return bool(ok)
         (z, output), ok = self._mean(replies, jnp.asarray(received))
-        if not bool(ok):
+        K = self.engine.local_steps
+        new = self.state._replace(z=jax.tree.map(lambda a, b: jnp.broadcast_to(a, b.shape), z, self.state.z),
+                                  output=output, step=self.state.step + K, round=self.state.round + 1)
+        if not bool(ok) or (self.engine.auto_step and bool(self.engine.collapsed(self.state, new, self.structure))):
             self._halve_step()
             return False
-        K = self.engine.local_steps
-        self.state = self.engine.with_tail(self.state._replace(
-            z=jax.tree.map(lambda a, b: jnp.broadcast_to(a, b.shape), z, self.state.z), output=output,
-            step=self.state.step + K, round=self.state.round + 1))
+        self.state = self.engine.with_tail(new)
         self.phase = 0
         return True
 
@@ -1204,7 +1205,8 @@ class PDVIStrategy(_EngineStrategy):
         args, kwargs = prepare_inputs(args, kwargs)
         self.structure = inspect_model(engine.model, engine.guide, setup_key, args,
                                        {**kwargs, **engine.static_kwargs}, data_plate=engine.data_plate,
-                                       init_params=init_params)
+                                       init_params=init_params, loss=engine.loss, engine="PDVI",
+                                       fixed_draw_oracle=True)
         lam0 = self.structure.init_global
         eta = _eta_template(engine, lam0)
         self.state = pdvi_init(lam0, 1, None, eta, rng_key)._replace(mu=None)

@@ -369,6 +369,37 @@ def test_auto_step_refreshes_rejects_non_finite_rounds_and_resumes_bitwise():
         assert np.array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_auto_step_does_not_take_a_round_that_collapses_a_positive_param(monkeypatch):
+    """A round that moves an element of a positive guide param (AutoNormal's scale) by more than a factor
+    ``e^MAX_LOG_MOVE`` is not taken, as a non-finite round is not: the iterates stay, the counters move on, η halves
+    (a curvature estimate far too large a few steps away threw q(log tau)'s scale from 0.1 to 1e-18 in one round on
+    eight schools, and every later round was non-finite).  A location may move any distance."""
+    import numpyro_fedvi.fedlocalvi as fl
+
+    engine = FedLocalVI(model, constants().GUIDE, iid_clients(), ELBO)
+    state = engine.init(random.key(0))
+    sigma = SOFTPLUS(state.z["w_auto_scale"])
+
+    def moved(name, value):
+        return state._replace(z={**state.z, name: jnp.broadcast_to(value, state.z[name].shape)})
+
+    assert fl.MAX_LOG_MOVE == 10.0
+    assert not bool(engine.collapsed(state, moved("w_auto_loc", state.z["w_auto_loc"] + 1e3)))
+    for factor, collapses in ((-9.9, False), (9.9, False), (-10.1, True), (10.1, True)):
+        scaled = sigma.at[..., 1].multiply(np.exp(factor))
+        assert bool(engine.collapsed(state, moved("w_auto_scale", SOFTPLUS.inv(scaled)))) is collapses, factor
+    taken, _ = engine.update(state)   # the default bound takes round 1 (compiled here, before the patch below)
+    assert not np.array_equal(taken.z["w_auto_scale"], state.z["w_auto_scale"])
+    # inside the compiled round: with a bound no scale move passes, every round is refused
+    monkeypatch.setattr(fl, "MAX_LOG_MOVE", 1e-6)
+    strict = FedLocalVI(model, constants().GUIDE, iid_clients(), ELBO)
+    start = strict.init(random.key(0))
+    new, loss = strict.update(start)   # (η halves, then round 1's refresh re-estimates it)
+    assert int(new.round) == int(start.round) + 1
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(new.z), jax.tree.leaves(start.z)))
+    np.testing.assert_allclose(float(loss), float(strict.evaluate(start)), rtol=1e-5)
+
+
 def test_power_method_finds_the_largest_preconditioned_eigenvalue():
     """``λ_max(S A S)``, ``S = diag(√scale)``, of a symmetric matrix given by its products, against numpy."""
     from numpyro_fedvi.preconditioning import max_preconditioned_eigenvalue

@@ -354,6 +354,16 @@ def test_fedlocalvi_default_step_size_over_flower_equals_in_process():
     # the round not taken still reports its loss: at the kept iterate (over Flower the round is repeated)
     strategy.aggregate_evaluate(5, grid.send_and_receive(strategy.configure_evaluate(5, None, None, grid)))
     assert len(strategy.losses) == 5 and strategy.losses[4] == strategy.losses[3]
+    # finite replies whose mean throws q's scale to ~0 (FedLocalVI.collapsed): not taken either, η halves again
+    replies = grid.send_and_receive(strategy.configure_train(5, None, None, grid))
+    for reply in replies:
+        message = reply.content["message"]
+        for name in [k for k in message if "scale" in k and "output" not in k]:
+            message[name] = type(message[name])(np.full_like(message[name].numpy(), -1e4))
+    z_before = jax.tree.map(np.asarray, strategy.state.z)
+    strategy.aggregate_train(5, replies)
+    assert int(strategy.state.round) == 4 and float(strategy.state.precond["eta"]) == eta / 4
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(strategy.state.z), jax.tree.leaves(z_before)))
 
 
 @pytest.mark.slow   # 54 s
