@@ -7,7 +7,7 @@ such sites goes through NumPyro's plain ``log_density`` / ``potential_energy``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import NamedTuple
 
 import jax
@@ -39,11 +39,14 @@ def enum_info_of_trace(model_trace, provided: Iterable[str] = ()) -> EnumInfo:
     return EnumInfo(tuple(names), int(nesting))
 
 
-def enum_info(model, args, kwargs, provided: Iterable[str] = ()) -> EnumInfo:
+def enum_info(model, args, kwargs, provided: Iterable[str] | Mapping = ()) -> EnumInfo:
     """The enumerated sites of ``model`` outside ``provided`` (the guide's sample sites) and its plate nesting, from
-    one ABSTRACT trace (``jax.eval_shape``: no compilation, no FLOPs)."""
+    one ABSTRACT trace (``jax.eval_shape``: no compilation, no FLOPs).  A mapping ``provided`` holds the sites'
+    CONSTRAINED values, substituted in that trace: a latent without a sampler (``ImproperUniform``) is not drawn."""
     found = []
     arrays, static = split_inputs((args, kwargs))  # numbers and strings stay Python values (e.g. sizes)
+    if isinstance(provided, Mapping):
+        model = handlers.substitute(model, data=dict(provided))
 
     def trace(arrays):
         args_, kwargs_ = merge_inputs(arrays, static)

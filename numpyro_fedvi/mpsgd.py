@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax, random
 from numpyro import handlers
+from numpyro.distributions.transforms import biject_to
 
 from .inputs import InputJit, check_positive, check_static_kwargs, is_real_number, prepare_inputs, split_inputs
 from .runner import EarlyStopping, RunResult, revert_non_finite, run_loop, tree_all_finite
@@ -345,12 +346,14 @@ class MPSGD:
 
     def _enum_info(self, args, kwargs):
         """The model's enumerated sites that the guide does not sample (:mod:`~numpyro_fedvi.enumeration`): one
-        abstract trace per input shapes, cached on the engine."""
+        abstract trace per input shapes at the guide's initial point (constrained: an ``ImproperUniform`` latent has
+        no sampler), cached on the engine."""
         key = self._shapes_key(args, kwargs)
         cache = self.__dict__.setdefault("_enum_cache", {})
         if key not in cache:
-            cache[key] = enum_info(self.model, args, {**kwargs, **self.static_kwargs},
-                                   provided=self.guide._unpack_latent(self._init_loc))
+            proto, unc = self.guide.prototype_trace, self.guide._unpack_latent(self._init_loc)
+            init = {n: biject_to(proto[n]["fn"].support)(v) for n, v in unc.items()}
+            cache[key] = enum_info(self.model, args, {**kwargs, **self.static_kwargs}, provided=init)
         return cache[key]
 
     def _warn_per_datum_latents(self):

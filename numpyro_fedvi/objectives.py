@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpyro.distributions as dist
 from numpyro import handlers
-from numpyro.infer import RenyiELBO, Trace_ELBO
+from numpyro.infer import RenyiELBO, Trace_ELBO, init_to_uniform
 from numpyro.primitives import Messenger
 
 from .structure import ModelStructure, Partitions
@@ -123,8 +123,9 @@ class _ModelMasksOnGuide(Messenger):
         super().__init__(fn)
 
     def __call__(self, *args, **kwargs):
-        with handlers.block():
-            tr = handlers.trace(handlers.seed(self.model, 0)).get_trace(*args, **kwargs)
+        with handlers.block():  # latents at init_to_uniform: one without a sampler (ImproperUniform) is not drawn
+            model = handlers.substitute(handlers.seed(self.model, 0), substitute_fn=init_to_uniform)
+            tr = handlers.trace(model).get_trace(*args, **kwargs)
         self.masks = {n: _masks_of(tr[n]["fn"]) for n in self.sites if n in tr}
         return super().__call__(*args, **kwargs)
 

@@ -433,3 +433,25 @@ def test_obs_mask_imputed_entries_at_observed_rows_leave_the_objective(subsample
     for k in ("a", "b"):
         assert np.all(np.asarray(grad[k])[MISSING] == 0.0)
         assert np.all(np.abs(np.asarray(grad[k])[~MISSING]) > 1e-3)
+
+
+def test_obs_mask_masks_are_read_without_drawing_a_latent_that_has_no_sampler():
+    """The imputation site's masks come from a trace of the model at ``init_to_uniform`` values: a latent without a
+    sampler (``ImproperUniform``, NumPyro's flat prior) is not drawn there (it raised ``NotImplementedError``).  The
+    objective is the closed form without the prior term."""
+    from numpyro_fedvi.particles import ControlledDraws
+
+    def flat_model(y, mask):
+        mu = numpyro.sample("mu", dist.ImproperUniform(constraints.real, (), ()))
+        with numpyro.plate("data", y.shape[0]):
+            numpyro.sample("y", dist.Normal(mu, SIG), obs=y, obs_mask=mask)
+
+    y = jnp.where(MISSING, Y, 0.0)
+    st = inspect_model(flat_model, missing_guide, random.key(0), (y, MISSING))
+    assert st.imputed_sites == ("y_unobserved",)
+    p = {"m": jnp.asarray(0.4), "s": jnp.asarray(0.3), "a": jnp.linspace(-1, 1, M), "b": jnp.full(M, 0.6)}
+    g, loc = st.unconstrain(p)
+    bl = block_loss_fn(ControlledDraws(Trace_ELBO(), "minimal"), flat_model, missing_guide, st)
+    value = bl(random.key(1), g, loc, jnp.arange(M), jnp.ones(M, bool), 1.0, (y, MISSING), {})
+    log_prior = -0.5 * np.log(2 * np.pi * S0**2) - (0.4**2 + 0.3**2) / (2 * S0**2)
+    np.testing.assert_allclose(value, missing_neg_elbo(p, Y, MISSING) + log_prior, rtol=1e-5)
