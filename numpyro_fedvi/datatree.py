@@ -15,6 +15,16 @@ every datum), and returns the groups
   ``arviz_stats.loo_approximate_posterior(dt, dt.sample_stats.lp, dt.sample_stats.log_q)`` corrects LOO-CV for
   the approximation.
 
+**Predictions at new inputs**: with the observations left out (``to_datatree(engine, result, X_new, None)`` for a
+``model(X, y=None)``), the model's sample sites that are neither observed nor drawn by the guide (nor enumerated)
+are the *predicted* sites: ``posterior_predictive`` holds their draws at the new inputs, ``observed_data`` and
+``log_likelihood`` are left out (for the predicted sites; other sites still observed keep theirs), and so are ``lp``
+and ``log_weight``: the importance weights need the observed data (the log joint of the latents alone would be the
+prior), so ``sample_stats`` holds ``log_q`` only and ``attrs["pareto_k"]`` is NaN, with ``attrs["pareto_k_note"]``
+saying why.  (A latent that the guide leaves out, neither observed nor enumerated, is drawn from the model the same
+way.)  Global latents predict at inputs of any size; per-datum (local) guide parameters exist only for the rows the
+guide was fitted on, so a guide with them raises a ``ValueError`` at inputs of another size.
+
 Draws are iid: R-hat and ESS mean nothing for them; k̂ is the diagnostic.
 
 A guide that trains as something other than the posterior it stands for is drawn from that posterior: NumPyro's
@@ -46,8 +56,8 @@ from numpyro.infer.autoguide import AutoGuideList, AutoLaplaceApproximation
 from numpyro.infer.util import log_density
 from numpyro.primitives import Messenger
 
-from .enumeration import EnumInfo, enum_info, enum_info_of_trace, log_density_fn, pointwise_log_likelihood
-from .inputs import prepare_inputs
+from .enumeration import EnumInfo, enum_info_of_trace, log_density_fn, pointwise_log_likelihood
+from .inputs import merge_inputs, prepare_inputs, split_inputs
 from .structure import is_factor
 
 __all__ = ["compare_posteriors", "full_data", "importance_log_weights", "pareto_k_hat", "resample_observed",
@@ -135,7 +145,14 @@ def _posterior_guide(model, guide, params, args, kwargs):
     # one concrete run first: sets the guide up outside any trace, and gives the MAP's sites for the enum info
     tr = handlers.trace(handlers.seed(handlers.substitute(guide_f, data=params), 0)).get_trace(*args, **kwargs)
     at_map = _latent({n: s["value"] for n, s in tr.items() if s["type"] == "sample"})
-    density = log_density_fn(enum_info(model_f, args, kwargs, provided=at_map))
+    info, predicted = _model_roles(model_f, args, kwargs, at_map)
+    if predicted:
+        raise ValueError(
+            f"to_datatree: the model's site(s) {predicted} are neither observed nor drawn by the guide; the "
+            "AutoLaplaceApproximation's covariance is the Hessian of the log posterior on the OBSERVED data. Call "
+            "to_datatree with the training data, then predict at new inputs with numpyro.infer.Predictive(model, "
+            "posterior_samples=...) from its posterior group.")
+    density = log_density_fn(info)
 
     def neg_log_posterior(u):  # the guide's Deltas score −log|det ∂θ/∂u| at θ(u)
         log_delta, tr_u = log_density(handlers.seed(guide_f, 0), args, kwargs, {**params, loc_name: u})
@@ -171,13 +188,41 @@ def _latent(draw):
     return {k: v for k, v in draw.items() if not k.startswith("_")}  # auxiliary ``_..._latent`` sites dropped
 
 
+def _predicted_sites(model_trace, provided) -> list:
+    """The sample sites of a model trace that are neither observed, nor ``provided`` (by the guide), nor enumerated,
+    nor factors: the observations left out (``obs=None``), whose draws are predictions."""
+    return sorted(n for n, s in model_trace.items() if s["type"] == "sample" and not s["is_observed"]
+                  and n not in provided and not s["infer"].get("enumerate") and not is_factor(s))
+
+
+def _model_roles(model, args, kwargs, provided: dict):
+    """``(EnumInfo, predicted sites)`` of ``model`` with the guide's sites ``provided`` (constrained values,
+    substituted), from one ABSTRACT trace (``jax.eval_shape``: no compilation, no FLOPs)."""
+    found = []
+    arrays, static = split_inputs((args, kwargs))  # numbers and strings stay Python values (e.g. sizes)
+    model = handlers.substitute(model, data=dict(provided))
+
+    def trace(arrays):
+        args_, kwargs_ = merge_inputs(arrays, static)
+        tr = handlers.trace(handlers.seed(model, 0)).get_trace(*args_, **kwargs_)
+        found.append((enum_info_of_trace(tr, provided), _predicted_sites(tr, provided)))
+        return 0
+
+    jax.eval_shape(trace, arrays)
+    return found[0]
+
+
 def _log_joint(model, args, kwargs, draws, info: EnumInfo | None = None):
     """``log p(θ, y)`` of the full data at each draw's latent sites, with the model's enumerated discrete sites that
     the draws do not hold summed out (:mod:`~numpyro_fedvi.enumeration`; ``info``: found by an abstract trace when
-    not given)."""
+    not given, which also refuses a model whose observations are left out)."""
     model_f = full_data(model)
     if info is None:
-        info = enum_info(model_f, args, kwargs, provided=_latent(jax.tree.map(lambda v: v[0], draws)))
+        info, predicted = _model_roles(model_f, args, kwargs, _latent(jax.tree.map(lambda v: v[0], draws)))
+        if predicted:
+            raise ValueError(f"log p(θ, y) needs the observed data: the model's site(s) {predicted} are neither "
+                             "observed nor drawn by the guide (pass the observations, e.g. model(X, y) not "
+                             "model(X, None)).")
     density = log_density_fn(info)
     return jax.lax.map(lambda d: density(model_f, args, kwargs, _latent(d)), draws)
 
@@ -213,13 +258,57 @@ def pareto_k_hat(log_weights) -> float:
 
 
 def _observed_sites(model, latent_draw, key, args, kwargs):
-    """``(latent names, observed values, deterministic names, EnumInfo)`` from one trace at a guide draw."""
+    """``(latent names, observed values, deterministic names, EnumInfo, predicted names)`` from one trace at a
+    guide draw (:func:`_predicted_sites`)."""
     tr = handlers.trace(handlers.seed(handlers.substitute(full_data(model), data=latent_draw), key)).get_trace(
         *args, **kwargs)
     latent = {n for n, s in tr.items() if s["type"] == "sample" and not s["is_observed"]}
     observed = {n: s["value"] for n, s in tr.items() if s["type"] == "sample" and s["is_observed"] and not is_factor(s)}
     deterministic = [n for n, s in tr.items() if s["type"] == "deterministic"]
-    return latent, observed, deterministic, enum_info_of_trace(tr, latent_draw)
+    return latent, observed, deterministic, enum_info_of_trace(tr, latent_draw), _predicted_sites(tr, latent_draw)
+
+
+def _failing_site(err) -> str | None:
+    """The name of the NumPyro site whose effect stack raised ``err`` (innermost ``apply_stack`` frame), if any."""
+    name, tb = None, err.__traceback__
+    while tb is not None:
+        msg = tb.tb_frame.f_locals.get("msg") if tb.tb_frame.f_code.co_name == "apply_stack" else None
+        if isinstance(msg, dict) and msg.get("type") in ("sample", "param"):
+            name = msg.get("name")
+        tb = tb.tb_next
+    return name
+
+
+def _local_params_error(model, guide, params, args, kwargs) -> ValueError | None:
+    """Why the guide's draws do not fit the model at these inputs when a guide has per-datum (local) parameters
+    fitted on another number of rows: a ``ValueError`` naming the site, or ``None`` when concrete traces of the model
+    alone and of the guide alone show no such mismatch (the caller re-raises its own error then)."""
+    try:
+        model_tr = handlers.trace(handlers.seed(full_data(model), 0)).get_trace(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - the model alone fails too: not the guide's size
+        return None
+    plates = {f.name: f.size for s in model_tr.values() if s["type"] == "sample" for f in s["cond_indep_stack"]}
+    if not plates:
+        return None
+    how = (f"(the model's plates at these inputs: {plates}). Per-datum (local) guide parameters exist only for the "
+           "rows the guide was fitted on, so local latents cannot be drawn at inputs with another number of rows: "
+           "pass the training inputs, or predict at the new ones with numpyro.infer.Predictive(model, "
+           "posterior_samples=...) holding the GLOBAL sites of the posterior (the new rows' local latents then come "
+           "from their prior).")
+    try:
+        guide_tr = handlers.trace(handlers.seed(handlers.substitute(full_data(guide), data=params), 0)).get_trace(
+            *args, **kwargs)
+    except (ValueError, TypeError) as err:  # NumPyro's plates raise ValueError, jax.numpy's broadcasting TypeError
+        site = _failing_site(err)
+        where = f" at its site {site!r}" if site else ""
+        return ValueError(f"to_datatree: the guide cannot be drawn at these inputs{where} ({err}) {how}")
+    bad = {n: (tuple(jnp.shape(s["value"])), tuple(jnp.shape(model_tr[n]["value"]))) for n, s in guide_tr.items()
+           if s["type"] == "sample" and n in model_tr and model_tr[n]["type"] == "sample"
+           and jnp.shape(s["value"]) != jnp.shape(model_tr[n]["value"])}
+    if not bad:
+        return None
+    shapes = "; ".join(f"{n!r}: {g} in the guide, {m} in the model" for n, (g, m) in bad.items())
+    return ValueError(f"to_datatree: the guide's draws do not fit the model at these inputs ({shapes}) {how}")
 
 
 def to_datatree(engine, result, *args, num_samples: int = 1000, rng_key=None, log_likelihood_group: bool = True,
@@ -229,7 +318,12 @@ def to_datatree(engine, result, *args, num_samples: int = 1000, rng_key=None, lo
     :param engine: a fitted engine with ``.model`` and ``.guide`` (its ``static_kwargs`` are passed on).
     :param result: the engine's ``RunResult`` (or ``SVIRunResult``), or a dict of constrained guide params.
     :param args, kwargs: the model's data arguments (the FULL data set, as given to ``run``): JAX / NumPy arrays,
-        lists or pandas objects (converted as by ``run``; NaN / inf raise ``ValueError``).
+        lists or pandas objects (converted as by ``run``; NaN / inf raise ``ValueError``).  For predictions, new
+        inputs with the observations left out (``X_new, None``): the sites that are then neither observed nor in
+        the guide are drawn into ``posterior_predictive``; ``observed_data`` and ``log_likelihood`` (of those sites)
+        and ``sample_stats``' ``lp`` / ``log_weight`` are left out, ``attrs["pareto_k"]`` is NaN with
+        ``attrs["pareto_k_note"]`` (k̂ needs the observed data).  A guide with per-datum (local) parameters raises
+        ``ValueError`` at inputs with another number of rows than it was fitted on.
     :param num_samples: iid draws S (``draw`` dimension; ``chain`` has length 1).
     :param coords, dims: passed to ``arviz_base.from_dict`` (name the dimensions of your sites).
     """
@@ -241,35 +335,52 @@ def to_datatree(engine, result, *args, num_samples: int = 1000, rng_key=None, lo
     key = random.key(0) if rng_key is None else rng_key
     k_draw, k_trace, k_pred = random.split(key, 3)
 
-    draws, log_q = _guide_draws(_posterior_guide(model, guide, params, args, kwargs), params, num_samples, k_draw,
-                                args, kwargs)
-    first = _latent({k: v[0] for k, v in draws.items()})
-    latent_names, observed, deterministic, info = _observed_sites(model, first, k_trace, args, kwargs)
+    try:
+        draws, log_q = _guide_draws(_posterior_guide(model, guide, params, args, kwargs), params, num_samples,
+                                    k_draw, args, kwargs)
+        first = _latent({k: v[0] for k, v in draws.items()})
+        latent_names, observed, deterministic, info, predicted = _observed_sites(model, first, k_trace, args, kwargs)
+    except (ValueError, TypeError) as err:  # a guide with per-datum params at inputs of another size: say so
+        local = _local_params_error(model, guide, params, args, kwargs)
+        if local is None:
+            raise
+        raise local from err
     posterior = {k: v for k, v in draws.items() if k in latent_names}
     if deterministic:  # e.g. the centred site of a LocScaleReparam, transformed parameters
         posterior.update(Predictive(full_data(model), posterior_samples=posterior, return_sites=deterministic)(
             k_pred, *args, **kwargs))
-    lp = _log_joint(model, args, kwargs, draws, info)
-    log_w = np.asarray(lp - log_q, np.float64)
-    pareto_k = pareto_k_hat(log_w)
 
     def chain(tree):
         return {k: np.asarray(v)[None] for k, v in tree.items()}
 
-    groups = {
-        "posterior": chain(posterior),
-        "sample_stats": chain({"lp": lp, "log_q": log_q, "log_weight": log_w}),
-        "observed_data": {k: np.asarray(v) for k, v in observed.items()},
-    }
+    stats_attrs = {}
+    if predicted:  # observations left out: no log p(θ, y), hence no importance weights (module docstring)
+        groups = {"posterior": chain(posterior), "sample_stats": chain({"log_q": log_q})}
+        stats_attrs["pareto_k"] = float("nan")
+        stats_attrs["pareto_k_note"] = (
+            f"no lp, log_weight or k̂: the site(s) {predicted} are not observed, and the importance weights "
+            "log p(θ, y) − log q(θ) need the observed data; call to_datatree with the training data for k̂.")
+    else:
+        lp = _log_joint(model, args, kwargs, draws, info)
+        log_w = np.asarray(lp - log_q, np.float64)
+        stats_attrs["pareto_k"] = pareto_k_hat(log_w)
+        groups = {"posterior": chain(posterior), "sample_stats": chain({"lp": lp, "log_q": log_q, "log_weight": log_w})}
+    if observed:
+        groups["observed_data"] = {k: np.asarray(v) for k, v in observed.items()}
     if log_likelihood_group and observed:
         model_f = full_data(model)
-        pointwise = jax.lax.map(lambda d: pointwise_log_likelihood(model_f, info, args, kwargs, d), posterior)
+        if predicted:  # other sites still observed: the predicted ones are drawn, one key per draw
+            keys = random.split(k_trace, num_samples)
+            pointwise = jax.lax.map(lambda dk: pointwise_log_likelihood(handlers.seed(model_f, dk[1]), info, args,
+                                                                        kwargs, dk[0]), (posterior, keys))
+        else:
+            pointwise = jax.lax.map(lambda d: pointwise_log_likelihood(model_f, info, args, kwargs, d), posterior)
         groups["log_likelihood"] = chain({k: v for k, v in pointwise.items() if k in observed})  # no factor terms
-    if posterior_predictive and observed:
+    if posterior_predictive and (observed or predicted):
         pred = Predictive(resample_observed(full_data(model)), posterior_samples=posterior,
-                          return_sites=list(observed))
+                          return_sites=list(observed) + predicted)
         groups["posterior_predictive"] = chain(pred(k_pred, *args, **kwargs))
-    attrs = {"sample_stats": {"pareto_k": pareto_k},
+    attrs = {"sample_stats": stats_attrs,
              "/": {"inference_library": "numpyro_fedvi", "engine": type(engine).__name__}}
     from arviz_base import from_dict   # imported on use: ~0.2 s (xarray, pandas)
 

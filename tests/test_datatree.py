@@ -4,7 +4,9 @@ Checked: with q equal to the exact posterior of a conjugate model the importance
 the log marginal likelihood for EVERY draw (closed form); a too-narrow q gets a large Pareto k̂; subsampled plates
 are expanded to the full data (local latents and the pointwise log-likelihood cover every datum); the tree has
 (chain=1, draw=S) and works with arviz_stats.summary / loo; numpyro.infer.SVI converts too; bad inputs raise; an
-AutoLaplaceApproximation holds its Laplace approximation (exact on the conjugate model), not the MAP it trains.
+AutoLaplaceApproximation holds its Laplace approximation (exact on the conjugate model), not the MAP it trains; with
+the observations left out (``model(X_new, None)``) the tree holds predictions at the new inputs, and a guide with
+per-datum params at another number of rows raises a clear error.
 """
 
 import types
@@ -331,3 +333,142 @@ def test_laplace_log_q_is_the_pushed_forward_gaussian_and_autodelta_stays_a_poin
     parts.append(AutoLaplaceApproximation(numpyro.handlers.block(scale_model, expose=["mu"])))
     with pytest.raises(NotImplementedError, match="inside an AutoGuideList"):
         nfv.to_datatree(types.SimpleNamespace(model=scale_model, guide=parts), {"auto_loc": jnp.zeros(1)}, X)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# predictions at new inputs: the observations left out (model(X_new, None)), as for numpyro.infer.Predictive
+# ----------------------------------------------------------------------------------------------------------
+XR = jnp.asarray(np.random.default_rng(1).normal(size=(60, 2)), jnp.float32)
+YR = jnp.asarray(np.random.default_rng(2).random(60) < 1 / (1 + np.exp(-(0.5 + np.asarray(XR) @ [1.0, -1.0]))),
+                 jnp.float32)
+XR_NEW = jnp.asarray(np.random.default_rng(3).normal(size=(23, 2)), jnp.float32)
+
+
+def logreg(x, y=None):
+    beta = numpyro.sample("beta", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+    b0 = numpyro.sample("b0", dist.Normal(0.0, 2.0))
+    with numpyro.plate("rows", x.shape[0]):
+        numpyro.sample("y", dist.Bernoulli(logits=b0 + x @ beta), obs=y)
+
+
+@pytest.fixture(scope="module")
+def logreg_svi():
+    from numpyro.infer.autoguide import AutoNormal
+
+    svi = SVI(logreg, AutoNormal(logreg), optax.adam(0.05), Trace_ELBO())
+    return svi, svi.run(random.key(0), 300, XR, YR, progress_bar=False)
+
+
+def test_observations_left_out_give_predictions_at_new_inputs(logreg_svi):
+    """y=None at 23 new rows (60 in training): ``posterior_predictive`` holds y at the NEW rows, drawn with the
+    posterior's own draws (mean = the average of sigmoid(b0 + x β) over those draws, within binomial error); nothing
+    is observed, so no observed_data / log_likelihood, no lp / log_weight, and k̂ is NaN with a note."""
+    svi, result = logreg_svi
+    S = 1000
+    dt = nfv.to_datatree(svi, result, XR_NEW, None, num_samples=S)
+    assert set(dt.children) == {"posterior", "posterior_predictive", "sample_stats"}
+    assert set(dt.posterior.data_vars) == {"beta", "b0"}
+    y = np.asarray(dt.posterior_predictive["y"])[0]
+    assert y.shape == (S, XR_NEW.shape[0]) and set(np.unique(y)) <= {0, 1}
+    beta, b0 = np.asarray(dt.posterior["beta"])[0], np.asarray(dt.posterior["b0"])[0]
+    p = 1 / (1 + np.exp(-(b0[:, None] + beta @ np.asarray(XR_NEW).T)))  # (S, 23)
+    se = np.sqrt((p * (1 - p)).mean(0) / S)
+    assert np.all(np.abs(y.mean(0) - p.mean(0)) < 5 * se)
+    assert list(dt.sample_stats.data_vars) == ["log_q"] and np.all(np.isfinite(np.asarray(dt.sample_stats["log_q"])))
+    assert np.isnan(dt.sample_stats.attrs["pareto_k"]) and "'y'" in dt.sample_stats.attrs["pareto_k_note"]
+    same = nfv.to_datatree(svi, result, XR_NEW, None, num_samples=S, log_likelihood_group=False)
+    np.testing.assert_array_equal(np.asarray(same.posterior_predictive["y"]), np.asarray(dt.posterior_predictive["y"]))
+
+
+def test_observed_inputs_keep_every_group_and_share_the_draws_of_the_predictions(logreg_svi):
+    """With y given (the training rows) the tree is as before: every group, lp − log_q = log_weight, k̂ finite.  With
+    y left out at the same rows the guide's draws (same key) and their log q are the same; only the groups that need
+    y change (observed_data and log_likelihood out, y predicted at all 60 rows)."""
+    svi, result = logreg_svi
+    dt = nfv.to_datatree(svi, result, XR, YR, num_samples=200)
+    assert set(dt.children) == {"posterior", "sample_stats", "observed_data", "log_likelihood",
+                                "posterior_predictive"}
+    assert set(dt.sample_stats.data_vars) == {"lp", "log_q", "log_weight"}
+    np.testing.assert_allclose(np.asarray(dt.sample_stats["log_weight"]),
+                               np.asarray(dt.sample_stats["lp"]) - np.asarray(dt.sample_stats["log_q"]), rtol=1e-6)
+    assert np.isfinite(dt.sample_stats.attrs["pareto_k"]) and "pareto_k_note" not in dt.sample_stats.attrs
+    np.testing.assert_array_equal(np.asarray(dt.observed_data["y"]), np.asarray(YR))
+    assert dt.log_likelihood["y"].shape == (1, 200, 60)
+    pred = nfv.to_datatree(svi, result, XR, None, num_samples=200)
+    assert set(pred.children) == {"posterior", "sample_stats", "posterior_predictive"}
+    for var in ("beta", "b0"):
+        np.testing.assert_array_equal(np.asarray(pred.posterior[var]), np.asarray(dt.posterior[var]))
+    np.testing.assert_array_equal(np.asarray(pred.sample_stats["log_q"]), np.asarray(dt.sample_stats["log_q"]))
+    assert pred.posterior_predictive["y"].shape == (1, 200, 60)
+
+
+def local_rows(z, y=None):
+    mu = numpyro.sample("mu", dist.Normal(0.0, 3.0))
+    with numpyro.plate("rows", z.shape[0]):
+        theta = numpyro.sample("theta", dist.Normal(mu, 1.0))
+        numpyro.sample("y", dist.Normal(theta + z, 0.5), obs=y)
+
+
+def rows_guide(z, y=None):
+    numpyro.sample("mu", dist.Normal(numpyro.param("m", 0.0), 0.3))
+    a = numpyro.param("a", jnp.zeros(40))  # one location per TRAINING row
+    with numpyro.plate("rows", z.shape[0]):
+        numpyro.sample("theta", dist.Normal(a, 0.4))
+
+
+def test_local_params_at_new_inputs_raise_a_clear_error():
+    """Per-datum guide params exist only for the 40 training rows: at 7 new rows to_datatree names the local site and
+    says why, both for an autoguide (its draws keep the training shape and the model rejects them) and for a guide
+    whose own plate rejects them; at the training rows y=None still predicts."""
+    from numpyro.infer.autoguide import AutoNormal
+
+    z = jnp.linspace(-1.0, 1.0, 40)
+    auto = AutoNormal(local_rows)
+    svi = SVI(local_rows, auto, optax.adam(0.1), Trace_ELBO())
+    auto_params = svi.get_params(svi.init(random.key(0), z, z))
+    hand_params = {"m": jnp.asarray(0.2), "a": jnp.zeros(40)}
+    for guide_, params in ((auto, auto_params), (rows_guide, hand_params)):
+        engine = types.SimpleNamespace(model=local_rows, guide=guide_)
+        with pytest.raises(ValueError, match=r"(?s)'theta'.*Per-datum \(local\) guide parameters exist only for the "
+                                             r"rows the guide was fitted on"):
+            nfv.to_datatree(engine, params, z[:7], None, num_samples=4)
+    dt = nfv.to_datatree(types.SimpleNamespace(model=local_rows, guide=rows_guide), hand_params, z, None,
+                         num_samples=4)
+    assert dt.posterior["theta"].shape == (1, 4, 40) and dt.posterior_predictive["y"].shape == (1, 4, 40)
+
+
+def test_a_site_left_out_next_to_an_observed_one():
+    """y observed, w left out: y keeps observed_data and its pointwise log-likelihood (closed form at each draw of
+    mu), w is predicted next to y's replicates; no lp, since w is not observed."""
+    def two_outputs(x, y=None, w=None):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 2.0))
+        with numpyro.plate("rows", x.shape[0]):
+            numpyro.sample("y", dist.Normal(mu + x, 1.0), obs=y)
+            numpyro.sample("w", dist.Normal(mu - x, 1.0), obs=w)
+
+    x, y = X[:5], X[5:10]
+    engine = types.SimpleNamespace(model=two_outputs, guide=lambda *_: guide(None))
+    dt = nfv.to_datatree(engine, {"loc": jnp.asarray(0.5), "scale": jnp.asarray(0.3)}, x, y, None, num_samples=400)
+    assert list(dt.observed_data.data_vars) == ["y"] and list(dt.log_likelihood.data_vars) == ["y"]
+    mu = np.asarray(dt.posterior["mu"])[0]
+    expect = -0.5 * (np.asarray(y) - mu[:, None] - np.asarray(x)) ** 2 - 0.5 * np.log(2 * np.pi)
+    np.testing.assert_allclose(np.asarray(dt.log_likelihood["y"])[0], expect, rtol=1e-5, atol=1e-5)
+    assert set(dt.posterior_predictive.data_vars) == {"y", "w"}
+    w = np.asarray(dt.posterior_predictive["w"])[0]
+    np.testing.assert_allclose(w.mean(0), 0.5 - np.asarray(x), atol=5 * np.sqrt(1.09 / 400))
+    assert "lp" not in dt.sample_stats and np.isnan(dt.sample_stats.attrs["pareto_k"])
+
+
+def test_weights_and_the_laplace_covariance_need_the_observations():
+    """log p(θ, y) (importance_log_weights) and an AutoLaplaceApproximation's Hessian are of the OBSERVED data: with
+    y left out they raise, naming the site, instead of scoring the prior."""
+    from numpyro.infer.autoguide import AutoLaplaceApproximation
+
+    laplace = AutoLaplaceApproximation(logreg)
+    svi = SVI(logreg, laplace, optax.adam(0.05), Trace_ELBO())
+    params = svi.get_params(svi.init(random.key(0), XR, YR))
+    with pytest.raises(ValueError, match=r"\['y'\] are neither observed nor drawn by the guide; the AutoLaplace"):
+        nfv.to_datatree(types.SimpleNamespace(model=logreg, guide=laplace), params, XR_NEW, None, num_samples=4)
+    draws = {"beta": jnp.zeros((2, 2)), "b0": jnp.zeros(2)}
+    with pytest.raises(ValueError, match=r"log p\(θ, y\) needs the observed data: the model's site\(s\) \['y'\]"):
+        importance_log_weights(logreg, lambda x, y=None: None, {}, draws, (XR_NEW, None))
