@@ -25,6 +25,7 @@ from numpyro import handlers
 from numpyro.distributions import constraints
 from numpyro.distributions.distribution import Unit
 from numpyro.distributions.transforms import Transform, biject_to
+from numpyro.infer.inspect import get_dependencies
 from numpyro.primitives import Messenger
 
 __all__ = [
@@ -298,6 +299,47 @@ def warn_discrete_latents(model_trace, loss, engine: str) -> None:
                       "'parallel'}}) and hidden from the guide.", stacklevel=4)
 
 
+def warn_score_function_sites(guide_trace, engine: str) -> None:
+    """Warn about guide sample sites without reparameterised draws (``has_rsample`` False, not enumerated: a
+    discrete latent under ``TraceGraph_ELBO``): their ELBO gradient is a score-function surrogate, unbiased for ONE
+    gradient step, whose minimiser at fixed draws is not the ELBO's.  An oracle that solves its block objective at
+    fixed draws (PD-VI) then stops off the optimum: measured on a Bernoulli-switch model (150 rows, TraceGraph_ELBO),
+    PD-VI ended at −ELBO 228–229 after 200–800 iterations, SVI at 224 and the federated engines at 218."""
+    sites = [n for n, s in guide_trace.items() if s["type"] == "sample" and not s["is_observed"]
+             and not s["infer"].get("enumerate") and not getattr(s["fn"], "has_rsample", True)]
+    if sites:
+        warnings.warn(f"{engine}: the guide's site(s) {sites} have no reparameterised samples; their ELBO gradient is "
+                      f"a score-function estimate, and {engine}'s oracle, which solves each block at fixed Monte-Carlo "
+                      "draws, does not reach the ELBO's optimum with it. Marginalise a discrete latent instead "
+                      "(TraceEnum_ELBO, the site enumerated in the model and hidden from the guide), or use an engine "
+                      "that takes gradient steps (FedSVI, FedLocalVI, numpyro.infer.SVI).", stacklevel=4)
+
+
+def check_blocks_separate(model, args, kwargs, plate_name: str, engine: str) -> None:
+    """Refuse a model term OUTSIDE the data plate that depends on a latent INSIDE it (e.g. a random-walk
+    ``numpyro.factor`` over per-datum latents): the engine splits the ELBO into blocks of the plate, each block's
+    local latents seen only through its own rows and every term outside the plate given to each block with weight
+    |b|/N, so such a coupling is down-weighted and the answer is wrong (measured: a factor linking 100 per-datum
+    latents, PD-VI's noise scale 0.99 against SVI's 0.53).  Dependencies by NumPyro's provenance tracking
+    (``get_dependencies``, an abstract trace); a model it cannot trace is not checked."""
+    try:
+        deps = get_dependencies(model, tuple(args), dict(kwargs))["prior_dependencies"]
+        tr = handlers.trace(handlers.seed(model, 0)).get_trace(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - the check is advisory: the engine's own trace reports real errors
+        return
+    in_plate = {n for n, site in tr.items() if site["type"] == "sample"
+                and any(f.name == plate_name for f in site["cond_indep_stack"])}
+    local = {n for n in in_plate if not tr[n]["is_observed"]}
+    coupled = {n: sorted(set(d) & local) for n, d in deps.items() if n in tr and n not in in_plate}
+    coupled = {n: v for n, v in coupled.items() if v}
+    if coupled:
+        terms = "; ".join(f"{n!r} depends on {v}" for n, v in coupled.items())
+        raise ValueError(f"{engine}: the model has term(s) outside the data plate {plate_name!r} that depend on its "
+                         f"per-datum latents ({terms}). The blocks of the data plate must separate the local "
+                         "latents: put a term that involves one datum inside the plate, or fit a model that couples "
+                         "the data (a random walk, a smoothness penalty) with MPSGD or numpyro.infer.SVI.")
+
+
 def _no_observation(model_trace) -> bool:
     return not any(s["type"] == "sample" and s["is_observed"] for s in model_trace.values())
 
@@ -319,6 +361,7 @@ def inspect_model(
     require_data_plate: bool = True,
     loss=None,
     engine: str = "This engine",
+    fixed_draw_oracle: bool = False,
 ) -> ModelStructure:
     """Trace ``guide`` and ``model`` (replayed against the guide) once and describe their params.
 
@@ -333,6 +376,8 @@ def inspect_model(
     :param require_data_plate: raise when the data plate cannot be found.
     :param loss: the ELBO the engine evaluates: a discrete latent it cannot marginalise is warned about (as SVI does).
     :param engine: the engine's name in messages.
+    :param fixed_draw_oracle: the engine solves each block's objective at FIXED Monte-Carlo draws (PD-VI's oracle):
+        a guide site without reparameterised samples is warned about (:func:`warn_score_function_sites`).
     """
     kwargs = dict(kwargs or {})
     model_key, guide_key = random.split(rng_key)
@@ -348,6 +393,8 @@ def inspect_model(
         model_trace = handlers.trace(model_run).get_trace(*args, **kwargs)
 
     warn_discrete_latents(model_trace, loss, engine)
+    if fixed_draw_oracle:
+        warn_score_function_sites(guide_trace, engine)
     plates = _plates(guide_trace, model_trace)
     subsampled = sorted(n for n, (size, sub) in plates.items() if sub is not None and sub < size)
     if data_plate is not None:
@@ -369,6 +416,13 @@ def inspect_model(
         if plate_name is None and require_data_plate and _no_observation(model_trace):
             raise ValueError("The model observes nothing (no sample site with obs=... and no numpyro.factor): pass "
                              "the observations as for SVI, e.g. run(key, num_steps, x, y=y) for model(x, y=None).")
+        if plate_name is None and require_data_plate and not plates:
+            raise ValueError(
+                "The model has no plate: the engines take the data as a plate of conditionally independent "
+                "observations. Declare it as for SVI with data subsampling, e.g. `with numpyro.plate('data', N): "
+                "numpyro.sample('y', ..., obs=y)` around the likelihood of the N data points (with "
+                "`subsample_size=...` and the observations sliced by the plate's indices the engines touch only a "
+                "block's rows).")
         if plate_name is None and require_data_plate:
             found = (f"plates holding every observation: {candidates}, sizes "
                      f"{[int(plates[c][0]) for c in candidates]}, none alone the leading size of an array argument"

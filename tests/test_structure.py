@@ -223,8 +223,18 @@ def test_error_no_plate_around_every_observation():
         mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
         numpyro.sample("y", dist.Normal(mu, 1.0).expand([N]).to_event(1), obs=x)
 
-    with pytest.raises(ValueError, match="no plate holds every observed site"):
+    with pytest.raises(ValueError, match="has no plate.*numpyro.plate") as e:   # NumPyro's horseshoe example
         inspect_model(no_plate, _global_guide, random.key(0), (X,))
+    assert "ambiguous" not in str(e.value)   # nothing to name: the plate is to be declared
+
+    def other_plate(x):   # a plate, but not around the observation
+        mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+        with numpyro.plate("groups", 3):
+            numpyro.sample("a", dist.Normal(mu, 1.0))
+        numpyro.sample("y", dist.Normal(mu, 1.0).expand([N]).to_event(1), obs=x)
+
+    with pytest.raises(ValueError, match="no plate holds every observed site"):
+        inspect_model(other_plate, _global_guide, random.key(0), (X,))
 
 
 def test_factor_likelihood_in_the_plate_with_a_global_penalty_factor():
@@ -249,6 +259,61 @@ def test_error_model_observing_nothing_names_the_missing_observations():
 
     with pytest.raises(ValueError, match="observes nothing.*y=y"):
         inspect_model(model, _global_guide, random.key(0), (X,))
+
+
+def test_score_function_sites_warned_for_a_fixed_draw_oracle():
+    """A guide site without reparameterised draws (a Bernoulli under TraceGraph_ELBO) is warned about where the
+    oracle solves at fixed draws (PD-VI: its own inspect, so every PD-VI init warns), not for the other engines nor
+    for a reparameterised site."""
+    from numpyro.infer import TraceGraph_ELBO
+
+    from numpyro_fedvi import PDVI
+
+    def model(x):
+        z = numpyro.sample("z", dist.Bernoulli(0.5))
+        mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+        with numpyro.plate("data", N):
+            numpyro.sample("x", dist.Normal(mu + z, 1.0), obs=x)
+
+    def guide(x):
+        numpyro.sample("z", dist.Bernoulli(numpyro.param("p", 0.5, constraint=constraints.unit_interval)))
+        numpyro.sample("mu", dist.Normal(numpyro.param("m", 0.0), 1.0))
+
+    with pytest.warns(UserWarning, match=r"PDVI: the guide's site\(s\) \['z'\] have no reparameterised"):
+        PDVI(model, guide, TraceGraph_ELBO(), num_partitions=2)._setup(random.key(0), (X,), {}, None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        inspect_model(model, guide, random.key(0), (X,), loss=TraceGraph_ELBO())   # other engines: no warning
+        inspect_model(_mu_model, _global_guide, random.key(0), (X,), fixed_draw_oracle=True)  # reparameterised
+
+
+@pytest.mark.parametrize("coupling", [True, False])
+def test_pdvi_refuses_a_term_outside_the_data_plate_that_couples_local_latents(coupling):
+    """A random-walk ``factor`` over per-datum latents, outside the data plate, couples the blocks' local latents:
+    PD-VI gave each block |b|/N of it and ended at a wrong optimum; refused at set-up.  A term outside the plate that
+    depends on global latents only (a penalty), and per-datum terms inside it, are not."""
+    from numpyro.infer.autoguide import AutoNormal
+
+    from numpyro_fedvi import PDVI
+
+    def model(y):
+        s = numpyro.sample("s", dist.HalfNormal(1.0))
+        with numpyro.plate("data", N):
+            x = numpyro.sample("x", dist.Normal(0.0, 10.0))
+            numpyro.factor("near", dist.Normal(0.0, s).log_prob(x))
+        if coupling:
+            numpyro.factor("rw", dist.Normal(x[:-1], s).log_prob(x[1:]).sum())
+        numpyro.factor("penalty", -(s**2))
+        with numpyro.plate("data", N):
+            numpyro.sample("y", dist.Normal(x, 1.0), obs=y)
+
+    engine = PDVI(model, AutoNormal(model), num_partitions=2)
+    if coupling:
+        with pytest.raises(ValueError, match=r"outside the data plate 'data'.*'rw' depends on \['x'\]"):
+            engine._setup(random.key(0), (X,), {}, None)
+    else:
+        engine._setup(random.key(0), (X,), {}, None)
+        assert engine.structure.local_names
 
 
 def test_discrete_latent_warned_for_an_elbo_that_cannot_marginalise_it():
