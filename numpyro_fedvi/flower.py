@@ -1206,7 +1206,7 @@ class PDVIStrategy(_EngineStrategy):
         self.structure = inspect_model(engine.model, engine.guide, setup_key, args,
                                        {**kwargs, **engine.static_kwargs}, data_plate=engine.data_plate,
                                        init_params=init_params, loss=engine.loss, engine="PDVI",
-                                       fixed_draw_oracle=True)
+                                       block_oracle=True)
         lam0 = self.structure.init_global
         eta = _eta_template(engine, lam0)
         self.state = pdvi_init(lam0, 1, None, eta, rng_key)._replace(mu=None)

@@ -42,8 +42,7 @@ from .preconditioning import evenly_spaced
 from .inputs import InputJit, check_positive, check_static_kwargs, prepare_inputs
 from .newton import newton_solve
 from .runner import EarlyStopping, RunResult, run_loop, tree_all_finite
-from .structure import (ModelStructure, Partitions, check_blocks_separate, inspect_model, make_partitions,
-                        warn_if_unsubsampled)
+from .structure import ModelStructure, Partitions, inspect_model, make_partitions, warn_if_unsubsampled
 
 __all__ = ["Block", "NEWTON_MAX_HVPS", "PDVI", "PDVIState", "consensus_update", "dual_step", "pdvi_init", "pdvi_step",
            "prox_solve", "refreshed_eta"]
@@ -547,13 +546,10 @@ class PDVI:
         with _in_host_memory() if host else contextlib.nullcontext():
             structure = inspect_model(self.model, self.guide, rng_key, args, {**kwargs, **self.static_kwargs},
                                       data_plate=self.data_plate, init_params=init_params, loss=self.loss,
-                                      engine="PDVI", fixed_draw_oracle=True)
+                                      engine="PDVI", block_oracle=True)
         if not structure.params:
             raise ValueError("the guide has no numpyro.param sites to optimise (a model without latent variables, or "
                              "a guide built for another model?).")
-        if structure.local_names:
-            check_blocks_separate(self.model, args, {**kwargs, **self.static_kwargs}, structure.data_plate.name,
-                                  "PDVI")
         if host:
             if not structure.data_plate.subsampled:
                 raise ValueError(f"local_table='host' needs a subsampled data plate (numpyro.plate("

@@ -315,22 +315,22 @@ def warn_score_function_sites(guide_trace, engine: str) -> None:
                       "that takes gradient steps (FedSVI, FedLocalVI, numpyro.infer.SVI).", stacklevel=4)
 
 
-def check_blocks_separate(model, args, kwargs, plate_name: str, engine: str) -> None:
+def check_blocks_separate(model, model_trace, args, kwargs, plate_name: str, engine: str) -> None:
     """Refuse a model term OUTSIDE the data plate that depends on a latent INSIDE it (e.g. a random-walk
     ``numpyro.factor`` over per-datum latents): the engine splits the ELBO into blocks of the plate, each block's
     local latents seen only through its own rows and every term outside the plate given to each block with weight
     |b|/N, so such a coupling is down-weighted and the answer is wrong (measured: a factor linking 100 per-datum
     latents, PD-VI's noise scale 0.99 against SVI's 0.53).  Dependencies by NumPyro's provenance tracking
-    (``get_dependencies``, an abstract trace); a model it cannot trace is not checked."""
+    (``get_dependencies``, an abstract trace); a model it cannot trace is not checked.  ``model_trace``: a trace of
+    ``model`` on these arguments (the sites' plates)."""
     try:
         deps = get_dependencies(model, tuple(args), dict(kwargs))["prior_dependencies"]
-        tr = handlers.trace(handlers.seed(model, 0)).get_trace(*args, **kwargs)
     except Exception:  # noqa: BLE001 - the check is advisory: the engine's own trace reports real errors
         return
-    in_plate = {n for n, site in tr.items() if site["type"] == "sample"
+    in_plate = {n for n, site in model_trace.items() if site["type"] == "sample"
                 and any(f.name == plate_name for f in site["cond_indep_stack"])}
-    local = {n for n in in_plate if not tr[n]["is_observed"]}
-    coupled = {n: sorted(set(d) & local) for n, d in deps.items() if n in tr and n not in in_plate}
+    local = {n for n in in_plate if not model_trace[n]["is_observed"]}
+    coupled = {n: sorted(set(d) & local) for n, d in deps.items() if n in model_trace and n not in in_plate}
     coupled = {n: v for n, v in coupled.items() if v}
     if coupled:
         terms = "; ".join(f"{n!r} depends on {v}" for n, v in coupled.items())
@@ -361,7 +361,7 @@ def inspect_model(
     require_data_plate: bool = True,
     loss=None,
     engine: str = "This engine",
-    fixed_draw_oracle: bool = False,
+    block_oracle: bool = False,
 ) -> ModelStructure:
     """Trace ``guide`` and ``model`` (replayed against the guide) once and describe their params.
 
@@ -376,8 +376,10 @@ def inspect_model(
     :param require_data_plate: raise when the data plate cannot be found.
     :param loss: the ELBO the engine evaluates: a discrete latent it cannot marginalise is warned about (as SVI does).
     :param engine: the engine's name in messages.
-    :param fixed_draw_oracle: the engine solves each block's objective at FIXED Monte-Carlo draws (PD-VI's oracle):
-        a guide site without reparameterised samples is warned about (:func:`warn_score_function_sites`).
+    :param block_oracle: the engine solves each block of the data plate, its local latents included, at FIXED
+        Monte-Carlo draws (PD-VI's oracle): a guide site without reparameterised samples is warned about
+        (:func:`warn_score_function_sites`), and with local params a term outside the data plate that depends on
+        the per-datum latents is refused (:func:`check_blocks_separate`).
     """
     kwargs = dict(kwargs or {})
     model_key, guide_key = random.split(rng_key)
@@ -393,7 +395,7 @@ def inspect_model(
         model_trace = handlers.trace(model_run).get_trace(*args, **kwargs)
 
     warn_discrete_latents(model_trace, loss, engine)
-    if fixed_draw_oracle:
+    if block_oracle:
         warn_score_function_sites(guide_trace, engine)
     plates = _plates(guide_trace, model_trace)
     subsampled = sorted(n for n, (size, sub) in plates.items() if sub is not None and sub < size)
@@ -477,6 +479,8 @@ def inspect_model(
         else:
             init_local[name] = jnp.moveaxis(unc, local_axis, 0)
             init_global.pop(name, None)
+    if block_oracle and init_local:
+        check_blocks_separate(model, model_trace, args, kwargs, plate.name, engine)
     return ModelStructure(infos, plate, init_global, init_local, trees, imputation_sites(model_trace))
 
 

@@ -261,7 +261,7 @@ def test_error_model_observing_nothing_names_the_missing_observations():
         inspect_model(model, _global_guide, random.key(0), (X,))
 
 
-def test_score_function_sites_warned_for_a_fixed_draw_oracle():
+def test_score_function_sites_warned_for_a_block_oracle():
     """A guide site without reparameterised draws (a Bernoulli under TraceGraph_ELBO) is warned about where the
     oracle solves at fixed draws (PD-VI: its own inspect, so every PD-VI init warns), not for the other engines nor
     for a reparameterised site."""
@@ -284,7 +284,7 @@ def test_score_function_sites_warned_for_a_fixed_draw_oracle():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         inspect_model(model, guide, random.key(0), (X,), loss=TraceGraph_ELBO())   # other engines: no warning
-        inspect_model(_mu_model, _global_guide, random.key(0), (X,), fixed_draw_oracle=True)  # reparameterised
+        inspect_model(_mu_model, _global_guide, random.key(0), (X,), block_oracle=True)  # reparameterised
 
 
 @pytest.mark.parametrize("coupling", [True, False])
