@@ -56,8 +56,8 @@ from numpyro.infer.autoguide import AutoGuideList, AutoLaplaceApproximation
 from numpyro.infer.util import log_density
 from numpyro.primitives import Messenger
 
-from .enumeration import EnumInfo, enum_info_of_trace, log_density_fn, pointwise_log_likelihood
-from .inputs import merge_inputs, prepare_inputs, split_inputs
+from .enumeration import EnumInfo, enum_info_of_trace, log_density_fn, pointwise_log_likelihood, read_abstract_trace
+from .inputs import prepare_inputs
 from .structure import is_factor
 
 __all__ = ["compare_posteriors", "full_data", "importance_log_weights", "pareto_k_hat", "resample_observed",
@@ -197,19 +197,9 @@ def _predicted_sites(model_trace, provided) -> list:
 
 def _model_roles(model, args, kwargs, provided: dict):
     """``(EnumInfo, predicted sites)`` of ``model`` with the guide's sites ``provided`` (constrained values,
-    substituted), from one ABSTRACT trace (``jax.eval_shape``: no compilation, no FLOPs)."""
-    found = []
-    arrays, static = split_inputs((args, kwargs))  # numbers and strings stay Python values (e.g. sizes)
-    model = handlers.substitute(model, data=dict(provided))
-
-    def trace(arrays):
-        args_, kwargs_ = merge_inputs(arrays, static)
-        tr = handlers.trace(handlers.seed(model, 0)).get_trace(*args_, **kwargs_)
-        found.append((enum_info_of_trace(tr, provided), _predicted_sites(tr, provided)))
-        return 0
-
-    jax.eval_shape(trace, arrays)
-    return found[0]
+    substituted), from one abstract trace (:func:`~numpyro_fedvi.enumeration.read_abstract_trace`)."""
+    return read_abstract_trace(model, args, kwargs, lambda tr: (enum_info_of_trace(tr, provided),
+                                                                _predicted_sites(tr, provided)), provided)
 
 
 def _log_joint(model, args, kwargs, draws, info: EnumInfo | None = None):

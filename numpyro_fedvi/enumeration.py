@@ -39,23 +39,30 @@ def enum_info_of_trace(model_trace, provided: Iterable[str] = ()) -> EnumInfo:
     return EnumInfo(tuple(names), int(nesting))
 
 
-def enum_info(model, args, kwargs, provided: Iterable[str] | Mapping = ()) -> EnumInfo:
-    """The enumerated sites of ``model`` outside ``provided`` (the guide's sample sites) and its plate nesting, from
-    one ABSTRACT trace (``jax.eval_shape``: no compilation, no FLOPs).  A mapping ``provided`` holds the sites'
-    CONSTRAINED values, substituted in that trace: a latent without a sampler (``ImproperUniform``) is not drawn."""
+def read_abstract_trace(model, args, kwargs, read: Callable, provided: Mapping | None = None):
+    """``read(trace)`` of one ABSTRACT trace of ``model`` (``jax.eval_shape``: no compilation, no FLOPs; ``read``
+    must return Python values).  ``provided``: CONSTRAINED site values substituted in the trace (a latent without a
+    sampler, ``ImproperUniform``, is then not drawn)."""
     found = []
     arrays, static = split_inputs((args, kwargs))  # numbers and strings stay Python values (e.g. sizes)
-    if isinstance(provided, Mapping):
+    if provided is not None:
         model = handlers.substitute(model, data=dict(provided))
 
     def trace(arrays):
         args_, kwargs_ = merge_inputs(arrays, static)
-        tr = handlers.trace(handlers.seed(model, 0)).get_trace(*args_, **kwargs_)
-        found.append(enum_info_of_trace(tr, provided))
+        found.append(read(handlers.trace(handlers.seed(model, 0)).get_trace(*args_, **kwargs_)))
         return 0
 
     jax.eval_shape(trace, arrays)
     return found[0]
+
+
+def enum_info(model, args, kwargs, provided: Iterable[str] | Mapping = ()) -> EnumInfo:
+    """The enumerated sites of ``model`` outside ``provided`` (the guide's sample sites) and its plate nesting, from
+    one abstract trace (:func:`read_abstract_trace`; a mapping ``provided`` holds the sites' constrained values,
+    substituted there)."""
+    return read_abstract_trace(model, args, kwargs, lambda tr: enum_info_of_trace(tr, provided),
+                               provided if isinstance(provided, Mapping) else None)
 
 
 def _enumerated(model, info: EnumInfo):
