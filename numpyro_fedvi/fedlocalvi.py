@@ -37,7 +37,7 @@ from . import vi_solvers as vs
 from .curvature import diag_hessian
 from .federated import ClientData, check_clients, client_minibatch
 from .fedmm.engine import strong_types
-from .inputs import InputJit, check_static_kwargs, prepare_inputs, prepare_value
+from .inputs import InputJit, array_arguments, check_inputs_like, check_static_kwargs, prepare_inputs, prepare_value
 from .objectives import block_loss_fn, check_elbo, client_loss_fn, client_loss_from_blocks, full_loss_fn
 from .particles import oracle_elbo
 from .prox import as_prox, zero_prox
@@ -207,6 +207,8 @@ class FedLocalVI:
     Extra keyword arguments are passed to model and guide.
     """
 
+    _input_arrays: dict | None = None   # array_arguments of init's model inputs (check_inputs_like)
+
     def __init__(self, model, guide, loss=None, *legacy, clients=None, num_clients: int | None = None,
                  method: str = "local_sgd", local_steps: int = LOCAL_STEPS, step_size: float | str = "auto",
                  L: float | None = None,
@@ -343,6 +345,7 @@ class FedLocalVI:
                                     init_params=init_params, loss=self.loss)
 
     def _setup(self, rng_key, args, kwargs, init_params=None):
+        self._input_arrays = array_arguments(args, kwargs, self.model)  # for check_inputs_like
         if self._plate_mode:
             structure = self.inspect(rng_key, args, kwargs, init_params)
             plate = structure.data_plate
@@ -358,6 +361,7 @@ class FedLocalVI:
 
     def _inputs(self, args, kwargs):
         """What a compiled round reads: ``(client data, model args, model kwargs)`` (traced, never closed over)."""
+        check_inputs_like(self._input_arrays, args, kwargs, type(self).__name__, self.model)
         if self.mesh is not None:  # the model's own arguments on every device
             args, kwargs = _sharding.replicate_arrays((args, kwargs), self.mesh)
         return self.clients, args, kwargs

@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["InputJit", "check_positive", "check_static_kwargs", "is_real_number", "prepare_inputs", "prepare_value",
-           "split_inputs"]
+__all__ = ["InputJit", "array_arguments", "check_inputs_like", "check_positive", "check_static_kwargs",
+           "is_real_number", "prepare_inputs", "prepare_value", "split_inputs"]
 
 _STATIC_TYPES = (bool, int, float, complex, str, bytes, type(None))
 
@@ -150,6 +150,47 @@ def prepare_inputs(args, kwargs) -> tuple[tuple, dict]:
     for k, v in kwargs.items():
         _check_finite(v, f"argument {k!r}")
     return args, kwargs
+
+
+def _argument_name(path) -> str:
+    """``positional argument 1`` / ``argument 'y'`` (and the path inside it) of a leaf of ``(args, kwargs)``."""
+    head, rest = path[0], jax.tree_util.keystr(path[2:])
+    if head.idx == 0:
+        return f"positional argument {path[1].idx}{rest}"
+    return f"argument {path[1].key!r}{rest}"
+
+
+def array_arguments(args, kwargs, model=None) -> dict[str, tuple]:
+    """``{argument: shape}`` of the array leaves of a model's prepared inputs (what :func:`check_inputs_like` keeps
+    from an engine's set-up), named by ``model``'s parameters when its signature binds them (``y`` given by position
+    at init and by keyword later is the same argument), else by position / keyword."""
+    try:
+        bound = inspect.signature(model).bind_partial(*args, **kwargs).arguments if model is not None else None
+    except (TypeError, ValueError):
+        bound = None
+    if bound is not None:
+        leaves = jax.tree_util.tree_flatten_with_path(dict(bound))[0]
+        names = [f"argument {path[0].key!r}{jax.tree_util.keystr(path[1:])}" for path, _ in leaves]
+    else:
+        leaves = jax.tree_util.tree_flatten_with_path((tuple(args), dict(kwargs)))[0]
+        names = [_argument_name(path) for path, _ in leaves]
+    return {name: tuple(np.shape(leaf)) for name, (_, leaf) in zip(names, leaves)
+            if isinstance(leaf, (jax.Array, np.ndarray))}
+
+
+def check_inputs_like(reference: dict | None, args, kwargs, engine: str, model=None) -> None:
+    """Refuse model inputs that lack an array the engine was set up with (``reference``: :func:`array_arguments` at
+    ``init``; ``None``: not set up): ``update(state, x)`` after ``init(key, x, y)`` runs ``model(x, y=None)``, which
+    SAMPLES what it observed at init, so the step would fit the prior's own draws (silently: only NumPyro's "Found
+    vars in model but not guide" warning, or nothing).  New values and sizes of the same arguments are fine."""
+    if reference is None:
+        return
+    missing = [name for name in reference if name not in array_arguments(args, kwargs, model)]
+    if missing:
+        raise TypeError(f"{engine} got no array for {', '.join(missing)}, which init() was given (shape "
+                        f"{', '.join(str(reference[m]) for m in missing)}): the model would sample what it observed "
+                        "at init and the step would fit its prior's draws. Pass the model's arguments as to init "
+                        "(e.g. update(state, x, y) after init(key, x, y)).")
 
 
 class _Dynamic:

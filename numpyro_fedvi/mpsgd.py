@@ -31,13 +31,22 @@ from jax import lax, random
 from numpyro import handlers
 from numpyro.distributions.transforms import biject_to
 
-from .inputs import InputJit, check_positive, check_static_kwargs, is_real_number, prepare_inputs, split_inputs
-from .runner import EarlyStopping, RunResult, revert_non_finite, run_loop, tree_all_finite
-from .schedules import batch_growth, constant, dynamic_batching, theorem4
-from .structure import observation_plates
 from .curvature import lbfgs_minimize
 from .enumeration import enum_info, potential_fn
 from .guides import apply_scale, log_abs_det_scale
+from .inputs import (
+    InputJit,
+    array_arguments,
+    check_inputs_like,
+    check_positive,
+    check_static_kwargs,
+    is_real_number,
+    prepare_inputs,
+    split_inputs,
+)
+from .runner import EarlyStopping, RunResult, revert_non_finite, run_loop, tree_all_finite
+from .schedules import batch_growth, constant, dynamic_batching, theorem4
+from .structure import observation_plates
 from .whitening import WhitenedState, make_whitened_step, project_scale, whitened_init, whitened_params
 
 THEORY_STEP_WARN = 1e4  # (theory) a float step_size above THEORY_STEP_WARN / L is warned about (1/(2L): theory)
@@ -236,6 +245,8 @@ class MPSGD:
     _THEORY_ONLY = ("step_size", "smoothness", "projection_smoothness", "step_schedule", "preconditioner",
                     "averaging_a", "budget", "chunk_size")
 
+    _input_arrays: dict | None = None   # array_arguments of init's model inputs (check_inputs_like)
+
     def __init__(self, model, guide, *, schedule: str = "adaptive", num_particles: int | Callable | None = None,
                  draws: str | None = None, stage_length: int = 25, init_scale: float | None = None,
                  averaging: str | None = None, step_size: float | Callable | None = None,
@@ -372,6 +383,7 @@ class MPSGD:
                           "per-datum latents.", UserWarning, stacklevel=4)
 
     def _setup(self, rng_key, args, kwargs):
+        self._input_arrays = array_arguments(args, kwargs, self.model)  # for check_inputs_like
         with handlers.trace() as tr, handlers.seed(rng_seed=rng_key):
             self.guide(*args, **kwargs, **self.static_kwargs)
         guide = self.guide
@@ -511,17 +523,23 @@ class MPSGD:
         new_state, loss = self._step(state, inputs)
         return revert_non_finite(new_state, state, jnp.isfinite(loss) & tree_all_finite(new_state)), loss
 
+    def _prepared(self, args, kwargs):
+        """The model's inputs of a call after ``init``: converted (:func:`prepare_inputs`), every array init had."""
+        args, kwargs = prepare_inputs(args, kwargs)
+        check_inputs_like(self._input_arrays, args, kwargs, "MPSGD", self.model)
+        return args, kwargs
+
     def update(self, state, *args, **kwargs):
         """One MPSGD iteration (compiled once per input shapes); the loss is the Monte-Carlo negative ELBO at the
         iterate before the update."""
         self._require_init()
-        args, kwargs = prepare_inputs(args, kwargs)
+        args, kwargs = self._prepared(args, kwargs)
         return self._compiled("update", self._step)(state, (args, kwargs))
 
     def stable_update(self, state, *args, **kwargs):
         """Like ``update`` but keeps the old state when the loss or the new state is not finite."""
         self._require_init()
-        args, kwargs = prepare_inputs(args, kwargs)
+        args, kwargs = self._prepared(args, kwargs)
         return self._compiled("stable_update", self._stable_step)(state, (args, kwargs))
 
     def evaluate(self, state, *args, num_samples: int = 100, rng_key=None, which: str | None = None,
@@ -532,7 +550,7 @@ class MPSGD:
         self._pick(state, which)  # validates `which` before compiling
         if isinstance(num_samples, bool) or not isinstance(num_samples, (int, np.integer)) or num_samples < 1:
             raise ValueError(f"num_samples must be a positive integer, got {num_samples!r}.")
-        args, kwargs = prepare_inputs(args, kwargs)
+        args, kwargs = self._prepared(args, kwargs)
         key = random.key(0) if rng_key is None else rng_key
         return self._compiled("evaluate", self._evaluate)(state, (key, int(num_samples), which, args, kwargs))
 
@@ -583,6 +601,7 @@ class MPSGD:
         if init_state is None:
             state = self.init(rng_key, *args, init_params=init_params, **kwargs)
         else:
+            check_inputs_like(self._input_arrays, args, kwargs, "MPSGD", self.model)
             self._setup(random.split(rng_key)[0], args, kwargs)  # cheap after the first run: L is cached
             state = init_state
         num_steps = num_steps or self.default_num_steps

@@ -36,11 +36,11 @@ from . import host_table as _host
 from . import sharding as _sharding
 from .curvature import diag_hessian
 from .federated.participation import sample_without_replacement
+from .inputs import InputJit, array_arguments, check_inputs_like, check_positive, check_static_kwargs, prepare_inputs
+from .newton import newton_solve
 from .objectives import block_loss_fn, check_elbo, full_loss_fn
 from .particles import ControlledDraws, oracle_elbo
 from .preconditioning import evenly_spaced
-from .inputs import InputJit, check_positive, check_static_kwargs, prepare_inputs
-from .newton import newton_solve
 from .runner import EarlyStopping, RunResult, run_loop, tree_all_finite
 from .structure import ModelStructure, Partitions, inspect_model, make_partitions, warn_if_unsubsampled
 
@@ -464,6 +464,8 @@ class PDVI:
         (per-datum duals would be as large as the table), and excludes ``mesh=`` (``ValueError`` otherwise).
     """
 
+    _input_arrays: dict | None = None   # array_arguments of init's model inputs (check_inputs_like)
+
     def __init__(self, model, guide, loss=None, *, num_partitions: int | None = None, partitions=None,
                  partitions_per_step: int = 1, eta: float | dict | str = "auto", eta_scale: float = 0.3,
                  eta_curvature: str = "median",
@@ -542,6 +544,7 @@ class PDVI:
         return self.structure.data_plate.size if self.dual_granularity == "datum" else self.blocks.num_blocks
 
     def _setup(self, rng_key, args, kwargs, init_params):
+        self._input_arrays = array_arguments(args, kwargs, self.model)  # for check_inputs_like
         host = self.local_table == "host"  # the initial table and the blocks are then built on the CPU device
         with _in_host_memory() if host else contextlib.nullcontext():
             structure = inspect_model(self.model, self.guide, rng_key, args, {**kwargs, **self.static_kwargs},
@@ -773,6 +776,7 @@ class PDVI:
         return cache[name]
 
     def _inputs(self, args, kwargs):
+        check_inputs_like(self._input_arrays, args, kwargs, "PDVI", self.model)
         if self.local_table == "host":
             return self._host_blocks, args, kwargs
         if self.mesh is None:

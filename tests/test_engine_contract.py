@@ -20,6 +20,7 @@ contract item in order and reports all failing items.
 from __future__ import annotations
 
 import collections
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +36,7 @@ from numpyro.infer import Predictive, Trace_ELBO
 from numpyro.infer.autoguide import AutoNormal
 
 import numpyro_fedvi as nfv
+from numpyro_fedvi.inputs import array_arguments, check_inputs_like
 
 import shared_models
 from shared_models import SCHOOLS_SIGMA, SCHOOLS_Y
@@ -289,10 +291,31 @@ def check_zero_steps_refused(fitted):
         fitted.engine.run(KEY, 0, *fitted.case.args, progress_bar=False, **fitted.case.kwargs)
 
 
+def check_observations_left_out_refused(fitted):
+    """After init with the observations, ``update`` / ``evaluate`` / a resumed ``run`` on the prediction inputs (the
+    observations left out, ``model(x, y=None)``) is refused naming the argument, before anything is traced: the
+    model would sample what it observed and the step would fit its prior's draws (silently in MPSGD before)."""
+    engine, case, state = fitted.engine, fitted.case, fitted.result.state
+    args, kwargs = case.predict_args, case.predict_kwargs
+    given = set(array_arguments(case.args, case.kwargs, case.model))
+    if given <= set(array_arguments(args, kwargs, case.model)):
+        return   # the observations are the inputs themselves (random effects): nothing to leave out
+    before = traces()
+    for call in (lambda: engine.update(state, *args, **kwargs), lambda: engine.evaluate(state, *args, **kwargs),
+                 lambda: engine.run(KEY, 2, *args, init_state=state, progress_bar=False, **kwargs)):
+        with pytest.raises(TypeError, match="got no array for argument .*which init.. was given"):
+            call()
+    assert traces() == before
+    # the same arguments by keyword instead of by position are the same arguments
+    names = list(inspect.signature(case.model).parameters)
+    by_name = {**dict(zip(names, case.args)), **case.kwargs}
+    check_inputs_like(engine._input_arrays, (), by_name, "engine", case.model)
+
+
 CHECKS = [check_run_result_is_finite_and_deterministic, check_second_run_does_not_recompile,
           check_resume_is_bitwise_equal_to_uninterrupted, check_svi_surface_and_eager_update_loop,
           check_jitted_update_gives_finite_state, check_predictive_and_datatree, check_pandas_and_list_inputs,
-          check_nan_input_refused_before_compilation, check_zero_steps_refused]
+          check_nan_input_refused_before_compilation, check_zero_steps_refused, check_observations_left_out_refused]
 
 
 SLOW_CASES = ("robustfedvi", "mpsgd_tril", "mpsgd_theory")

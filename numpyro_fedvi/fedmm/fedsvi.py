@@ -35,7 +35,14 @@ from numpyro.infer import Trace_ELBO
 
 from .. import sharding as _sharding
 from ..federated import ClientData, check_clients, client_minibatch
-from ..inputs import check_positive, check_static_kwargs, prepare_inputs, prepare_value
+from ..inputs import (
+    array_arguments,
+    check_inputs_like,
+    check_positive,
+    check_static_kwargs,
+    prepare_inputs,
+    prepare_value,
+)
 from ..objectives import block_loss_fn, check_elbo, client_loss_fn, client_loss_from_blocks, full_loss_fn
 from ..particles import oracle_elbo
 from ..prox import as_prox
@@ -165,6 +172,8 @@ class FedSVI(FedMM):
     ``log_every``) as :class:`~numpyro_fedvi.fedmm.FedMM`; extra keyword arguments are passed to model and guide.
     """
 
+    _input_arrays: dict | None = None   # array_arguments of init's model inputs (check_inputs_like)
+
     def __init__(self, model, guide, loss=None, *, rho: float | None = None, clients=None,
                  num_clients: int | None = None, data_plate: str | None = None, step_size=1.0,
                  cv_step: float | str = "auto", participation=None, compressor=None, batch_size: int | None = None,
@@ -216,7 +225,8 @@ class FedSVI(FedMM):
         return self._plate_clients is not None
 
     def _split(self, args, kwargs, where: str):
-        """``(client_data, model args, model kwargs)`` of a call, converted and checked (prepare_inputs)."""
+        """``(client_data, model args, model kwargs)`` of a call, converted and checked (prepare_inputs; after init,
+        :func:`~numpyro_fedvi.inputs.check_inputs_like` in ``update`` and ``evaluate``; ``run`` checks a resume)."""
         args, kwargs = prepare_inputs(args, kwargs)
         if self.mesh is not None:  # the model's own arguments on every device
             args, kwargs = _sharding.replicate_arrays((args, kwargs), self.mesh)
@@ -224,6 +234,8 @@ class FedSVI(FedMM):
             if args and isinstance(args[0], ClientData):
                 raise TypeError(f"this FedSVI was built with clients=; call {where}(..., *model_args) with the "
                                 "model's own arguments, not a ClientData.")
+            if where in ("update", "evaluate"):
+                check_inputs_like(self._input_arrays, args, kwargs, "FedSVI", self.model)
             return self.client_data, args, kwargs
         if not args or not isinstance(args[0], ClientData):
             got = type(args[0]).__name__ if args else "nothing"
@@ -231,6 +243,8 @@ class FedSVI(FedMM):
                             "as PDVI's partitions=) or num_clients=M at construction, then "
                             f"{where}(..., *model_args); or a numpyro_fedvi.federated.ClientData as the first "
                             f"argument of {where} (lower layer: model(rows, *args)). Got {got}.")
+        if where in ("update", "evaluate"):
+            check_inputs_like(self._input_arrays, args[1:], kwargs, "FedSVI", self.model)
         return self._place_data(args[0]), args[1:], kwargs
 
     def inspect(self, rng_key, args, kwargs, init_params=None):
@@ -247,6 +261,7 @@ class FedSVI(FedMM):
         return structure
 
     def _build(self, rng_key, client_data, args, kwargs, init_params=None):
+        self._input_arrays = array_arguments(args, kwargs, self.model)  # for check_inputs_like
         if self._plate_mode:
             structure = self.inspect(rng_key, args, kwargs, init_params)
             plate = structure.data_plate
@@ -353,6 +368,8 @@ class FedSVI(FedMM):
         (or ``run(rng_key, num_rounds, client_data, *args)``).  ``init_state`` resumes (bitwise the uninterrupted
         run); a second run on same-shaped inputs reuses the compiled loop.  See :meth:`FedMM.run`."""
         client_data, args, kwargs = self._split(args, kwargs, "run")
+        if init_state is not None:
+            check_inputs_like(self._input_arrays, args, kwargs, "FedSVI", self.model)
         if init_state is None:
             init_state = self._init(rng_key, client_data, args, kwargs, init_params)
         elif self.structure is None:
