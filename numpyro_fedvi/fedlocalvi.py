@@ -361,7 +361,8 @@ class FedLocalVI:
 
     def _inputs(self, args, kwargs):
         """What a compiled round reads: ``(client data, model args, model kwargs)`` (traced, never closed over)."""
-        check_inputs_like(self._input_arrays, args, kwargs, type(self).__name__, self.model)
+        check_inputs_like(self._input_arrays, args, kwargs, type(self).__name__, self.model,
+                          same_shapes=self._plate_mode)
         if self.mesh is not None:  # the model's own arguments on every device
             args, kwargs = _sharding.replicate_arrays((args, kwargs), self.mesh)
         return self.clients, args, kwargs

@@ -178,14 +178,24 @@ def array_arguments(args, kwargs, model=None) -> dict[str, tuple]:
             if isinstance(leaf, (jax.Array, np.ndarray))}
 
 
-def check_inputs_like(reference: dict | None, args, kwargs, engine: str, model=None) -> None:
+def check_inputs_like(reference: dict | None, args, kwargs, engine: str, model=None, same_shapes: bool = False) -> None:
     """Refuse model inputs that lack an array the engine was set up with (``reference``: :func:`array_arguments` at
     ``init``; ``None``: not set up): ``update(state, x)`` after ``init(key, x, y)`` runs ``model(x, y=None)``, which
     SAMPLES what it observed at init, so the step would fit the prior's own draws (silently: only NumPyro's "Found
-    vars in model but not guide" warning, or nothing).  New values and sizes of the same arguments are fine."""
+    vars in model but not guide" warning, or nothing).  New values of the same arguments are fine; new shapes too
+    unless ``same_shapes`` (an engine whose blocks or clients partition init's data plate: PD-VI's block indices
+    gathered out of range on a smaller data set, silently)."""
     if reference is None:
         return
-    missing = [name for name in reference if name not in array_arguments(args, kwargs, model)]
+    given = array_arguments(args, kwargs, model)
+    if same_shapes:
+        changed = [f"{name} of shape {given[name]} (init: {shape})" for name, shape in reference.items()
+                   if name in given and given[name] != shape]
+        if changed:
+            raise ValueError(f"{engine} got {', '.join(changed)}: its blocks / clients partition the data of init, "
+                             "and the state (duals, local rows) belongs to them. Call init (or run without "
+                             "init_state) for data of other shapes.")
+    missing = [name for name in reference if name not in given]
     if missing:
         raise TypeError(f"{engine} got no array for {', '.join(missing)}, which init() was given (shape "
                         f"{', '.join(str(reference[m]) for m in missing)}): the model would sample what it observed "

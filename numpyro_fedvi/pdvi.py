@@ -776,7 +776,7 @@ class PDVI:
         return cache[name]
 
     def _inputs(self, args, kwargs):
-        check_inputs_like(self._input_arrays, args, kwargs, "PDVI", self.model)
+        check_inputs_like(self._input_arrays, args, kwargs, "PDVI", self.model, same_shapes=True)
         if self.local_table == "host":
             return self._host_blocks, args, kwargs
         if self.mesh is None:

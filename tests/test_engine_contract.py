@@ -312,10 +312,29 @@ def check_observations_left_out_refused(fitted):
     check_inputs_like(engine._input_arrays, (), by_name, "engine", case.model)
 
 
+def check_data_of_other_shapes_refused_where_blocks_partition_them(fitted):
+    """PD-VI's blocks and the federated engines' clients partition init's data plate (the state's duals and local
+    rows belong to them): ``update`` / ``evaluate`` / a resumed ``run`` on data of other shapes is refused before
+    anything is traced (PD-VI gathered its block indices out of range, silently).  MPSGD has no such state."""
+    engine, case, state = fitted.engine, fitted.case, fitted.result.state
+    half = tuple(np.asarray(a)[: len(a) // 2] for a in case.args)
+    if isinstance(engine, nfv.MPSGD):
+        engine.evaluate(state, *half, **case.kwargs)
+        return
+    before = traces()
+    for call in (lambda: engine.update(state, *half, **case.kwargs),
+                 lambda: engine.evaluate(state, *half, **case.kwargs),
+                 lambda: engine.run(KEY, 2, *half, init_state=state, progress_bar=False, **case.kwargs)):
+        with pytest.raises(ValueError, match=r"got argument .* of shape .* \(init: .*partition the data of init"):
+            call()
+    assert traces() == before
+
+
 CHECKS = [check_run_result_is_finite_and_deterministic, check_second_run_does_not_recompile,
           check_resume_is_bitwise_equal_to_uninterrupted, check_svi_surface_and_eager_update_loop,
           check_jitted_update_gives_finite_state, check_predictive_and_datatree, check_pandas_and_list_inputs,
-          check_nan_input_refused_before_compilation, check_zero_steps_refused, check_observations_left_out_refused]
+          check_nan_input_refused_before_compilation, check_zero_steps_refused, check_observations_left_out_refused,
+          check_data_of_other_shapes_refused_where_blocks_partition_them]
 
 
 SLOW_CASES = ("robustfedvi", "mpsgd_tril", "mpsgd_theory")

@@ -235,7 +235,8 @@ class FedSVI(FedMM):
                 raise TypeError(f"this FedSVI was built with clients=; call {where}(..., *model_args) with the "
                                 "model's own arguments, not a ClientData.")
             if where in ("update", "evaluate"):
-                check_inputs_like(self._input_arrays, args, kwargs, "FedSVI", self.model)
+                check_inputs_like(self._input_arrays, args, kwargs, "FedSVI", self.model,
+                                  same_shapes=self._plate_mode)
             return self.client_data, args, kwargs
         if not args or not isinstance(args[0], ClientData):
             got = type(args[0]).__name__ if args else "nothing"
@@ -369,7 +370,7 @@ class FedSVI(FedMM):
         run); a second run on same-shaped inputs reuses the compiled loop.  See :meth:`FedMM.run`."""
         client_data, args, kwargs = self._split(args, kwargs, "run")
         if init_state is not None:
-            check_inputs_like(self._input_arrays, args, kwargs, "FedSVI", self.model)
+            check_inputs_like(self._input_arrays, args, kwargs, "FedSVI", self.model, same_shapes=self._plate_mode)
         if init_state is None:
             init_state = self._init(rng_key, client_data, args, kwargs, init_params)
         elif self.structure is None:
