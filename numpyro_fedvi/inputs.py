@@ -93,6 +93,14 @@ def _convert_nested(value, where: str):
     return _convert(value, where)
 
 
+def _signature(model) -> inspect.Signature | None:
+    """``model``'s signature, or None when there is no model or it cannot be read (e.g. wrapped in a handler)."""
+    try:
+        return None if model is None else inspect.signature(model)
+    except (TypeError, ValueError):
+        return None
+
+
 def check_static_kwargs(static_kwargs: dict, model=None, engine: str = "the engine") -> None:
     """The model keywords an engine takes at construction (``**static_kwargs``): NaN / inf in their arrays is
     refused (``ValueError`` naming the keyword) as in :func:`prepare_inputs`; they are not converted.  A keyword
@@ -101,11 +109,8 @@ def check_static_kwargs(static_kwargs: dict, model=None, engine: str = "the engi
     read, e.g. wrapped in a handler, is not checked)."""
     for k, v in static_kwargs.items():
         _check_finite(v, f"argument {k!r}")
-    if model is None or not static_kwargs:
-        return
-    try:
-        signature = inspect.signature(model)
-    except (TypeError, ValueError):
+    signature = _signature(model) if static_kwargs else None
+    if signature is None:
         return
     params = signature.parameters.values()
     if any(p.kind is p.VAR_KEYWORD for p in params):
@@ -164,10 +169,12 @@ def array_arguments(args, kwargs, model=None) -> dict[str, tuple]:
     """``{argument: shape}`` of the array leaves of a model's prepared inputs (what :func:`check_inputs_like` keeps
     from an engine's set-up), named by ``model``'s parameters when its signature binds them (``y`` given by position
     at init and by keyword later is the same argument), else by position / keyword."""
-    try:
-        bound = inspect.signature(model).bind_partial(*args, **kwargs).arguments if model is not None else None
-    except (TypeError, ValueError):
-        bound = None
+    signature, bound = _signature(model), None
+    if signature is not None:
+        try:
+            bound = signature.bind_partial(*args, **kwargs).arguments
+        except TypeError:   # arguments the signature does not take: named by position / keyword
+            pass
     if bound is not None:
         leaves = jax.tree_util.tree_flatten_with_path(dict(bound))[0]
         names = [f"argument {path[0].key!r}{jax.tree_util.keystr(path[1:])}" for path, _ in leaves]

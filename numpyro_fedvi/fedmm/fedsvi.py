@@ -234,19 +234,19 @@ class FedSVI(FedMM):
             if args and isinstance(args[0], ClientData):
                 raise TypeError(f"this FedSVI was built with clients=; call {where}(..., *model_args) with the "
                                 "model's own arguments, not a ClientData.")
-            if where in ("update", "evaluate"):
-                check_inputs_like(self._input_arrays, args, kwargs, "FedSVI", self.model,
-                                  same_shapes=self._plate_mode)
-            return self.client_data, args, kwargs
-        if not args or not isinstance(args[0], ClientData):
-            got = type(args[0]).__name__ if args else "nothing"
-            raise TypeError("FedSVI needs its clients: clients= (one client id per row of the model's data plate, "
-                            "as PDVI's partitions=) or num_clients=M at construction, then "
-                            f"{where}(..., *model_args); or a numpyro_fedvi.federated.ClientData as the first "
-                            f"argument of {where} (lower layer: model(rows, *args)). Got {got}.")
+            client_data, model_args = self.client_data, args
+        else:
+            if not args or not isinstance(args[0], ClientData):
+                got = type(args[0]).__name__ if args else "nothing"
+                raise TypeError("FedSVI needs its clients: clients= (one client id per row of the model's data plate, "
+                                "as PDVI's partitions=) or num_clients=M at construction, then "
+                                f"{where}(..., *model_args); or a numpyro_fedvi.federated.ClientData as the first "
+                                f"argument of {where} (lower layer: model(rows, *args)). Got {got}.")
+            client_data, model_args = self._place_data(args[0]), args[1:]
         if where in ("update", "evaluate"):
-            check_inputs_like(self._input_arrays, args[1:], kwargs, "FedSVI", self.model)
-        return self._place_data(args[0]), args[1:], kwargs
+            check_inputs_like(self._input_arrays, model_args, kwargs, "FedSVI", self.model,
+                              same_shapes=self._plate_mode)
+        return client_data, model_args, kwargs
 
     def inspect(self, rng_key, args, kwargs, init_params=None):
         """Trace model and guide once on the model's arguments and check the guide: the model's structure (also
