@@ -182,6 +182,16 @@ def _drift(tree):
     return sum(jnp.sum(jnp.square(a - jnp.mean(a, axis=0, keepdims=True))) for a in leaves) / leaves[0].shape[0]
 
 
+def _float_dtype(tree):
+    """The float type of a pytree's leaves (float64 iterates under x64 keep their counters and weights in it)."""
+    return jnp.result_type(*jax.tree_util.tree_leaves(tree))
+
+
+def _no_drift(z):
+    """The ``(drift, presync)`` pair before a synchronisation, the drift in the iterates' float type."""
+    return jnp.zeros((), _float_dtype(z)), z
+
+
 def _num_clients(tree) -> int:
     return jax.tree_util.tree_leaves(tree)[0].shape[0]
 
@@ -233,7 +243,7 @@ def _finish_round(state, z, out_sum, K, mean_iterate, drift, calls):
     """Update the running output mean with the K steps of this round (out_sum = Σ_k mean_m out_k); ``drift`` is
     the ``(drift, presync)`` pair carried by :func:`_sync`."""
     drift, presync = drift
-    t_old = state.step.astype(jnp.float32)
+    t_old = state.step.astype(_float_dtype(state.output))  # the iterates' float type: float64 under x64
     t_new = t_old + K
     output = _tmap(lambda o, s: (o * (t_old / t_new).astype(o.dtype) + s / jnp.asarray(t_new, s.dtype)),
                    state.output, out_sum)
@@ -263,8 +273,7 @@ def _round_scan(state, K, body):
     def step(carry, k):
         return body(carry, k, k == K - 1), None
 
-    carried = (jnp.zeros((), jnp.float32), state.z)  # (drift, presync) of the sync
-    (z, out_sum, drift), _ = lax.scan(step, (state.z, zero_out, carried), jnp.arange(K))
+    (z, out_sum, drift), _ = lax.scan(step, (state.z, zero_out, _no_drift(state.z)), jnp.arange(K))
     return z, out_sum, drift
 
 
@@ -337,7 +346,7 @@ def _two_sync_solver(name, K, init, half_step, mean_iterate) -> Solver:
         halves."""
         z, out_sum = local_steps(state, operator, *_round_context(state), K, True)
         new, _ = _finish_round(state, z, out_sum, K, None, (None, None), 2)
-        z, (drift, presync) = _sync(new.z, True, (jnp.zeros((), jnp.float32), new.z))
+        z, (drift, presync) = _sync(new.z, True, _no_drift(new.z))
         info = RoundInfo(output=new.output, mean_iterate=mean_iterate(state, z), drift=drift,
                          oracle_calls=jnp.asarray(2 * K, jnp.int32), presync=presync)
         return new._replace(z=z), info

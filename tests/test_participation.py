@@ -85,3 +85,17 @@ def test_fixed_size_is_a_uniform_subset():
     for row in masks:
         pairs[tuple(np.flatnonzero(row))] += 1
     np.testing.assert_allclose(np.array(list(pairs.values())) / reps, 1 / len(pairs), atol=0.012)
+
+
+def test_fixed_size_under_x64_draws_the_same_subsets_without_a_dtype_warning():
+    """``enable_x64``: Floyd's sampler stays int32 (an int64 index scattered into its int32 buffer is a JAX
+    FutureWarning, to become an error) and draws the subsets it draws without x64."""
+    import warnings
+
+    keys = [random.key(s) for s in range(5)]
+    plain = [np.asarray(FixedSize(3).active_indices(k, 10)[0]) for k in keys]
+    with jax.enable_x64(True), warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        wide = [np.asarray(FixedSize(3).active_indices(k, 10)[0]) for k in keys]
+    for a, b in zip(plain, wide):
+        np.testing.assert_array_equal(a, b)

@@ -357,3 +357,28 @@ def test_scaffnew_local_sgd_rounds_transcribed(alpha):
         h = h + alpha * (ybar - x) / (K * eta)
         np.testing.assert_allclose(state.z, np.tile(ybar, (M, 1)), rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(state.control, h, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["local_sgd", "lesgd", "lippax", "slippax", "local_dual_averaging",
+                                  "local_sgd+scaffnew"])
+def test_float64_iterates_under_x64(name):
+    """With ``enable_x64`` a float64 problem runs in float64 through every solver (the drift carried by the
+    round's scan, the output mean's weights t_old/t_new): V_m(z) = z − (m + 1) on 2 clients, z0 = 0, K = 3, η = 0.1;
+    LocalSGD's output is the running mean of the K·R client-mean iterates, here checked against the same
+    recursion in NumPy float64 to 1e-12 (a float32 weight leaves ~1e-8)."""
+    make = {"local_sgd": lambda: vs.local_sgd(0.1, 3), "lesgd": lambda: vs.lesgd(0.1, 3),
+            "lippax": lambda: vs.lippax(0.1, 3, 1.0, 5), "slippax": lambda: vs.slippax(0.1, 3, 1.0, 5, 0.1),
+            "local_dual_averaging": lambda: vs.local_dual_averaging(0.1, 3),
+            "local_sgd+scaffnew": lambda: vs.drift_corrected(vs.local_sgd(0.1, 3), 0.1)}
+    with jax.enable_x64(True):
+        solver = make[name]()
+        state = solver.init(jnp.zeros(2, jnp.float64), 2, jax.random.key(0))
+        state, out, _ = vs.run_rounds(solver, state, lambda z, key, m: z - (m + 1.0), 50)
+        assert out.dtype == jnp.float64 and jax.tree.leaves(state.z)[0].dtype == jnp.float64
+        if name == "local_sgd":   # the same clients, steps and running mean in NumPy float64
+            x, total = np.zeros(2), np.zeros(2)
+            for _ in range(50 * 3):
+                x = x - 0.1 * (x - np.array([1.0, 2.0]))   # the clients' iterates; the mean of the two
+                total += x.mean()
+            # every step is averaged over the clients (the sync only equalises them; V is affine): mean iterate
+            np.testing.assert_allclose(np.asarray(out), total / 150, rtol=0, atol=1e-12)

@@ -24,9 +24,9 @@ def sample_without_replacement(key, n: int, m: int):
     t, or j when t is already taken — O(m²) work whatever n (a top-k of n uniforms, or ``random.choice`` without
     replacement, permutes all n).  FedMM's ``FixedSize(m)`` clients and PD-VI's S_t among many blocks."""
 
-    def body(i, chosen):
-        j = n - m + i
-        t = random.randint(random.fold_in(key, i), (), 0, j + 1)
+    def body(i, chosen):  # int32 throughout (under x64 the loop index and randint's default are int64)
+        j = (n - m + i).astype(jnp.int32)
+        t = random.randint(random.fold_in(key, i), (), 0, j + 1, dtype=jnp.int32)
         return chosen.at[i].set(jnp.where(jnp.any(chosen == t), j, t))
 
     return lax.fori_loop(0, m, body, jnp.full((m,), -1, jnp.int32))
