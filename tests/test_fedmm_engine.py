@@ -101,3 +101,28 @@ def test_errors_and_warnings(gmm):
     with pytest.raises(ValueError, match="FixedSize|clients|m"):
         FedMM(fam, cv_step=0.1, participation=FixedSize(9)).init(random.key(0), cd, s0)
     assert isinstance(Full(), Full) and isinstance(Identity(), Identity)
+
+
+def test_defaults_with_partial_participation_and_compression_reach_the_em_fixed_point(gmm):
+    """The README's claim for FedMM's defaults (γ = 1, every row of an active client, cv_step="auto") with 2 of 4
+    clients per round and 8-bit messages: the run ends at a fixed point of centralised EM (one EM step by hand in
+    NumPy, θ ← s1/(s2 + λ) at θ's responsibilities, does not move it) — EM's own from the same Ŝ₀ up to the
+    labelling of the components."""
+    fam, clients, pooled, s0 = gmm
+    x = np.asarray(pooled, np.float64)
+
+    def em_step(theta):
+        logits = -0.5 * ((x[:, None, :] - theta[None]) ** 2).sum(-1)
+        r = np.exp(logits - logits.max(1, keepdims=True))
+        r /= r.sum(1, keepdims=True)
+        return (r[:, :, None] * x[:, None, :]).mean(0) / (r.mean(0) + 0.1)[:, None]
+
+    theta = np.asarray(s0["s1"], np.float64) / (np.asarray(s0["s2"], np.float64) + 0.1)[:, None]
+    for _ in range(500):
+        theta = em_step(theta)
+    engine = FedMM(fam, participation=FixedSize(2), compressor=StochasticQuantizer(bits=8))
+    res = engine.run(random.key(0), 300, clients, s0, progress_bar=False)
+    got = np.asarray(res.params, np.float64)
+    np.testing.assert_allclose(em_step(got), got, atol=1e-4)
+    order = lambda t: t[np.lexsort(t.T)]  # noqa: E731 - the components sorted: the labelling left out
+    np.testing.assert_allclose(order(got), order(theta), atol=1e-4)
