@@ -126,3 +126,27 @@ def test_defaults_with_partial_participation_and_compression_reach_the_em_fixed_
     np.testing.assert_allclose(em_step(got), got, atol=1e-4)
     order = lambda t: t[np.lexsort(t.T)]  # noqa: E731 - the components sorted: the labelling left out
     np.testing.assert_allclose(order(got), order(theta), atol=1e-4)
+
+
+def test_entry_points_refuse_data_that_is_not_client_data_and_schedules_outside_the_unit_interval(gmm):
+    """``update`` / ``evaluate`` / a resumed ``run`` with raw rows (or ``run`` with a list of per-client arrays)
+    raise the TypeError naming ClientData (they raised JAX's "DynamicJaxprTracer has no attribute data"); a
+    schedule γ_t outside (0, 1] anywhere in the run's rounds is refused before it runs, naming the round (FedMM and
+    SASSMM; a γ of 5 took θ to ~1e6 silently)."""
+    fam, cd, pooled, s0 = gmm
+    engine = FedMM(fam)
+    state = engine.init(random.key(0), cd, s0)
+    rows = np.asarray(pooled)
+    for call in (lambda: engine.update(state, rows), lambda: engine.evaluate(state, rows),
+                 lambda: engine.run(random.key(0), 2, rows, init_state=state, progress_bar=False),
+                 lambda: engine.run(random.key(0), 2, [rows[:10], rows[10:]], s0, progress_bar=False)):
+        with pytest.raises(TypeError, match="ClientData.from_list"):
+            call()
+    late = lambda t: jnp.where(t < 7, 0.5, 1.5)  # noqa: E731 - γ > 1 from round 7 on
+    with pytest.raises(ValueError, match="at round 7 \\(3 of the run's 10"):
+        FedMM(fam, step_size=late).run(random.key(0), 10, cd, s0, progress_bar=False)
+    with pytest.raises(ValueError, match="got 5.0 at round 0"):
+        SASSMM(fam, step_size=lambda t: 5.0).run(random.key(0), 3, pooled, s0, progress_bar=False)
+    resumed = FedMM(fam, step_size=late).run(random.key(0), 7, cd, s0, progress_bar=False)   # rounds 0-6: fine
+    with pytest.raises(ValueError, match="at round 7"):
+        FedMM(fam, step_size=late).run(random.key(0), 1, cd, init_state=resumed.state, progress_bar=False)

@@ -178,6 +178,9 @@ def test_bad_inputs():
         RobustFedVI(model, GUIDE, GROUPS, tau=1.0, **ok)
     with pytest.raises(ValueError, match="weight_step_size goes with a float step_size"):  # "auto" scales w by 1/τ
         RobustFedVI(model, GUIDE, CLIENTS, tau=1.0, local_steps=2, step_size="auto", weight_step_size=0.1)
+    for fixed in ({"method": "lesgd"}, {"prox": nfv.prox.l1_prox(0.1)}):  # not a raw "multiple values" / a prox
+        with pytest.raises(TypeError, match="RobustFedVI's solver is fixed"):  # that replaced the simplex's
+            RobustFedVI(model, GUIDE, CLIENTS, tau=1.0, **ok, **fixed)
     assert nfv.RobustFedVI is RobustFedVI
 
 

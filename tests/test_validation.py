@@ -140,8 +140,10 @@ def test_fedmm_client_feature_dimension_must_match_the_family():
     wide = ClientData.from_list([_rng.normal(size=(8, 5)).astype(np.float32) for _ in range(2)])
     with pytest.raises(ValueError, match=r"gmm_map_em\(K=3, d=2\): a client's rows have shape .*\(8, 5\)"):
         FedMM(GMM).init(random.key(0), wide, S0)
-    with pytest.raises(ValueError, match="feature dimension"):
+    with pytest.raises(ValueError, match="feature dimension 5"):
         SASSMM(GMM).init(random.key(0), np.zeros((8, 5), np.float32), S0)
+    with pytest.raises(ValueError, match=r"1-d rows \(8,\): reshape them to \(rows, 1\)"):  # not "dimension (8,)"
+        SASSMM(GMM).init(random.key(0), np.zeros(8, np.float32), S0)
     # a family without checks of its own: the raw shape error of its oracle becomes a ValueError naming both
     bare = dataclasses.replace(GMM, oracle=lambda theta, rows, mask, key: {"s1": theta - rows[:1],
                                                                           "s2": jnp.sum(theta, -1)})

@@ -43,6 +43,20 @@ def _check_step_size(step_size):
         raise ValueError(f"step_size must be a float in (0, 1] or a schedule t -> γ_t, got {step_size!r}.")
 
 
+def check_schedule(step_size, start: int, num_steps: int) -> None:
+    """A schedule ``t -> γ_{t+1}`` over the rounds ``start … start + num_steps − 1`` of a run, checked in (0, 1]
+    before it runs (one vectorised evaluation): a γ > 1 overshoots Ŝ past the new statistic and the run diverges
+    silently (a schedule giving 5.0 took θ to ~1e6)."""
+    if not callable(step_size) or num_steps < 1:
+        return
+    t = jnp.arange(start, start + num_steps, dtype=jnp.int32)
+    gammas = np.asarray(jax.jit(jax.vmap(lambda s: jnp.asarray(step_size(s), jnp.result_type(float))))(t))
+    bad = np.flatnonzero(~((gammas > 0) & (gammas <= 1)))
+    if bad.size:
+        raise ValueError(f"step_size schedule: γ must lie in (0, 1], got {float(gammas[bad[0]])} at round "
+                         f"{start + int(bad[0])} ({bad.size} of the run's {num_steps} rounds outside).")
+
+
 def with_projection(family: SurrogateFamily, projection: Callable | None) -> SurrogateFamily:
     """``family`` with its projection onto 𝒮 replaced by ``projection`` (``None``: ``family.project`` is kept).
 
@@ -173,6 +187,7 @@ class _Engine:
 
     def _run(self, init_state, num_steps, inputs, *, progress_bar, stable_update, callbacks, early_stopping,
              chunk_size) -> RunResult:
+        check_schedule(self.step_size, int(init_state.step), num_steps)
         return run_loop(self._step, init_state, num_steps, inputs=inputs, get_params=self.get_params,
                         progress_bar=progress_bar, callbacks=callbacks, early_stopping=early_stopping,
                         stable_update=stable_update, chunk_size=chunk_size, desc=type(self).__name__,
@@ -342,6 +357,12 @@ class FedMM(_Engine):
         return state if self.mesh is None or state is None else _sharding.shard_fedmm_state(state, self.mesh)
 
     def _prepare(self, data):
+        """The clients' data: a :class:`~numpyro_fedvi.federated.ClientData` (``TypeError`` otherwise), converted and
+        placed on the mesh; every entry point (``init``, ``update``, ``evaluate``, a resumed ``run``) takes it so."""
+        if not isinstance(data, ClientData):  # (before any conversion: a list of per-client arrays is ragged)
+            raise TypeError("FedMM needs a numpyro_fedvi.federated.ClientData (ClientData.from_list([rows_0, "
+                            "rows_1, ...]) for per-client arrays, or ClientData.from_ids(rows, client_ids)), got "
+                            f"{type(data).__name__}.")
         return self._place_data(super()._prepare(data))
 
     def update(self, state: FedMMState, client_data: ClientData):
@@ -355,11 +376,7 @@ class FedMM(_Engine):
     def init(self, rng_key, client_data: ClientData, init_stat) -> FedMMState:
         """Check ``init_stat`` against the family (:func:`check_init_stat`), the participation law against the
         clients and α <= 1/(1+ω_p) (``ValueError`` otherwise), build the state."""
-        client_data = _Engine._prepare(self, client_data)
-        if not isinstance(client_data, ClientData):
-            raise TypeError("FedMM needs a numpyro_fedvi.federated.ClientData (ClientData.from_list / from_ids), "
-                            f"got {type(client_data).__name__}.")
-        client_data = self._place_data(client_data)  # (the divisibility check comes before anything runs)
+        client_data = self._prepare(client_data)  # (the mesh divisibility check comes before anything runs)
         rows = jax.tree.map(lambda x: x[0], client_data.data)
         init_stat = check_init_stat(self._family_for(client_data, exact=True), init_stat, rows, client_data.mask[0],
                                     "client 0's rows")

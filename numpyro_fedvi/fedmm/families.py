@@ -120,8 +120,11 @@ def gmm_map_em(K: int, d: int, lam: float, Gamma=None) -> SurrogateFamily:
 
     def check_rows(batch):
         if jnp.ndim(batch) != 2 or jnp.shape(batch)[-1] != d:
+            shape = tuple(jnp.shape(batch))
+            got = (f"1-d rows {shape}: reshape them to (rows, 1)" if len(shape) == 1 else
+                   f"{shape} (feature dimension {shape[-1]})" if len(shape) == 2 else f"{shape}")
             raise ValueError(f"gmm_map_em(K={K}, d={d}): a client's rows have shape (rows, d) = (rows, {d}), got "
-                             f"{tuple(jnp.shape(batch))} (feature dimension {jnp.shape(batch)[-1:]}).")
+                             f"{got}.")
 
     def oracle(theta, batch, mask, key):
         check_rows(batch)
