@@ -267,7 +267,8 @@ class _FedLocalVIClient:
         z0 = strong_types(engine._initial_point(local.structure.init_global))
         self.z_template = z0
         self.base = engine.base_solver()
-        self.broadcast_template = _local_broadcast_template(z0, self.base, engine.auto_step)
+        self.broadcast_template = _local_broadcast_template(z0, self.base, engine.auto_step,
+                                                           bool(engine.drift_correction))
         # an EVALUATE message: the engine's reported point (its output iterate, z-space) and the loss's fixed key
         self.evaluate_template = {"z": z0, "key": engine._eval_key(self._state(self.broadcast_template, 0))}
         self.carry_template = {"z": z0, "out_sum": z0}
@@ -372,7 +373,7 @@ class _FedLocalVIClient:
         rescaled = int(state[_META].get("rescaled-round", -1)) if saved else -1
         if phase == 0 and presync_round >= 0 and int(b["round"]) == presync_round + 1:
             # Scaffnew's step with the server's average of the round this client's presync value came from
-            h = vs.control_update(h, presync, b["z"], e.local_steps, e.step_size, e.control_step)
+            h = vs.control_update(h, presync, b["z"], e.local_steps, e.step_size, e.control_step, b["offset"])
             presync_round = -1   # taken: a repeated phase 0 (a skipped round) does not take it twice
         if phase == 0 and int(cfg.get("rescale", 0)) and e.drift_correction and rescaled != int(b["round"]):
             # the refresh after the previous round (in process: after its Scaffnew step), once per round
@@ -491,12 +492,15 @@ def _eta_template(engine, init_global):
     return _check_eta(spec, init_global)
 
 
-def _local_broadcast_template(z0, solver, auto_step: bool = False):
+def _local_broadcast_template(z0, solver, auto_step: bool = False, drift_correction: bool = False):
     """What a FedLocalVI client receives: the synchronised iterate, output mean, counters, key (and the anchor w0
     of dual averaging); phase 1 of a two-sync round adds the server's x̄; ``step_size="auto"`` adds the
-    preconditioner (η, H) and the one before the last refresh (``old_eta``, ``old_curvature``)."""
+    preconditioner (η, H) and the one before the last refresh (``old_eta``, ``old_curvature``); drift correction
+    the rounding of the last average (``offset``, :func:`~numpyro_fedvi.vi_solvers.sync_offset`)."""
     b = {"z": z0, "output": z0, "step": jnp.zeros((), jnp.int32), "round": jnp.zeros((), jnp.int32),
          "key": random.key(0)}
+    if drift_correction:
+        b["offset"] = z0
     if auto_step:
         eta = jnp.zeros((), jnp.result_type(*jax.tree.leaves(z0)))
         b.update(eta=eta, curvature=z0, old_eta=eta, old_curvature=z0)
@@ -1026,9 +1030,11 @@ class FedLocalVIStrategy(_EngineStrategy):
             self.state = self.state._replace(precond=engine._no_estimate(self.state))
         base = engine.base_solver()
         self.phases = 1 if base.halves is None else 2
-        self._template = _local_broadcast_template(z0, base, engine.auto_step)
-        self._x_mean = z0
+        self._template = _local_broadcast_template(z0, base, engine.auto_step, bool(engine.drift_correction))
+        self._x_mean, self._offset = z0, jax.tree.map(jnp.zeros_like, z0)
         self._mean = jax.jit(_client_average)
+        self._sync_offset = jax.jit(lambda presync, z, received: vs.sync_offset(
+            presync, jax.tree.map(lambda a: a[None], z), lambda a: _client_average({"z": a}, received)[0][0]))
         # step_size="auto": the preconditioner before the last refresh, the round of the last refresh attempt and
         # the round whose clients rescale their control variates to the new one
         self._old_precond, self._refreshed_round, self._rescale_round = None, None, None
@@ -1100,7 +1106,7 @@ class FedLocalVIStrategy(_EngineStrategy):
     def _broadcast(self):
         s = self.state
         b = {"z": jax.tree.map(lambda a: a[0], s.z), "output": s.output, "step": s.step, "round": s.round,
-             "key": s.key, "anchor": s.anchor, "x": self._x_mean}
+             "key": s.key, "anchor": s.anchor, "x": self._x_mean, "offset": self._offset}
         if self.engine.auto_step:   # before the initial estimate: its placeholder (FedLocalVI._no_estimate)
             old = self._old_precond or s.precond
             b.update(eta=s.precond["eta"], curvature=s.precond["curvature"], old_eta=old["eta"],
@@ -1131,6 +1137,8 @@ class FedLocalVIStrategy(_EngineStrategy):
         if not bool(ok) or (self.engine.auto_step and bool(self.engine.collapsed(self.state, new, self.structure))):
             self._halve_step()
             return False
+        if self.engine.drift_correction:  # the average's rounding, for the clients' Scaffnew step (as in process)
+            self._offset = self._sync_offset(replies["z"], z, jnp.asarray(received))
         self.state = self.engine.with_tail(new)
         self.phase = 0
         return True

@@ -305,12 +305,19 @@ def test_fedlocalvi_rounds_equal_the_in_process_engine(method, drift):
         np.testing.assert_allclose(got[k], want[k], rtol=2e-5, atol=2e-6)
     if drift:   # the clients' h_m after the next z̄ arrives = the in-process control variates after round 4
         template = jax.tree.map(lambda a: a[0], state.z)
-        for m, ctx in enumerate(grid.contexts.values()):
-            saved = flower.from_record(ctx.state["numpyro_fedvi.state"], {"h": template, "presync": template})
-            h = nfv.vi_solvers.control_update(saved["h"], saved["presync"], strategy._broadcast()["z"],
-                                              engine.local_steps, engine.step_size, engine.control_step)
-            for a, b in zip(jax.tree.leaves(h), jax.tree.leaves(jax.tree.map(lambda c: c[m], state.control))):
-                np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+        b = strategy._broadcast()
+        saved = [flower.from_record(ctx.state["numpyro_fedvi.state"], {"h": template, "presync": template})
+                 for ctx in grid.contexts.values()]
+        # the server's offset is the rounding of ITS average of the clients' pre-sync values (vi_solvers.sync_offset)
+        presync = jax.tree.map(lambda *a: jnp.stack(a), *[c["presync"] for c in saved])
+        offset = nfv.vi_solvers.sync_offset(presync, jax.tree.map(lambda a: a[None], b["z"]))
+        for a, c in zip(jax.tree.leaves(b["offset"]), jax.tree.leaves(offset)):
+            np.testing.assert_allclose(a, c, rtol=0, atol=1e-12)
+        for m, c in enumerate(saved):
+            h = nfv.vi_solvers.control_update(c["h"], c["presync"], b["z"], engine.local_steps, engine.step_size,
+                                              engine.control_step, b["offset"])
+            for a, want in zip(jax.tree.leaves(h), jax.tree.leaves(jax.tree.map(lambda x: x[m], state.control))):
+                np.testing.assert_allclose(a, want, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.slow   # 52 s; the default run keeps FedLocalVI over Flower with a float step (lesgd-scaffnew below)
