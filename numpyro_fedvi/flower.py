@@ -66,7 +66,7 @@ from .fedmm.engine import FedMM, strong_types
 from .fedmm.fedsvi import FedSVI
 from .pdvi import PDVI, _accum, _check_eta, consensus_update, dual_step, pdvi_init, refreshed_eta
 from .robust import RobustFedVI, dro_objective, dro_weights
-from .structure import inspect_model
+from .structure import inspect_model, private_guide
 from .inputs import InputJit, prepare_inputs, split_inputs
 from .objectives import block_loss_fn
 from .curvature import diag_hessian
@@ -187,6 +187,8 @@ class _FedMMClient:
     def __init__(self, engine, data, num_total: int, num_clients: int, stat_template, *, app_token):
         if isinstance(engine, FedSVI):
             args, kwargs = _model_inputs(data)
+            engine = copy.copy(engine)   # this client's view, with its own guide (set up at its rows)
+            engine.guide = private_guide(engine.guide)
             structure = engine.inspect(random.key(0), args, kwargs)
             plate = structure.data_plate
             block_loss = block_loss_fn(engine.elbo, engine.model, engine.guide, structure, engine.static_kwargs)
@@ -254,10 +256,11 @@ class _FedLocalVIClient:
             raise ValueError("over Flower, FedLocalVI clients are blocks of the model's data plate (clients= ids or "
                              "index arrays, or num_clients=); data_fn returns the model's arguments for its rows.")
         args, kwargs = _model_inputs(data)
-        local = copy.copy(engine)   # this client's view: its own data plate, the federation's N
-        local.structure = engine.inspect(random.key(0), args, kwargs)
+        local = copy.copy(engine)   # this client's view: its own data plate and guide, the federation's N
+        local.guide = private_guide(engine.guide)
+        local.structure = local.inspect(random.key(0), args, kwargs)
         plate = local.structure.data_plate
-        local._block_loss = block_loss_fn(engine.elbo, engine.model, engine.guide, local.structure,
+        local._block_loss = block_loss_fn(engine.elbo, engine.model, local.guide, local.structure,
                                           engine.static_kwargs)
         local.num_total = num_total
         self.engine, self.inputs = local, (None, args, kwargs)
@@ -411,6 +414,7 @@ class _PDVIClient:
     def __init__(self, engine, data, num_total: int, num_clients: int, stat_template, *, app_token):
         args, kwargs = _model_inputs(data)
         local = copy.copy(engine)   # this client's view: its rows as block 0, the federation's N for the weights
+        local.guide = private_guide(engine.guide)   # ... and its own guide, set up at its rows
         local.structure, local.blocks, local.mesh = None, None, None
         local.num_partitions, local.partitions, local.partitions_per_step = 1, None, 1
         local._client_block, local._num_total = 0, num_total

@@ -896,8 +896,18 @@ class PDVI:
         self._require_init()
         args, kwargs = prepare_inputs(args, kwargs)
         inputs = self._inputs(args, kwargs)
-        state, loss = self._compiled("update", self._plain_step)(state, inputs)
+        state, loss = self._compiled("update", self._plain_step)(self._placed(state), inputs)
         return self._maybe_refresh(state, inputs), loss
+
+    def _placed(self, state: PDVIState) -> PDVIState:
+        """A state given back (``init_state``, ``update``, ``evaluate``), e.g. loaded from a checkpoint, where this
+        engine keeps it: its local table moved to host memory or to the device as ``local_table`` says, and on
+        the engine's mesh (a loaded state sits on one device: the compiled step refused its layout)."""
+        if isinstance(state.local, _host.HostTable) and self.local_table != "host":
+            state = state._replace(local={k: jnp.asarray(v) for k, v in state.local.arrays.items()})
+        elif not isinstance(state.local, _host.HostTable) and self.local_table == "host":
+            state = state._replace(local=_host.HostTable.create({k: np.asarray(v) for k, v in state.local.items()}))
+        return state if self.mesh is None else _sharding.shard_pdvi_state(state, self.mesh)
 
     def _maybe_refresh(self, state, inputs):
         if self.eta_spec == "auto" and int(state.step) in self.refresh_steps():  # as run() does (same results)
@@ -915,14 +925,14 @@ class PDVI:
         self._require_init()
         args, kwargs = prepare_inputs(args, kwargs)
         inputs = self._inputs(args, kwargs)
-        new_state, loss, _ = self._compiled("stable_update", self._step)(state, inputs)
+        new_state, loss, _ = self._compiled("stable_update", self._step)(self._placed(state), inputs)
         return self._maybe_refresh(new_state, inputs), loss
 
     def evaluate(self, state: PDVIState, *args, **kwargs) -> jax.Array:
         """Full-data negative ELBO at λ_0 and the stored local params: ``Σ_b f_b(φ_b, λ_0)``."""
         self._require_init()
         args, kwargs = prepare_inputs(args, kwargs)
-        return self._compiled("evaluate", self._evaluate)(state, self._inputs(args, kwargs))
+        return self._compiled("evaluate", self._evaluate)(self._placed(state), self._inputs(args, kwargs))
 
     def _evaluate(self, state, inputs):
         blocks, args, kwargs = inputs
@@ -966,7 +976,7 @@ class PDVI:
         else:
             if self.structure is None:
                 self._setup(random.split(rng_key, 3)[1], args, kwargs, init_params)
-            state = init_state
+            state = self._placed(init_state)
         inputs = self._inputs(args, kwargs)
         return run_loop(self._step, state, num_steps, inputs=inputs,
                         get_params=self.get_params, progress_bar=progress_bar, callbacks=callbacks,

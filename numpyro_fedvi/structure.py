@@ -12,6 +12,7 @@ masked, never dropped).
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -349,6 +350,48 @@ def _rows_of_data(args, kwargs) -> set[int]:
     return {int(np.shape(a)[0]) for a in jax.tree.leaves((tuple(args), kwargs)) if np.ndim(a) >= 1}
 
 
+def reset_prototype(guide):
+    """Make an AutoGuide set itself up again at its next call (its prototype trace, the plates' full sizes): a guide
+    built at other inputs (another number of rows) keeps their shapes otherwise, as NumPyro's own ``SVI`` would."""
+    if getattr(guide, "prototype_trace", None) is not None:
+        guide.prototype_trace = None
+        guide._prototype_frame_full_sizes = {}
+
+
+def private_guide(guide):
+    """An AutoGuide's shallow copy that sets itself up at its first call (other guides as they are): a Flower client's
+    own, since clients in one process would otherwise share ONE prototype, built at another client's rows."""
+    if not hasattr(guide, "prototype_trace"):
+        return guide
+    guide = copy.copy(guide)
+    guide.prototype_trace = None
+    guide._prototype_frame_full_sizes = {}
+    return guide
+
+
+def _stale_prototype(guide, model_trace) -> bool:
+    """Whether ``guide``'s prototype was built with other plate sizes than ``model_trace``'s."""
+    if getattr(guide, "prototype_trace", None) is None:
+        return False
+    built = getattr(guide, "_prototype_frame_full_sizes", {}) or {}
+    now = {n: site["args"][0] for n, site in model_trace.items() if site["type"] == "plate"}
+    return any(n in now and int(now[n]) != int(size) for n, size in built.items())
+
+
+def _traces(model, guide, model_key, guide_key, args, kwargs, init_params):
+    """``(guide trace, model trace replayed against it)`` at the first subsample indices (:func:`inspect_model`)."""
+    guide_init = handlers.seed(_FirstIndices(guide), guide_key)
+    if init_params:
+        guide_init = handlers.substitute(guide_init, data=init_params)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="subsample_size does not match")
+        guide_trace = handlers.trace(guide_init).get_trace(*args, **kwargs)
+        guide_params = {n: s["value"] for n, s in guide_trace.items() if s["type"] == "param"}
+        model_run = handlers.substitute(handlers.replay(handlers.seed(_FirstIndices(model), model_key), guide_trace),
+                                        guide_params)
+        return guide_trace, handlers.trace(model_run).get_trace(*args, **kwargs)
+
+
 def inspect_model(
     model,
     guide,
@@ -383,16 +426,16 @@ def inspect_model(
     """
     kwargs = dict(kwargs or {})
     model_key, guide_key = random.split(rng_key)
-    guide_init = handlers.seed(_FirstIndices(guide), guide_key)
-    if init_params:
-        guide_init = handlers.substitute(guide_init, data=init_params)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="subsample_size does not match")
-        guide_trace = handlers.trace(guide_init).get_trace(*args, **kwargs)
-        guide_params = {n: s["value"] for n, s in guide_trace.items() if s["type"] == "param"}
-        model_run = handlers.substitute(handlers.replay(handlers.seed(_FirstIndices(model), model_key), guide_trace),
-                                        guide_params)
-        model_trace = handlers.trace(model_run).get_trace(*args, **kwargs)
+    try:
+        guide_trace, model_trace = _traces(model, guide, model_key, guide_key, args, kwargs, init_params)
+        stale = _stale_prototype(guide, model_trace)
+    except Exception:  # noqa: BLE001 - a guide set up at other inputs may fail anywhere: set it up again, once
+        stale = getattr(guide, "prototype_trace", None) is not None
+        if not stale:
+            raise
+    if stale:
+        reset_prototype(guide)
+        guide_trace, model_trace = _traces(model, guide, model_key, guide_key, args, kwargs, init_params)
 
     warn_discrete_latents(model_trace, loss, engine)
     if block_oracle:

@@ -150,3 +150,27 @@ def test_entry_points_refuse_data_that_is_not_client_data_and_schedules_outside_
     resumed = FedMM(fam, step_size=late).run(random.key(0), 7, cd, s0, progress_bar=False)   # rounds 0-6: fine
     with pytest.raises(ValueError, match="at round 7"):
         FedMM(fam, step_size=late).run(random.key(0), 1, cd, init_state=resumed.state, progress_bar=False)
+
+
+def test_a_fresh_engine_resumes_with_the_auto_cv_step_init_resolved(gmm):
+    """A resume in a new process (a fresh engine given ``init_state``, e.g. from a checkpoint) resolves
+    ``cv_step="auto"`` as ``init`` did (α = 1/(1+ω_p) with partial participation and compression): it stayed at
+    its placeholder 0 there and the run took another path; now ``run`` and an ``update`` loop equal the
+    uninterrupted run bitwise."""
+    fam, cd, _, s0 = gmm
+
+    def make():
+        return FedMM(fam, participation=FixedSize(2), compressor=StochasticQuantizer(bits=8), log_every=1)
+
+    full = make().run(random.key(0), 12, cd, s0, progress_bar=False)
+    first = make()
+    half = first.run(random.key(0), 6, cd, s0, progress_bar=False)
+    assert first.cv_step > 0
+    rest = make().run(random.key(0), 6, cd, init_state=half.state, progress_bar=False)
+    np.testing.assert_array_equal(np.concatenate([half.losses, rest.losses]), full.losses)
+    np.testing.assert_array_equal(rest.params, full.params)
+    fresh, state = make(), half.state
+    for _ in range(6):
+        state, _ = fresh.update(state, cd)
+    assert fresh.cv_step == first.cv_step
+    np.testing.assert_array_equal(state.theta, full.state.theta)

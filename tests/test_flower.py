@@ -501,6 +501,33 @@ def _pdvi_federation(engine, x, site, rounds, faults=None):
     return strategy, grid
 
 
+def test_pdvi_over_flower_with_one_autoguide_engine_for_the_server_and_the_clients():
+    """The README's pattern with an AutoGuide: ONE engine for ``PDVIStrategy`` (set up on ``x[:1]``) and
+    ``make_client_app``.  Every client sets up its own copy of the guide at its rows (a shared prototype built at
+    the server's one row failed every handshake: "local param 'a_auto_loc' has shape (1,)"); with a deterministic
+    init (init_to_mean) 4 iterations equal the in-process engine's."""
+    from numpyro.infer import init_to_mean
+
+    x, _, _ = _pdvi_problem(0.05)
+    site = np.repeat(np.arange(3), [8, 10, 12])   # clients of other sizes in one process: one guide each
+
+    def make():
+        return nfv.PDVI(random_effects, AutoNormal(random_effects, init_loc_fn=init_to_mean), Trace_ELBO(),
+                        partitions=site, partitions_per_step=2, eta=0.05)
+
+    expected = make()
+    state, losses = expected.init(random.key(2), x), []
+    for _ in range(4):
+        state, loss = expected.update(state, x)
+        losses.append(float(loss))
+    engine = make()
+    strategy, grid = _pdvi_federation(engine, x, site, rounds=4)
+    assert strategy.dropped == [] and engine.guide.prototype_trace is not None   # the server's guide: its own
+    np.testing.assert_allclose(strategy.losses, losses, rtol=1e-5)
+    for k in state.lam0:
+        np.testing.assert_allclose(strategy.state.lam0[k], state.lam0[k], rtol=2e-5, atol=2e-6)
+
+
 def _pdvi_client_states(strategy, grid):
     """Every client's (μ_i, φ_i) as the server sees it: committed, or pending when its last reply was accepted."""
     lam0 = strategy.state.lam0

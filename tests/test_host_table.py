@@ -106,6 +106,23 @@ def test_host_table_resume_equals_uninterrupted(runs):
     assert resumed.state.local.id != full.state.local.id  # two runs from two inits: two tables
 
 
+def test_a_state_resumes_on_an_engine_with_the_other_local_table(runs):
+    """A state written with the host table resumes on a device-table engine, and one from the device table on a
+    host-table engine (the table moved where the engine keeps it; they failed with "'Partitions' object has no
+    attribute 'spec'" and "Cannot vmap ordered IO callback"): both end where the uninterrupted runs do."""
+    half_dev = runs["dev_engine"].run(random.key(0), STEPS // 2, X, batch_size=10, progress_bar=False)
+    half_host = runs["host_engine"].run(random.key(0), STEPS // 2, X, batch_size=10, progress_bar=False)
+    on_dev = engine().run(random.key(0), STEPS - STEPS // 2, X, batch_size=10, progress_bar=False,
+                          init_state=half_host.state)
+    on_host = engine("host").run(random.key(0), STEPS - STEPS // 2, X, batch_size=10, progress_bar=False,
+                                 init_state=half_dev.state)
+    assert isinstance(on_host.state.local, HostTable) and not isinstance(on_dev.state.local, HostTable)
+    np.testing.assert_array_equal(flat(on_dev.state.local), flat(runs["dev"].state.local))
+    for k, v in runs["host"].state.local.arrays.items():
+        np.testing.assert_array_equal(on_host.state.local.arrays[k], v)
+    np.testing.assert_array_equal(flat(on_host.state.lam0), flat(runs["host"].state.lam0))
+
+
 def test_host_table_state_feeds_predictive_and_datatree(runs):
     host = runs["host"]
     draws = Predictive(full_data(runs["host_engine"].guide), params=host.params, num_samples=5)(random.key(1),

@@ -233,3 +233,23 @@ def test_guide_without_params_is_refused_with_a_message():
 
     with pytest.raises(ValueError, match="no numpyro.param sites"):
         nfv.PDVI(model, lambda x: None, num_partitions=2).init(random.key(0), np.zeros(6))
+
+
+def test_a_second_run_on_data_of_another_size_sets_the_autoguide_up_again():
+    """``run`` without ``init_state`` on new data sets up again (README) — the AutoGuide too: its prototype, built
+    at the first data's 40 rows, made the second run fail ("local param 'theta_auto_loc' has shape (40,)"); now it
+    equals a fresh engine's run on the 24 rows (same key)."""
+    from shared_models import random_effects
+
+    x40, x24 = (jnp.asarray(np.random.default_rng(s).normal(size=n), jnp.float32) for s, n in ((0, 40), (1, 24)))
+
+    def pdvi():
+        return nfv.PDVI(random_effects, AutoNormal(random_effects), num_partitions=4, partitions_per_step=2)
+
+    engine = pdvi()
+    assert engine.run(random.key(0), 3, x40, progress_bar=False).params["theta_auto_loc"].shape == (40,)
+    again = engine.run(random.key(1), 3, x24, progress_bar=False)
+    fresh = pdvi().run(random.key(1), 3, x24, progress_bar=False)
+    for k in fresh.params:
+        np.testing.assert_array_equal(again.params[k], fresh.params[k])
+    np.testing.assert_array_equal(again.losses, fresh.losses)

@@ -368,10 +368,20 @@ class FedMM(_Engine):
     def update(self, state: FedMMState, client_data: ClientData):
         """One round; the loss is Σ_i μ_i objective_i(θ_t) over all rows every ``log_every`` rounds (the last value
         in between; ``E^s``/``E^p`` without an objective)."""
+        client_data = self._prepare(client_data)
+        self._settle(state, client_data)
         return super().update(self._place_state(state), client_data)
 
     def _run(self, init_state, num_steps, inputs, **options) -> RunResult:
+        self._settle(init_state, inputs)
         return super()._run(self._place_state(init_state), num_steps, inputs, **options)
+
+    def _settle(self, state: FedMMState, inputs) -> None:
+        """``cv_step="auto"`` resolved (:meth:`check_settings`) on an engine that did not ``init`` the state it is
+        given (a resume in a new process, from a checkpoint): α stayed at its placeholder 0 there, and a run with
+        partial participation or compression silently took another path (FedSVI: params 0.047 off)."""
+        if self.auto_cv_step and not getattr(self, "_cv_step_settled", False):
+            self.check_settings(self._family_for(inputs, exact=True), state.s, self._data_of(inputs).num_clients)
 
     def init(self, rng_key, client_data: ClientData, init_stat) -> FedMMState:
         """Check ``init_stat`` against the family (:func:`check_init_stat`), the participation law against the
@@ -400,6 +410,7 @@ class FedMM(_Engine):
         omega_p = omega + (1 - p) * (1 + omega) / p
         if self.auto_cv_step:
             self.cv_step = 1 / (1 + omega_p) if omega_p > 0 else 0.0
+            self._cv_step_settled = True
         if omega_p > 0 and self.cv_step > 1 / (1 + omega_p) + 1e-12:
             raise ValueError(f"cv_step={self.cv_step} exceeds its bound 1/(1+ω_p) = {1 / (1 + omega_p):.3g} (ω = "
                              f"{omega:.3g}, p = {p:.3g}): the control variates overshoot and the run diverges. Use "

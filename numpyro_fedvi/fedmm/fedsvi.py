@@ -354,7 +354,9 @@ class FedSVI(FedMM):
         client_data, *args)``); returns ``(state, loss)`` with the loss at θ_t."""
         self._require_init()
         client_data, args, kwargs = self._split(args, kwargs, "update")
-        return self._compiled("update", self._round)(self._place_state(state), (client_data, args, kwargs))
+        inputs = (client_data, args, kwargs)
+        self._settle(state, inputs)
+        return self._compiled("update", self._round)(self._place_state(state), inputs)
 
     def evaluate(self, state, *args, **kwargs):
         """The full-data negative ELBO at θ_t (the fixed objective key; + the prox's penalty)."""
