@@ -176,8 +176,14 @@ def _zeros(template):
 
 
 def _model_inputs(data):
-    """A client's ``data_fn`` result as the model's ``(args, kwargs)``: a tuple of positional arguments."""
-    return prepare_inputs(tuple(data) if isinstance(data, (tuple, list)) else (data,), {})
+    """A client's ``data_fn`` result as the model's ``(args, kwargs)``: a tuple of positional arguments (a client
+    without rows is refused here, naming it, rather than by NumPyro's "size of plate should be positive")."""
+    args, kwargs = prepare_inputs(tuple(data) if isinstance(data, (tuple, list)) else (data,), {})
+    empty = [k for k, a in enumerate(args) if getattr(a, "ndim", 0) >= 1 and a.shape[0] == 0]
+    if empty:
+        raise ValueError(f"this client's data_fn returned no rows (positional arguments {empty} have 0 rows): check "
+                         "its partition-id against the data's client ids (one client per id 0..num_clients-1).")
+    return args, kwargs
 
 
 class _FedMMClient:
@@ -681,6 +687,7 @@ class _EngineStrategy(_strategy_base()):
         self.nodes: dict[int, int] = {}
         self.counts = None
         self.dropped: list[tuple[int, int | None, str]] = []
+        self.skipped_rounds = 0   # rounds whose aggregated step was not taken (non-finite, or a collapse)
         self.losses: list[float] = []
         self._loss = float("nan")
         self._evaluation_due = False   # _evaluates: an engine round ended and its loss is still to be evaluated
@@ -820,6 +827,7 @@ class _EngineStrategy(_strategy_base()):
                 log.warning("round %d: dropped the reply of client %s: %s", t, i, reason)
         stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *got)
         if not self._aggregate(stacked, received):
+            self.skipped_rounds += 1
             self.dropped.append((t, None, "non-finite server step: round skipped"))
             log.warning("round %d: the aggregated step is not finite; the round is skipped", t)
             self.phase = 0
@@ -882,11 +890,15 @@ class _EngineStrategy(_strategy_base()):
     # -- results --------------------------------------------------------------------------------------------------
     def result(self) -> RunResult:
         """The run as a ``RunResult``: params, the server state, the losses (one per engine round: the answering
-        clients' objective, see the subclass) and ``diagnostics["dropped"]`` (``(round, client, reason)`` per
-        dropped reply)."""
+        clients' objective, see the subclass), ``diagnostics["dropped"]`` (``(round, client, reason)`` per
+        dropped reply) and ``diagnostics["skipped_steps"]``: the rounds whose aggregated step was not taken (a
+        non-finite or collapsing step: the round is repeated, with η halved under ``step_size="auto"``)."""
+        if self.skipped_rounds:
+            log.warning("%d of %d rounds were not taken (non-finite or collapsing aggregated steps; see "
+                        "diagnostics['dropped'])", self.skipped_rounds, len(self.losses))
         return RunResult(self.get_params(), self.state, jnp.asarray(self.losses),
                          {"num_steps": len(self.losses), "stop_reason": "completed", "non_finite_step": None,
-                          "skipped_steps": 0, "dropped": list(self.dropped)})
+                          "skipped_steps": self.skipped_rounds, "dropped": list(self.dropped)})
 
 
 class FedMMStrategy(_EngineStrategy):

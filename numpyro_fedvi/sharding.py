@@ -39,7 +39,9 @@ def make_mesh(devices: int | Sequence | None = None, axis_name: str = AXIS) -> M
     if devices is None:
         devices = jax.devices()
     elif isinstance(devices, (int, np.integer)):
-        if not 1 <= devices <= jax.device_count():
+        if devices < 1:
+            raise ValueError(f"devices must be >= 1 (the number of devices of the mesh), got {devices}.")
+        if devices > jax.device_count():
             raise ValueError(f"devices={devices}, but {jax.device_count()} devices are visible (simulate more on CPU "
                              "with XLA_FLAGS=--xla_force_host_platform_device_count=D before importing jax).")
         devices = jax.devices()[:devices]
@@ -47,11 +49,16 @@ def make_mesh(devices: int | Sequence | None = None, axis_name: str = AXIS) -> M
 
 
 def check_mesh(mesh) -> Mesh:
-    """``mesh`` if it is a 1-D ``jax.sharding.Mesh`` (``TypeError`` / ``ValueError`` otherwise)."""
+    """``mesh`` if it is a 1-D ``jax.sharding.Mesh`` (``TypeError`` / ``ValueError`` otherwise), as a GSPMD
+    (``Auto`` axis) mesh over the same devices."""
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh (numpyro_fedvi.sharding.make_mesh()), got {mesh!r}.")
     if len(mesh.axis_names) != 1:
         raise ValueError(f"mesh must be 1-D (one axis for the blocks / clients), got axes {mesh.axis_names}.")
+    if tuple(getattr(mesh, "axis_types", (AxisType.Auto,))) != (AxisType.Auto,):
+        # jax.make_mesh's default (Explicit axes) types every array by its sharding, which the engines' compiled
+        # steps (GSPMD layouts and constraints) do not take: the same devices and axis as an Auto mesh
+        return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,))
     return mesh
 
 

@@ -205,6 +205,15 @@ def test_client_app_shipped_by_value_still_compiles_once_per_process():
     assert len(flower._CLIENTS) == before + 1
 
 
+def test_a_client_without_rows_is_refused_naming_its_data_fn():
+    """A ``data_fn`` that returns no rows for a client (a partition-id without data): a ValueError naming it, not
+    NumPyro's "size of plate should be positive" in the client's log."""
+    with pytest.raises(ValueError, match="data_fn returned no rows \\(positional arguments \\[0, 1\\]"):
+        flower._model_inputs((np.zeros((0, 3), np.float32), np.zeros(0, np.float32)))
+    args, _ = flower._model_inputs((np.ones((2, 3), np.float32), np.ones(2, np.float32)))
+    assert [a.shape for a in args] == [(2, 3), (2,)]
+
+
 def test_strategy_rejects_what_it_cannot_run():
     rows, s0 = _gmm_clients()
     with pytest.raises(ValueError, match="init_stat"):
@@ -371,6 +380,7 @@ def test_fedlocalvi_default_step_size_over_flower_equals_in_process():
     strategy.aggregate_train(5, replies)
     assert int(strategy.state.round) == 4 and float(strategy.state.precond["eta"]) == eta / 4
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(strategy.state.z), jax.tree.leaves(z_before)))
+    assert strategy.result().diagnostics["skipped_steps"] == 2   # the two rounds not taken (it said 0)
 
 
 @pytest.mark.slow   # 54 s
