@@ -19,6 +19,7 @@ front-end :class:`MPSGD` with NumPyro's SVI surface.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import warnings
 from collections.abc import Callable
@@ -185,6 +186,14 @@ def estimate_smoothness(potential: Callable, x0, *, map_steps: int = 200, power_
     return safety * lam, x_map
 
 
+def _unit_pair(value) -> bool:
+    """Whether ``value`` is a pair of numbers in (0, 1] (the preconditioner's (λ_μ, λ_Σ))."""
+    try:
+        return len(value) == 2 and all(0 < float(v) <= 1 for v in value)
+    except (TypeError, ValueError):  # not a sequence, or not numbers
+        return False
+
+
 class MPSGD:
     """Minibatch projected SGD for VI with an :class:`~numpyro_fedvi.guides.AutoLocationScale` guide.
 
@@ -294,8 +303,9 @@ class MPSGD:
         if isinstance(preconditioner, str):
             if preconditioner not in ("theory", "identity"):
                 raise ValueError(f"preconditioner must be 'theory', 'identity' or (λ_μ, λ_Σ); got {preconditioner!r}.")
-        elif not (len(preconditioner) == 2 and all(0 < float(v) <= 1 for v in preconditioner)):
-            raise ValueError(f"preconditioner (λ_μ, λ_Σ) must lie in (0, 1]², got {preconditioner!r}.")
+        elif not _unit_pair(preconditioner):
+            raise ValueError(f"preconditioner must be 'theory', 'identity' or a pair (λ_μ, λ_Σ) in (0, 1]², got "
+                             f"{preconditioner!r}.")
         if isinstance(num_particles, (int, np.integer)) and not isinstance(num_particles, bool):
             if num_particles < 1:
                 raise ValueError(f"num_particles must be >= 1, got {num_particles}.")
@@ -346,10 +356,14 @@ class MPSGD:
         return (static, tuple((a.shape, str(a.dtype)) for a in arrays), *extra)
 
     def _smoothness(self, rng_key, args, kwargs, init_loc) -> float:
-        """``smoothness="auto"``: estimated once per input shapes (and static inputs), then cached on the engine."""
+        """``smoothness="auto"``: estimated once per data (their values, not only their shapes: a run on new data of
+        the same shapes kept the first data's L, 193 for 1735, and diverged), then cached on the engine."""
         if self.smoothness != "auto":
             return float(self.smoothness)
-        key = self._shapes_key(args, kwargs, tuple(init_loc.shape))
+        digest = hashlib.sha1()
+        for a in split_inputs((args, kwargs))[0]:
+            digest.update(np.ascontiguousarray(np.asarray(a)).tobytes())
+        key = self._shapes_key(args, kwargs, tuple(init_loc.shape), digest.hexdigest())
         cache = self.__dict__.setdefault("_smoothness_cache", {})
         if key not in cache:
             cache[key], _ = estimate_smoothness(self._potential(args, kwargs), init_loc, key=rng_key)
@@ -491,6 +505,12 @@ class MPSGD:
                                  f"{self.guide.loc_name!r} and {self.guide.scale_name!r}.")
             loc = init_params.get(self.guide.loc_name, loc)
             scale = init_params.get(self.guide.scale_name, scale)
+            shapes = {self.guide.loc_name: (self.dim,),
+                      self.guide.scale_name: (self.dim,) if self.scale_type == "diag" else (self.dim, self.dim)}
+            for name, value in init_params.items():
+                if tuple(jnp.shape(value)) != shapes[name]:
+                    raise ValueError(f"init_params[{name!r}] has shape {tuple(jnp.shape(value))}; this guide's is "
+                                     f"{shapes[name]} (d = {self.dim} latent coordinates, scale={self.scale_type!r}).")
         if self.adaptive:
             return self._compiled("init", self._whitened_init)((loc, scale, rng_key), (args, kwargs))
         if scale is None:
@@ -534,7 +554,21 @@ class MPSGD:
         iterate before the update."""
         self._require_init()
         args, kwargs = self._prepared(args, kwargs)
-        return self._compiled("update", self._step)(state, (args, kwargs))
+        return self._compiled("update", self._step)(self._checked(state), (args, kwargs))
+
+    def _checked(self, state):
+        """``state`` if it is one of this engine's (its schedule's state type, the guide's loc / scale shapes): a
+        state of another engine or guide ran on silently (a full scale in a diag engine) or failed deep inside."""
+        want = WhitenedState if self.adaptive else MPSGDState
+        shapes = {"loc": (self.dim,), "scale": (self.dim,) if self.scale_type == "diag" else (self.dim, self.dim)}
+        got = {k: tuple(jnp.shape(getattr(state, k, ()))) for k in shapes}
+        if not isinstance(state, want) or got != shapes:
+            raise ValueError(
+                f"this state is not one of this engine's: a {type(state).__name__} with loc / scale shapes "
+                f"{tuple(got.values())}, where this MPSGD (schedule={'adaptive' if self.adaptive else 'theory'!r}, "
+                f"scale={self.scale_type!r}, d = {self.dim}) runs on a {want.__name__} with shapes "
+                f"{tuple(shapes.values())}. Resume on an engine built as the one that wrote the state.")
+        return state
 
     def stable_update(self, state, *args, **kwargs):
         """Like ``update`` but keeps the old state when the loss or the new state is not finite."""
@@ -603,7 +637,7 @@ class MPSGD:
         else:
             check_inputs_like(self._input_arrays, args, kwargs, "MPSGD", self.model)
             self._setup(random.split(rng_key)[0], args, kwargs)  # cheap after the first run: L is cached
-            state = init_state
+            state = self._checked(init_state)
         num_steps = num_steps or self.default_num_steps
         batches = self._check_batches(int(state.step), num_steps)
         result = run_loop(self._step, state, num_steps, inputs=(args, kwargs), get_params=self.get_params,
@@ -621,11 +655,14 @@ class MPSGD:
             result.diagnostics.update(L=float(result.state.smoothness), step_size=float(result.state.step_size),
                                       iterate_spread=float(result.state.spread), stage_moves=moves.tolist(),
                                       stages_completed=stages, converged=converged)
-            if not converged and result.diagnostics["stop_reason"] == "completed":
+            reason = result.diagnostics["stop_reason"]
+            if not converged and reason in ("completed", "early_stopping"):
                 moved = (f"the last stage moved the mean by {moves[0]:.3g} posterior sd and the scale by "
                          f"{moves[1]:.3g}" if stages else "no stage has ended yet")
+                early = (" (EarlyStopping stopped it: the loss is a noisy Monte-Carlo estimate, a relative rule "
+                         "can fire long before the stages settle)" if reason == "early_stopping" else "")
                 warnings.warn(
-                    f"MPSGD has not converged after {int(result.state.step)} steps: {moved} ({stages} stages "
+                    f"MPSGD has not converged after {int(result.state.step)} steps{early}: {moved} ({stages} stages "
                     f"completed; converged means >= {MIN_STAGES} stages, the last moving the mean and the scale by "
                     f"<= {CONVERGED_MOVE}). Continue with run(key, num_steps, ..., init_state=result.state).",
                     RuntimeWarning, stacklevel=2)

@@ -191,14 +191,25 @@ def test_determinism_and_smoothness_auto():
     assert 2 * L_TRUE * 0.95 < engine.L < 2 * L_TRUE * 1.05    # safety 2 × λ_max at the MAP (exact here)
     ev = engine.evaluate(r1.state, A, Y)
     assert np.isfinite(float(ev)) and float(ev) == float(engine.evaluate(r1.state, A, Y))
+    # new data of the same shapes: L estimated again (it was cached by shapes: a 9x too large step diverged)
+    engine.run(random.key(5), 2, 3.0 * A, Y, progress_bar=False)
+    assert 9 * 2 * L_TRUE * 0.95 < engine.L < 9 * 2 * L_TRUE * 1.05   # the Hessian scales with A²
 
 
 def test_errors():
     with pytest.raises(TypeError, match="AutoLocationScale"):
         MPSGD(model, AutoNormal(model))
     guide = AutoLocationScale(model)
-    with pytest.raises(ValueError, match="preconditioner"):
-        MPSGD(model, guide, schedule="theory", preconditioner=(0.0, 1.0))
+    for bad in ((0.0, 1.0), 0.5, (1, "a")):   # not a raw "object of type 'float' has no len()" / float("a")
+        with pytest.raises(ValueError, match="preconditioner must be 'theory', 'identity' or a pair"):
+            MPSGD(model, guide, schedule="theory", preconditioner=bad)
+    full = MPSGD(model, AutoLocationScale(model), schedule="theory", smoothness=1.0).init(random.key(0), A, Y)
+    for other in (MPSGD(model, AutoLocationScale(model, scale="diag"), schedule="theory", smoothness=1.0),
+                  MPSGD(model, AutoLocationScale(model))):   # another scale; the adaptive schedule's state type
+        with pytest.raises(ValueError, match="this state is not one of this engine's"):
+            other.run(random.key(0), 2, A, Y, init_state=full, progress_bar=False)
+    with pytest.raises(ValueError, match=r"init_params\['auto_loc'\] has shape \(5,\); this guide's is \(3,\)"):
+        MPSGD(model, AutoLocationScale(model)).init(random.key(0), A, Y, init_params={"auto_loc": jnp.zeros(5)})
     with pytest.raises(ValueError, match="smoothness"):
         MPSGD(model, guide, schedule="theory", smoothness=-1.0)
     with pytest.raises(ValueError, match="budget"):
