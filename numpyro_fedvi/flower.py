@@ -382,7 +382,7 @@ class _FedLocalVIClient:
         rescaled = int(state[_META].get("rescaled-round", -1)) if saved else -1
         if phase == 0 and presync_round >= 0 and int(b["round"]) == presync_round + 1:
             # Scaffnew's step with the server's average of the round this client's presync value came from
-            h = vs.control_update(h, presync, b["z"], e.local_steps, e.step_size, e.control_step, b["offset"])
+            h = vs.control_update(h, presync, b["z"], e.local_steps, e.step_size, e.control_step, b.get("offset"))
             presync_round = -1   # taken: a repeated phase 0 (a skipped round) does not take it twice
         if phase == 0 and int(cfg.get("rescale", 0)) and e.drift_correction and rescaled != int(b["round"]):
             # the refresh after the previous round (in process: after its Scaffnew step), once per round
