@@ -113,9 +113,9 @@ class RobustFedVI(FedLocalVI):
                  oracle_draws: str | None = "orthogonal", oracle_particles: int | str = "minimal",
                  data_plate: str | None = None, mesh=None, **static_kwargs):
         if "method" in static_kwargs or "prox" in static_kwargs:
+            given = sorted({"method", "prox"} & set(static_kwargs))
             raise TypeError("RobustFedVI's solver is fixed: local dual averaging with the simplex prox on the group "
-                            f"weights (its saddle point needs it); got {sorted({'method', 'prox'} & set(static_kwargs))}"
-                            " (FedLocalVI takes method= and prox=).")
+                            f"weights (its saddle point needs it); got {given} (FedLocalVI takes method= and prox=).")
         self.tau = _positive_float(tau, "tau")
         if isinstance(step_size, str):  # "auto" (checked by FedLocalVI): the w-block is preconditioned by 1/τ
             if weight_step_size is not None:

@@ -429,7 +429,7 @@ def inspect_model(
     try:
         guide_trace, model_trace = _traces(model, guide, model_key, guide_key, args, kwargs, init_params)
         stale = _stale_prototype(guide, model_trace)
-    except Exception:  # noqa: BLE001 - a guide set up at other inputs may fail anywhere: set it up again, once
+    except Exception:  # a guide set up at other inputs may fail anywhere: set it up again, once
         stale = getattr(guide, "prototype_trace", None) is not None
         if not stale:
             raise

@@ -124,7 +124,7 @@ def test_defaults_with_partial_participation_and_compression_reach_the_em_fixed_
     res = engine.run(random.key(0), 300, clients, s0, progress_bar=False)
     got = np.asarray(res.params, np.float64)
     np.testing.assert_allclose(em_step(got), got, atol=1e-4)
-    order = lambda t: t[np.lexsort(t.T)]  # noqa: E731 - the components sorted: the labelling left out
+    order = lambda t: t[np.lexsort(t.T)]  # the components sorted: the labelling left out
     np.testing.assert_allclose(order(got), order(theta), atol=1e-4)
 
 
@@ -142,7 +142,7 @@ def test_entry_points_refuse_data_that_is_not_client_data_and_schedules_outside_
                  lambda: engine.run(random.key(0), 2, [rows[:10], rows[10:]], s0, progress_bar=False)):
         with pytest.raises(TypeError, match="ClientData.from_list"):
             call()
-    late = lambda t: jnp.where(t < 7, 0.5, 1.5)  # noqa: E731 - γ > 1 from round 7 on
+    late = lambda t: jnp.where(t < 7, 0.5, 1.5)  # γ > 1 from round 7 on
     with pytest.raises(ValueError, match="at round 7 \\(3 of the run's 10"):
         FedMM(fam, step_size=late).run(random.key(0), 10, cd, s0, progress_bar=False)
     with pytest.raises(ValueError, match="got 5.0 at round 0"):

@@ -531,7 +531,7 @@ def test_pdvi_over_flower_with_one_autoguide_engine_for_the_server_and_the_clien
         state, loss = expected.update(state, x)
         losses.append(float(loss))
     engine = make()
-    strategy, grid = _pdvi_federation(engine, x, site, rounds=4)
+    strategy, _ = _pdvi_federation(engine, x, site, rounds=4)
     assert strategy.dropped == [] and engine.guide.prototype_trace is not None   # the server's guide: its own
     np.testing.assert_allclose(strategy.losses, losses, rtol=1e-5)
     for k in state.lam0:
