@@ -538,22 +538,26 @@ def test_theory_defaults():
 
 
 @pytest.mark.slow   # compiles an engine: runs in .ci/run and under mutmut (CONTRIBUTING.md)
-def test_smoothness_auto_is_cached_per_input_shapes(monkeypatch):
+def test_smoothness_auto_is_cached_per_data(monkeypatch):
+    """Estimated once per data: the same data (another key) reuse it, new values of the same shapes estimate again
+    (a shapes-only cache kept a stale L on new data and diverged), as do new shapes."""
     calls = []
     est = mp.estimate_smoothness
     monkeypatch.setattr(mp, "estimate_smoothness", lambda *a, **k: calls.append(1) or est(*a, **k))
     eng = MPSGD(_model, AutoLocationScale(_model, scale="diag"), schedule="theory")
     y = _y()
     eng.init(random.key(0), y)
-    eng.init(random.key(1), y + 1)
+    eng.init(random.key(1), y)
     assert len(calls) == 1
+    eng.init(random.key(1), y + 1)
+    assert len(calls) == 2
     y4 = np.concatenate([y, y[:1]])
     eng.init(random.key(0), y4)
-    assert len(calls) == 2 and eng.L == pytest.approx(2 * (NOBS + 1 + 1 / min(PRIOR_SD) ** 2), rel=2e-3)
+    assert len(calls) == 3 and eng.L == pytest.approx(2 * (NOBS + 1 + 1 / min(PRIOR_SD) ** 2), rel=2e-3)
     eng2 = MPSGD(_model, AutoLocationScale(_model, scale="diag"), schedule="theory", smoothness=3.0,
                  projection_smoothness=7.0)
     eng2.init(random.key(0), y)
-    assert len(calls) == 2 and eng2.L == 3.0 and eng2.L_proj == 7.0 and eng2._min_scale == 1 / math.sqrt(7.0)
+    assert len(calls) == 3 and eng2.L == 3.0 and eng2.L_proj == 7.0 and eng2._min_scale == 1 / math.sqrt(7.0)
 
 
 def _curved_model():
