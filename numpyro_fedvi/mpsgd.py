@@ -505,8 +505,7 @@ class MPSGD:
                                  f"{self.guide.loc_name!r} and {self.guide.scale_name!r}.")
             loc = init_params.get(self.guide.loc_name, loc)
             scale = init_params.get(self.guide.scale_name, scale)
-            shapes = {self.guide.loc_name: (self.dim,),
-                      self.guide.scale_name: (self.dim,) if self.scale_type == "diag" else (self.dim, self.dim)}
+            shapes = dict(zip((self.guide.loc_name, self.guide.scale_name), self._param_shapes()))
             for name, value in init_params.items():
                 if tuple(jnp.shape(value)) != shapes[name]:
                     raise ValueError(f"init_params[{name!r}] has shape {tuple(jnp.shape(value))}; this guide's is "
@@ -556,11 +555,15 @@ class MPSGD:
         args, kwargs = self._prepared(args, kwargs)
         return self._compiled("update", self._step)(self._checked(state), (args, kwargs))
 
+    def _param_shapes(self) -> tuple:
+        """The shapes of (μ, Σ): (d,) and (d,) for a diag scale, (d, d) otherwise."""
+        return (self.dim,), (self.dim,) if self.scale_type == "diag" else (self.dim, self.dim)
+
     def _checked(self, state):
         """``state`` if it is one of this engine's (its schedule's state type, the guide's loc / scale shapes): a
         state of another engine or guide ran on silently (a full scale in a diag engine) or failed deep inside."""
         want = WhitenedState if self.adaptive else MPSGDState
-        shapes = {"loc": (self.dim,), "scale": (self.dim,) if self.scale_type == "diag" else (self.dim, self.dim)}
+        shapes = dict(zip(("loc", "scale"), self._param_shapes()))
         got = {k: tuple(jnp.shape(getattr(state, k, ()))) for k in shapes}
         if not isinstance(state, want) or got != shapes:
             raise ValueError(

@@ -351,22 +351,19 @@ def _rows_of_data(args, kwargs) -> set[int]:
 
 
 def reset_prototype(guide):
-    """Make an AutoGuide set itself up again at its next call (its prototype trace, the plates' full sizes): a guide
-    built at other inputs (another number of rows) keeps their shapes otherwise, as NumPyro's own ``SVI`` would."""
-    if getattr(guide, "prototype_trace", None) is not None:
+    """Make an AutoGuide set itself up again at its next call (its prototype trace, the plates' full sizes, a new
+    dict: not one shared with a copy): a guide built at other inputs (another number of rows) keeps their shapes
+    otherwise, as NumPyro's own ``SVI`` would.  Other guides are returned as they are."""
+    if hasattr(guide, "prototype_trace"):
         guide.prototype_trace = None
         guide._prototype_frame_full_sizes = {}
+    return guide
 
 
 def private_guide(guide):
     """An AutoGuide's shallow copy that sets itself up at its first call (other guides as they are): a Flower client's
     own, since clients in one process would otherwise share ONE prototype, built at another client's rows."""
-    if not hasattr(guide, "prototype_trace"):
-        return guide
-    guide = copy.copy(guide)
-    guide.prototype_trace = None
-    guide._prototype_frame_full_sizes = {}
-    return guide
+    return reset_prototype(copy.copy(guide)) if hasattr(guide, "prototype_trace") else guide
 
 
 def _stale_prototype(guide, model_trace) -> bool:
