@@ -172,7 +172,12 @@ class _Engine:
 
     def update(self, state, data):
         """One round (compiled once per data shapes); returns ``(state, loss)``."""
-        return self._compiled("update", self._round)(state, self._prepare(data))
+        data = self._prepare(data)
+        self._settle(state, data)
+        return self._compiled("update", self._round)(self._place_state(state), data)
+
+    def _settle(self, state, inputs) -> None:
+        """Settings a state given back needs resolved before it runs (FedMM: ``cv_step="auto"``); none here."""
 
     def stable_update(self, state, *args, **kwargs):
         """Like ``update`` but keeps the old state when the loss or the new state is not finite."""
@@ -188,6 +193,7 @@ class _Engine:
     def _run(self, init_state, num_steps, inputs, *, progress_bar, stable_update, callbacks, early_stopping,
              chunk_size) -> RunResult:
         check_schedule(self.step_size, int(init_state.step), num_steps)
+        self._settle(init_state, inputs)
         return run_loop(self._step, init_state, num_steps, inputs=inputs, get_params=self.get_params,
                         progress_bar=progress_bar, callbacks=callbacks, early_stopping=early_stopping,
                         stable_update=stable_update, chunk_size=chunk_size, desc=type(self).__name__,
@@ -368,12 +374,9 @@ class FedMM(_Engine):
     def update(self, state: FedMMState, client_data: ClientData):
         """One round; the loss is Σ_i μ_i objective_i(θ_t) over all rows every ``log_every`` rounds (the last value
         in between; ``E^s``/``E^p`` without an objective)."""
-        client_data = self._prepare(client_data)
-        self._settle(state, client_data)
-        return super().update(self._place_state(state), client_data)
+        return super().update(state, client_data)
 
     def _run(self, init_state, num_steps, inputs, **options) -> RunResult:
-        self._settle(init_state, inputs)
         return super()._run(self._place_state(init_state), num_steps, inputs, **options)
 
     def _settle(self, state: FedMMState, inputs) -> None:
