@@ -446,7 +446,7 @@ class FedLocalVI:
             return state.output
         z = jax.tree.map(lambda a: jnp.mean(a, axis=0), state.z)  # synchronised: every client holds the same z
         if self.method == "local_dual_averaging":  # dual → primal: ∇h_t*(z) = prox(w0 + z, tη)
-            return vs.mirror_map(self.prox, state.anchor, z, state.step.astype(vs._float_dtype(z)) * self.step_size)
+            return vs.mirror_map(self.prox, state.anchor, z, state.step.astype(vs.float_dtype(z)) * self.step_size)
         return z
 
     def initial_state(self, z0, rng_key) -> vs.VIState:
@@ -464,7 +464,7 @@ class FedLocalVI:
         z = self._iterate(state, "last")
         r = state.round
         stage_start = jnp.left_shift(jnp.ones_like(r), 31 - jax.lax.clz(r))  # 2^⌊log2 r⌋ (int32 rounds)
-        w = 1.0 / (r - stage_start + 1).astype(vs._float_dtype(z))
+        w = 1.0 / (r - stage_start + 1).astype(vs.float_dtype(z))
         return state._replace(tail=jax.tree.map(lambda a, b: a + (w * (b - a)).astype(a.dtype), state.tail, z))
 
     # -- SVI surface ------------------------------------------------------------------------------------------------

@@ -64,6 +64,7 @@ __all__ = [
     "control_update",
     "corrected_operator",
     "drift_corrected",
+    "float_dtype",
     "inner_steps_for",
     "lesgd",
     "lippax",
@@ -183,14 +184,14 @@ def _drift(tree):
     return sum(jnp.sum(jnp.square(a - jnp.mean(a, axis=0, keepdims=True))) for a in leaves) / leaves[0].shape[0]
 
 
-def _float_dtype(tree):
+def float_dtype(tree):
     """The float type of a pytree's leaves (float64 iterates under x64 keep their counters and weights in it)."""
     return jnp.result_type(*jax.tree_util.tree_leaves(tree))
 
 
 def _no_drift(z):
     """The ``(drift, presync)`` pair before a synchronisation, the drift in the iterates' float type."""
-    return jnp.zeros((), _float_dtype(z)), z
+    return jnp.zeros((), float_dtype(z)), z
 
 
 def _num_clients(tree) -> int:
@@ -244,7 +245,7 @@ def _finish_round(state, z, out_sum, K, mean_iterate, drift, calls):
     """Update the running output mean with the K steps of this round (out_sum = Σ_k mean_m out_k); ``drift`` is
     the ``(drift, presync)`` pair carried by :func:`_sync`."""
     drift, presync = drift
-    t_old = state.step.astype(_float_dtype(state.output))  # the iterates' float type: float64 under x64
+    t_old = state.step.astype(float_dtype(state.output))  # the iterates' float type: float64 under x64
     t_new = t_old + K
     output = _tmap(lambda o, s: (o * (t_old / t_new).astype(o.dtype) + s / jnp.asarray(t_new, s.dtype)),
                    state.output, out_sum)
