@@ -37,7 +37,16 @@ from . import vi_solvers as vs
 from .curvature import diag_hessian
 from .federated import ClientData, check_clients, client_minibatch
 from .fedmm.engine import strong_types
-from .inputs import InputJit, array_arguments, check_inputs_like, check_static_kwargs, prepare_inputs, prepare_value
+from .inputs import (
+    InputJit,
+    array_arguments,
+    check_inputs_like,
+    check_state_like,
+    check_static_kwargs,
+    prepare_inputs,
+    prepare_value,
+    state_template,
+)
 from .objectives import block_loss_fn, check_elbo, client_loss_fn, client_loss_from_blocks, full_loss_fn
 from .particles import oracle_elbo
 from .prox import as_prox, zero_prox
@@ -308,9 +317,21 @@ class FedLocalVI:
         return _sharding.shard_client_data(clients, self.mesh)
 
     def _place_state(self, state):
-        """The state on the engine's devices, its tail average started if it has none (:meth:`_tail_started`)."""
-        state = self._tail_started(state)
+        """The state on the engine's devices, its tail average started if it has none (:meth:`_tail_started`); a
+        state of another engine, guide or number of clients is refused (:meth:`_check_state`)."""
+        state = self._tail_started(state) if isinstance(state, vs.VIState) else state
+        self._check_state(state)
         return state if self.mesh is None else _sharding.shard_vi_state(state, self.mesh)
+
+    def _check_state(self, state) -> None:
+        """``state`` has the entries and shapes of this engine's ``init`` (one iterate per client); the template is
+        kept per set-up and key type (an eager ``update`` loop checks at no tracing cost)."""
+        def build(rng_key):
+            fresh = self.initial_state(strong_types(self._initial_point(self.structure.init_global)), rng_key)
+            return fresh._replace(precond=self._no_estimate(fresh)) if self.auto_step else fresh
+
+        check_state_like(state, lambda: state_template(self, (self.structure,), state.key, build), type(self).__name__,
+                         vs.VIState)
 
     # -- construction ---------------------------------------------------------------------------------------------
     def _make_solver(self) -> vs.Solver:
@@ -685,10 +706,11 @@ class FedLocalVI:
         elif self.structure is None:
             self._setup(random.split(rng_key)[0], args, kwargs, init_params)
         inputs = self._inputs(args, kwargs)
+        init_state = self._place_state(init_state)
         r0 = int(init_state.round)
         end = r0 + num_steps if isinstance(num_steps, (int, np.integer)) else r0  # run_loop checks num_steps
         hooks = [(k - r0, lambda s: self._refresh(s, inputs)) for k in self.refresh_rounds(r0, end)]
-        result = run_loop(self._step, self._place_state(init_state), num_steps, inputs=inputs, hooks=hooks,
+        result = run_loop(self._step, init_state, num_steps, inputs=inputs, hooks=hooks,
                           get_params=self.get_params, progress_bar=progress_bar, callbacks=callbacks,
                           early_stopping=early_stopping, stable_update=stable_update, chunk_size=chunk_size,
                           desc=f"{type(self).__name__}[{self.method}]",

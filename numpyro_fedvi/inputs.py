@@ -19,8 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["InputJit", "array_arguments", "check_inputs_like", "check_positive", "check_static_kwargs",
-           "is_real_number", "prepare_inputs", "prepare_value", "split_inputs"]
+__all__ = ["InputJit", "array_arguments", "check_inputs_like", "check_positive", "check_state_like",
+           "check_static_kwargs", "is_real_number", "prepare_inputs", "prepare_value", "split_inputs",
+           "state_template"]
 
 _STATIC_TYPES = (bool, int, float, complex, str, bytes, type(None))
 
@@ -208,6 +209,51 @@ def check_inputs_like(reference: dict | None, args, kwargs, engine: str, model=N
                         f"{', '.join(str(reference[m]) for m in missing)}): the model would sample what it observed "
                         "at init and the step would fit its prior's draws. Pass the model's arguments as to init "
                         "(e.g. update(state, x, y) after init(key, x, y)).")
+
+
+def state_template(owner, setup: tuple, key, build: Callable):
+    """``jax.eval_shape(build, key)`` (an engine's initial state, abstract) kept on ``owner`` while its set-up
+    (``setup``: objects compared by identity, numbers and shapes by value) and the key's type stay: an eager
+    ``update`` loop checks its states (:func:`check_state_like`) without tracing anything."""
+    spec = (*setup, np.shape(key), str(getattr(key, "dtype", None)))
+    cached = owner.__dict__.get("_state_template")
+    same = cached is not None and len(cached[0]) == len(spec) and all(
+        a is b or (isinstance(a, (int, str, tuple)) and type(a) is type(b) and a == b) for a, b in zip(cached[0], spec))
+    if not same:
+        cached = owner.__dict__["_state_template"] = (spec, jax.eval_shape(build, key))
+    return cached[1]
+
+
+def check_state_like(state, template, engine: str, state_type: type | None = None) -> None:
+    """Refuse a state given back to an engine (``run(init_state=)``, ``update``, ``evaluate``; e.g. loaded from a
+    checkpoint) that is not one of its own: another state type, other entries, or a leaf whose shape differs from
+    ``template``'s (what this engine builds at these inputs, e.g. from ``jax.eval_shape``).  A state written for
+    another number of clients, blocks or rows otherwise ran on silently: JAX clamps or drops per-client indices out
+    of range (measured: FedLocalVI resumed with 4 of 8 clients' iterates fitted those 4 clients only).
+    ``template`` may be a function of nothing that builds it, called once ``state`` is a ``state_type``."""
+    def refuse(what):
+        raise ValueError(f"this state is not one of this {engine}'s: {what}. Resume (init_state=, update, evaluate) "
+                         "on an engine built as the one that wrote the state: the same model, guide and options, and "
+                         "data of the same shapes split into the same clients / blocks.")
+
+    if state_type is not None and not isinstance(state, state_type):
+        refuse(f"a {type(state).__name__}, where it runs on a {state_type.__name__}")
+    template = template() if callable(template) else template
+    if type(state) is not type(template):
+        refuse(f"a {type(state).__name__}, where it runs on a {type(template).__name__}")
+    got, got_def = jax.tree_util.tree_flatten_with_path(state)
+    want, want_def = jax.tree_util.tree_flatten_with_path(template)
+    if got_def != want_def:
+        got_paths = [jax.tree_util.keystr(p) for p, _ in got]
+        want_paths = [jax.tree_util.keystr(p) for p, _ in want]
+        extra = [p for p in got_paths if p not in want_paths]
+        missing = [p for p in want_paths if p not in got_paths]
+        refuse(f"its entries {extra or got_paths} are not this engine's, which has {missing or want_paths}"
+               if extra or missing else f"its structure {got_def} is not this engine's {want_def}")
+    for (path, leaf), (_, like) in zip(got, want):
+        if tuple(np.shape(leaf)) != tuple(np.shape(like)):
+            refuse(f"state{jax.tree_util.keystr(path)} has shape {tuple(np.shape(leaf))}, where this engine's has "
+                   f"{tuple(np.shape(like))}")
 
 
 class _Dynamic:

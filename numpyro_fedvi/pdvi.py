@@ -36,7 +36,16 @@ from . import host_table as _host
 from . import sharding as _sharding
 from .curvature import diag_hessian
 from .federated.participation import sample_without_replacement
-from .inputs import InputJit, array_arguments, check_inputs_like, check_positive, check_static_kwargs, prepare_inputs
+from .inputs import (
+    InputJit,
+    array_arguments,
+    check_inputs_like,
+    check_positive,
+    check_state_like,
+    check_static_kwargs,
+    prepare_inputs,
+    state_template,
+)
 from .newton import newton_solve
 from .objectives import block_loss_fn, check_elbo, full_loss_fn
 from .particles import ControlledDraws, oracle_elbo
@@ -902,12 +911,27 @@ class PDVI:
     def _placed(self, state: PDVIState) -> PDVIState:
         """A state given back (``init_state``, ``update``, ``evaluate``), e.g. loaded from a checkpoint, where this
         engine keeps it: its local table moved to host memory or to the device as ``local_table`` says, and on
-        the engine's mesh (a loaded state sits on one device: the compiled step refused its layout)."""
+        the engine's mesh (a loaded state sits on one device: the compiled step refused its layout).  A state of
+        another engine, blocks or rows is refused (:func:`~numpyro_fedvi.inputs.check_state_like`)."""
+        self._check_state(state)
         if isinstance(state.local, _host.HostTable) and self.local_table != "host":
             state = state._replace(local={k: jnp.asarray(v) for k, v in state.local.arrays.items()})
         elif not isinstance(state.local, _host.HostTable) and self.local_table == "host":
             state = state._replace(local=_host.HostTable.create({k: np.asarray(v) for k, v in state.local.items()}))
         return state if self.mesh is None else _sharding.shard_pdvi_state(state, self.mesh)
+
+    def _check_state(self, state) -> None:
+        """``state`` has this engine's entries and shapes: those of ``init`` (its duals one row per unit, its local
+        table one row per datum of the data plate), its local table in host memory or on the device."""
+        def build(key):
+            lam0 = self.structure.init_global
+            eta = _check_eta(1.0 if self.eta_spec == "auto" else self.eta_spec, lam0)
+            return pdvi_init(lam0, self.num_units, self.structure.init_local, eta, key)
+
+        if isinstance(state, PDVIState) and isinstance(state.local, _host.HostTable):  # compared as on the device
+            state = state._replace(local={k: jax.ShapeDtypeStruct(shape, dt) for k, shape, dt in state.local.spec})
+        check_state_like(state, lambda: state_template(self, (self.structure,), state.rng_key, build), "PDVI",
+                         PDVIState)
 
     def _maybe_refresh(self, state, inputs):
         if self.eta_spec == "auto" and int(state.step) in self.refresh_steps():  # as run() does (same results)

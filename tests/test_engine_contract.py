@@ -330,11 +330,25 @@ def check_data_of_other_shapes_refused_where_blocks_partition_them(fitted):
     assert traces() == before
 
 
+def check_foreign_state_refused(fitted):
+    """A state given back that is not one of this engine's — its leaves one row short (written for fewer clients,
+    blocks or rows: JAX clamped or dropped the missing clients' rows and the run fitted the others, silently), or
+    the same leaves in a plain tuple (another engine's state) — is refused by ``update`` and a resumed ``run``,
+    naming what differs."""
+    engine, case, state = fitted.engine, fitted.case, fitted.result.state
+    short = jax.tree.map(lambda x: x[:-1] if np.ndim(x) >= 1 and np.shape(x)[0] > 1 else x, state)
+    for bad, what in ((short, r"has shape|shapes"), (tuple(state), r"a tuple")):
+        for call in (lambda s: engine.update(s, *case.args, **case.kwargs),
+                     lambda s: engine.run(KEY, 2, *case.args, init_state=s, progress_bar=False, **case.kwargs)):
+            with pytest.raises(ValueError, match=rf"(?s)this state is not one of this .*{what}"):
+                call(bad)
+
+
 CHECKS = [check_run_result_is_finite_and_deterministic, check_second_run_does_not_recompile,
           check_resume_is_bitwise_equal_to_uninterrupted, check_svi_surface_and_eager_update_loop,
           check_jitted_update_gives_finite_state, check_predictive_and_datatree, check_pandas_and_list_inputs,
           check_nan_input_refused_before_compilation, check_zero_steps_refused, check_observations_left_out_refused,
-          check_data_of_other_shapes_refused_where_blocks_partition_them]
+          check_data_of_other_shapes_refused_where_blocks_partition_them, check_foreign_state_refused]
 
 
 SLOW_CASES = ("robustfedvi", "mpsgd_tril", "mpsgd_theory")

@@ -19,7 +19,7 @@ from jax import random
 
 from .. import sharding as _sharding
 from ..federated import Bernoulli, ClientData, Full, Identity
-from ..inputs import InputJit, prepare_inputs, prepare_value
+from ..inputs import InputJit, check_state_like, prepare_inputs, prepare_value, state_template
 from ..runner import EarlyStopping, RunResult, revert_non_finite, run_loop, tree_all_finite
 from .core import (
     FedMMState,
@@ -377,14 +377,37 @@ class FedMM(_Engine):
         return super().update(state, client_data)
 
     def _run(self, init_state, num_steps, inputs, **options) -> RunResult:
+        self._check_state(init_state, inputs)  # (before the mesh places its client axis)
         return super()._run(self._place_state(init_state), num_steps, inputs, **options)
 
     def _settle(self, state: FedMMState, inputs) -> None:
-        """``cv_step="auto"`` resolved (:meth:`check_settings`) on an engine that did not ``init`` the state it is
-        given (a resume in a new process, from a checkpoint): α stayed at its placeholder 0 there, and a run with
-        partial participation or compression silently took another path (FedSVI: params 0.047 off)."""
+        """A state given back checked (:meth:`_check_state`) and ``cv_step="auto"`` resolved (:meth:`check_settings`)
+        on an engine that did not ``init`` it (a resume in a new process, from a checkpoint): α stayed at its
+        placeholder 0 there, and a run with partial participation or compression silently took another path
+        (FedSVI: params 0.047 off)."""
+        self._check_state(state, inputs)
         if self.auto_cv_step and not getattr(self, "_cv_step_settled", False):
             self.check_settings(self._family_for(inputs, exact=True), state.s, self._data_of(inputs).num_clients)
+
+    def _check_state(self, state, inputs) -> None:
+        """``state`` has the entries and shapes ``init`` gives at these inputs: one control variate per client, each
+        in the statistic's shapes (θ's with ``aggregate="parameter"``); a state written for another number of
+        clients ran on silently (their rows of ``V_clients`` clamped or dropped)."""
+        client_data = self._data_of(inputs)
+
+        def template():
+            setup, s0 = self._statistic_like(state)
+            shapes = tuple((jax.tree_util.keystr(p), np.shape(x)) for p, x in jax.tree_util.tree_leaves_with_path(s0))
+            return state_template(self, (setup, client_data.num_clients, shapes), state.rng_key, lambda key: fedmm_init(
+                self._family_for(inputs, exact=True), s0, client_data, key, "zero", self.aggregate,
+                self.server_optimizer))
+
+        check_state_like(state, template, type(self).__name__, FedMMState)
+
+    def _statistic_like(self, state) -> tuple:
+        """``(set-up, Ŝ_0)``: what ``init``'s statistic is built from and a statistic of its shapes (a family's
+        statistic is the user's: the state's own)."""
+        return self.family, state.s
 
     def init(self, rng_key, client_data: ClientData, init_stat) -> FedMMState:
         """Check ``init_stat`` against the family (:func:`check_init_stat`), the participation law against the

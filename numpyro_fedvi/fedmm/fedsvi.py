@@ -314,6 +314,9 @@ class FedSVI(FedMM):
     def _data_of(self, inputs):
         return inputs[0]
 
+    def _statistic_like(self, state) -> tuple:
+        return self.structure, self.structure.init_global  # Ŝ_0: the guide's unconstrained params
+
     def _core_batch_size(self, inputs):
         return None if self._masked_plate() else self.batch_size  # the masked path draws inside the oracle
 
