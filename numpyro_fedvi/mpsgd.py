@@ -584,6 +584,7 @@ class MPSGD:
         """Negative ELBO with ``num_samples`` fixed draws (common random numbers: the same ``rng_key``, default
         ``random.key(0)``, gives the same z for every state), at the average or the last iterate."""
         self._require_init()
+        state = self._checked(state)
         self._pick(state, which)  # validates `which` before compiling
         if isinstance(num_samples, bool) or not isinstance(num_samples, (int, np.integer)) or num_samples < 1:
             raise ValueError(f"num_samples must be a positive integer, got {num_samples!r}.")

@@ -473,7 +473,11 @@ class FedMM(_Engine):
 
     def evaluate(self, state: FedMMState, client_data: ClientData):
         """``Σ_i μ_i objective_i(θ_t)`` over all rows."""
-        return super().evaluate(state, client_data)
+        if not self._has_objective():
+            raise ValueError("this family has no objective to evaluate.")
+        data = self._prepare(client_data)
+        self._check_state(state, data)
+        return self._compiled("evaluate", self._evaluate)(self._place_state(state), data)
 
     def _evaluate(self, state, inputs):
         objective = self._objective_fn(inputs)

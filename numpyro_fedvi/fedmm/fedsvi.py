@@ -365,6 +365,7 @@ class FedSVI(FedMM):
         """The full-data negative ELBO at θ_t (the fixed objective key; + the prox's penalty)."""
         self._require_init()
         client_data, args, kwargs = self._split(args, kwargs, "evaluate")
+        self._check_state(state, (client_data, args, kwargs))
         return self._compiled("evaluate", self._evaluate)(self._place_state(state), (client_data, args, kwargs))
 
     def run(self, rng_key, num_steps: int, *args, progress_bar: bool = True, init_state=None,
