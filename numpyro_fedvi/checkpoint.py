@@ -181,6 +181,12 @@ def _backups(path: str) -> list[str]:
     return sorted(glob.glob(os.path.join(glob.escape(head), f".{glob.escape(name)}.old-*")), key=os.path.getmtime)
 
 
+def _unfinished(path: str) -> list[str]:
+    """The temporary directories of saves to ``path`` that were killed (SIGKILL) before they finished."""
+    head, name = os.path.split(path)
+    return glob.glob(os.path.join(glob.escape(head), f".{glob.escape(name)}.tmp-*"))
+
+
 def _read_structure(path: str, check_version: bool = True) -> dict:
     ocp = _orbax()
     if not os.path.isdir(os.path.join(path, "structure")):
@@ -248,7 +254,7 @@ def save(path: str | os.PathLike, obj: Any) -> str:
         for leftover in glob.glob(glob.escape(tmp) + "*"):
             shutil.rmtree(leftover, ignore_errors=True)
         raise
-    for stale in _backups(path):
+    for stale in _backups(path) + _unfinished(path):  # (unfinished: saves killed before they could clean up)
         shutil.rmtree(stale, ignore_errors=True)
     return path
 
@@ -259,7 +265,8 @@ def load(path: str | os.PathLike) -> Any:
     without a template.
 
     :raises FileNotFoundError: no checkpoint at ``path``.
-    :raises CheckpointError: ``path`` is not a numpyro_fedvi checkpoint, or of another format version.
+    :raises CheckpointError: ``path`` is not a numpyro_fedvi checkpoint, is damaged (its arrays cannot be read), or
+        is of another format version.
     """
     ocp = _orbax()
     path = os.path.abspath(os.fspath(path))
@@ -292,8 +299,12 @@ def load(path: str | os.PathLike) -> Any:
         sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         restore_args = {name: ocp.RestoreArgs(restore_type=np.ndarray) if node["kind"] in ("numpy", "np_scalar")
                         else ocp.ArrayRestoreArgs(sharding=sharding) for name, node in leaves.items()}
-        with _checkpointer() as ck:
-            arrays = ck.restore(path, ocp.args.Composite(arrays=ocp.args.PyTreeRestore(restore_args=restore_args)))
+        try:
+            with _checkpointer() as ck:
+                arrays = ck.restore(path, ocp.args.Composite(arrays=ocp.args.PyTreeRestore(restore_args=restore_args)))
+        except Exception as err:  # noqa: BLE001 - orbax / tensorstore raise many kinds; all mean a damaged checkpoint
+            raise CheckpointError(f"{path} is a damaged numpyro_fedvi checkpoint: its arrays cannot be read "
+                                  f"({type(err).__name__}: {err}).") from err
         arrays = arrays["arrays"]
     return _decode(meta["tree"], arrays)
 

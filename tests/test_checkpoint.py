@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -374,6 +375,12 @@ def test_failed_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
     nfv.save(path, new)   # the next save completes and removes the stale copy
     assert_identical(nfv.load(path), new)
     assert _no_leftovers(tmp_path) == []
+    # 5. a save killed while orbax wrote (SIGKILL: no clean-up ran) left its temporary directory: the next completed
+    # save removes it
+    (tmp_path / ".run.ckpt.tmp-0123456789ab.orbax-checkpoint-tmp").mkdir()
+    nfv.save(path, good)
+    assert_identical(nfv.load(path), good)
+    assert _no_leftovers(tmp_path) == []
 
 
 def test_never_overwrites_what_is_not_a_checkpoint(tmp_path):
@@ -405,6 +412,17 @@ def test_load_errors(tmp_path, monkeypatch):
         nfv.load(tmp_path / "future")
     nfv.save(tmp_path / "future", {"x": jnp.zeros(2)})
     assert_identical(nfv.load(tmp_path / "future"), {"x": jnp.zeros(2)})
+    # damaged arrays (deleted, or a file cut short): a CheckpointError, not orbax's KeyError / tensorstore's errors
+    for damage in ("delete", "truncate"):
+        nfv.save(tmp_path / damage, {"x": jnp.arange(3.0)})
+        arrays = tmp_path / damage / "arrays"
+        if damage == "delete":
+            shutil.rmtree(arrays)
+        else:
+            for f in (f for f in arrays.rglob("*") if f.is_file()):
+                f.write_bytes(f.read_bytes()[: len(f.read_bytes()) // 2])
+        with pytest.raises(nfv.CheckpointError, match="damaged numpyro_fedvi checkpoint: its arrays cannot be read"):
+            nfv.load(tmp_path / damage)
     # a NamedTuple whose class is gone (renamed module) or changed (other fields)
     monkeypatch.setattr(Inner, "__module__", "no_such_module_anywhere")
     nfv.save(tmp_path / "gone", Inner(jnp.ones(1), ()))

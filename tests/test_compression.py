@@ -96,8 +96,9 @@ def test_static_in_jit_and_argument_checks():
     assert hash(StochasticQuantizer(8)) == hash(StochasticQuantizer(8)) and RandK(2) == RandK(2)
     f = jax.jit(lambda comp, key, x: comp(key, x), static_argnums=0)
     assert f(RandK(2), random.key(0), X).shape == X.shape
-    with pytest.raises(ValueError, match="bits must be an int >= 2"):
-        StochasticQuantizer(1)
+    for bits in (1, 33):
+        with pytest.raises(ValueError, match="bits must be an int from 2"):
+            StochasticQuantizer(bits)
     with pytest.raises(ValueError, match="norm must be"):
         StochasticQuantizer(8, "l1")
     with pytest.raises(ValueError, match="k must be an int >= 1"):
@@ -106,3 +107,23 @@ def test_static_in_jit_and_argument_checks():
         StochasticQuantizer()(random.key(0), {"counts": jnp.arange(3)})
     with pytest.raises(ValueError, match="non-negative"):
         RandK(2).omega(-1)
+
+
+@pytest.mark.parametrize("norm", ["inf", "l2"])
+def test_quantizer_at_the_ends_of_the_float_range_and_on_empty_leaves(norm):
+    """Finite inputs give finite, unbiased outputs at any magnitude: ‖x‖₂ of [2e19, 1] overflowed float32 (all NaN),
+    and at max|x| ~ 3e38 the scale's reciprocal was a subnormal flushed to zero (all zeros); the largest entry keeps
+    its value exactly.  Near the smallest normals too (4 ulp of the scale ~1e-36).  A zero-size leaf passes as is
+    (it crashed on the max of nothing)."""
+    comp = StochasticQuantizer(8, norm)
+    for x in ([3e38, -3e38, 1.0], [2e19, 1.0], [1e20, -5e19, 2e19], [4e-36, -1e-36, 3e-37]):
+        x = jnp.asarray(x, jnp.float32)
+        q = _draws(comp, x, n=4000)
+        assert np.all(np.isfinite(q)), (norm, x, q[:3])
+        assert np.all(q[:, 0] == np.float64(np.float32(x[0]))) if norm == "inf" else np.all(np.isfinite(q[:, 0]))
+        scale = np.abs(np.asarray(x, np.float64)).max()
+        se = q.std(0) / math.sqrt(len(q))
+        assert np.all(np.abs(q.mean(0) - np.asarray(x, np.float64)) <= 5 * se + 1e-6 * scale), (norm, x, q.mean(0))
+    empty = {"a": jnp.zeros((0,)), "b": jnp.ones(3)}
+    out = comp(random.key(0), empty)
+    assert out["a"].shape == (0,) and out["b"].shape == (3,)

@@ -159,6 +159,12 @@ def test_bernoulli_one_is_full_participation():
     np.testing.assert_allclose(result.params, full.params, rtol=1e-6)
     with pytest.raises(ValueError, match="cv_step=0"):
         FedMM(GMM, cv_step=0.0, participation=Bernoulli(0.5))
+    # FixedSize(m) with m = the number of clients (4) is full participation too; FixedSize(2) is not (at init)
+    every = FedMM(GMM, cv_step=0.0, participation=FixedSize(4)).run(random.key(0), 3, GMM_CLIENTS, S0,
+                                                                    progress_bar=False)
+    np.testing.assert_allclose(every.params, full.params, rtol=1e-6)
+    with pytest.raises(ValueError, match=r"cv_step=0 .*only valid with full participation .*p = 0.5"):
+        FedMM(GMM, cv_step=0.0, participation=FixedSize(2)).init(random.key(0), GMM_CLIENTS, S0)
 
 
 def test_cv_step_above_its_bound_is_refused():

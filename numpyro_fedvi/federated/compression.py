@@ -84,8 +84,9 @@ class StochasticQuantizer(Compressor):
     norm: str = "inf"
 
     def __post_init__(self):
-        if isinstance(self.bits, bool) or not isinstance(self.bits, (int, np.integer)) or self.bits < 2:
-            raise ValueError(f"bits must be an int >= 2 (one bit is the sign), got {self.bits!r}.")
+        if isinstance(self.bits, bool) or not isinstance(self.bits, (int, np.integer)) or not 2 <= self.bits <= 32:
+            raise ValueError(f"bits must be an int from 2 (one bit is the sign) to 32 (more sends more than a float32 "
+                             f"value itself), got {self.bits!r}.")
         if self.norm not in ("inf", "l2"):
             raise ValueError(f"norm must be 'inf' (max-norm scale) or 'l2' (QSGD), got {self.norm!r}.")
 
@@ -95,14 +96,19 @@ class StochasticQuantizer(Compressor):
         return 2 ** (int(self.bits) - 1) - 1
 
     def _leaf(self, key, x):
+        if x.size == 0:
+            return x
         s = self.levels
-        a = jnp.abs(x)
-        r = jnp.max(a) if self.norm == "inf" else jnp.sqrt(jnp.sum(jnp.square(x)))
+        # |x| scaled by a power of two (exact) below 1: ‖x‖₂ does not overflow (float32 above ~1.8e19) and 1/r is
+        # not a subnormal flushed to zero (max|x| above ~8.5e37 quantized to all zeros)
+        _, e = jnp.frexp(jnp.max(jnp.abs(x)))
+        a = jnp.ldexp(jnp.abs(x), -e)
+        r = jnp.max(a) if self.norm == "inf" else jnp.sqrt(jnp.sum(jnp.square(a)))
         safe_r = jnp.where(r > 0, r, 1.0)
         y = jnp.clip(s * (a / safe_r), 0.0, s)
         low = jnp.floor(y)
         up = random.uniform(key, x.shape, x.dtype) < (y - low)
-        return jnp.sign(x) * r * ((low + up) / s).astype(x.dtype)
+        return jnp.sign(x) * jnp.ldexp(r * ((low + up) / s).astype(x.dtype), e)
 
     def _omega(self, d: int) -> float:
         s = self.levels

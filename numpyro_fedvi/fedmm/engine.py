@@ -18,7 +18,7 @@ import numpy as np
 from jax import random
 
 from .. import sharding as _sharding
-from ..federated import Bernoulli, ClientData, Full, Identity
+from ..federated import Bernoulli, ClientData, FixedSize, Full, Identity
 from ..inputs import InputJit, check_state_like, prepare_inputs, prepare_value, state_template
 from ..runner import EarlyStopping, RunResult, revert_non_finite, run_loop, tree_all_finite
 from .core import (
@@ -328,8 +328,9 @@ class FedMM(_Engine):
         if not self.auto_cv_step and not (isinstance(cv_step, (int, float)) and not isinstance(cv_step, bool)
                                           and math.isfinite(cv_step) and cv_step >= 0):
             raise ValueError(f"cv_step (α) must be 'auto' or a finite float >= 0, got {cv_step!r}.")
-        full = isinstance(self.participation, Full) or (isinstance(self.participation, Bernoulli)
-                                                        and self.participation.p == 1.0)
+        # FixedSize(m) is full participation when m is the number of clients: decided at init (check_settings)
+        full = isinstance(self.participation, (Full, FixedSize)) or (isinstance(self.participation, Bernoulli)
+                                                                     and self.participation.p == 1.0)
         exact_comms = full and isinstance(self.compressor, Identity)
         if self.auto_cv_step:
             cv_step = 0.0  # exact communications; otherwise 1/(1+ω_p), set by check_settings at init
@@ -437,6 +438,10 @@ class FedMM(_Engine):
         if self.auto_cv_step:
             self.cv_step = 1 / (1 + omega_p) if omega_p > 0 else 0.0
             self._cv_step_settled = True
+        elif self.cv_step == 0 and omega_p > 0:
+            raise ValueError(f"cv_step=0 (no control-variate updates) is only valid with full participation and no "
+                             f"compression (here ω = {omega:.3g}, p = {p:.3g}; specs/fedmm.md: it plateaus otherwise); "
+                             f"use cv_step in (0, {1 / (1 + omega_p):.3g}].")
         if omega_p > 0 and self.cv_step > 1 / (1 + omega_p) + 1e-12:
             raise ValueError(f"cv_step={self.cv_step} exceeds its bound 1/(1+ω_p) = {1 / (1 + omega_p):.3g} (ω = "
                              f"{omega:.3g}, p = {p:.3g}): the control variates overshoot and the run diverges. Use "
