@@ -4,7 +4,8 @@ The model is written ONCE, exactly as for ``numpyro.infer.SVI`` / ``MCMC`` (non-
 8)`` around ``obs=y``), and the same object goes to every engine with the same NumPy inputs:
 
 - ``SVI`` + Adam, ``AutoNormal`` (the peer);
-- ``PDVI`` with all its defaults, ``AutoNormal``, each school a fixed block (its ``theta_tilde`` params are LOCAL);
+- ``PDVI`` with its defaults but two blocks per iteration (``partitions_per_step=2``), ``AutoNormal``, each school a
+  fixed block (its ``theta_tilde`` params are LOCAL);
 - ``MPSGD`` with all its defaults, ``AutoLocationScale`` (full-rank Gaussian);
 - ``FedSVI`` and ``FedLocalVI`` with each school a client (``clients=np.arange(8)``) and ``AutoMultivariateNormal``
   (the federated engines take guides with global params only);

@@ -6,8 +6,8 @@ FedAvg); the robust posterior solves the saddle problem
 
     min_θ max_{w∈Δ} Σ_g w_g L_g(θ) − (τ/2)‖w − 1/G‖²          (L_g = hospital g's negative ELBO per datum)
 
-with local dual averaging (``numpyro_fedvi.RobustFedVI``, every default but τ): hospitals never share rows, only
-the iterates (θ, w).
+with local dual averaging (``numpyro_fedvi.RobustFedVI``, every default but τ and an 8-particle ELBO): hospitals never
+share rows, only the iterates (θ, w).
 The script prints the group weights and every group's loss (and predictive accuracy) under both posteriors, and saves
 ``examples/output/robust_federated_vi.png``.
 
@@ -69,7 +69,8 @@ def main(tau=0.25, rounds=400, seed=0):
     N = int(clients.counts.sum())
 
     # plain federated VI: the average posterior (every FedLocalVI default: LocalSGD = FedAvg, K = 5, step "auto")
-    plain = nfv.FedLocalVI(model, guide, clients, elbo)
+    plain = nfv.FedLocalVI(model, guide, clients, elbo)  # (the ClientData form; with a model's own data plate:
+    #                                                       FedLocalVI(model, guide, elbo, clients=ids))
     plain_res = plain.run(random.key(seed), rounds, progress_bar=False)
 
     # robust federated VI: local dual averaging on the saddle operator (every default: K = 5, step "auto", Scaffnew)

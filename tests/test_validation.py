@@ -350,3 +350,16 @@ def test_mpsgd_warns_about_per_datum_latents():
         nfv.MPSGD(per_datum, nfv.AutoLocationScale(per_datum, scale="diag")).init(random.key(0), x[:50])
         nfv.MPSGD(grouped, nfv.AutoLocationScale(grouped, scale="diag")).init(
             random.key(0), np.arange(2 * PER_DATUM_WARN_DIM) % PER_DATUM_WARN_DIM, np.zeros(2 * PER_DATUM_WARN_DIM))
+
+
+def test_client_ids_given_where_the_loss_goes_say_so():
+    """``FedLocalVI(model, guide, ids, elbo)`` (the lower layer's positional order with client ids in place of a
+    ClientData) names the third argument as the loss and sends the ids to ``clients=``."""
+    ids = np.arange(12) % 3
+    for engine in (nfv.FedLocalVI, nfv.RobustFedVI):
+        with pytest.raises(TypeError, match=r"third positional argument is the loss.*got a ndarray: client ids go in "
+                                            r"clients="):
+            engine(normal_mean, AutoNormal(normal_mean), ids, Trace_ELBO(),
+                   **({"tau": 1.0} if engine is nfv.RobustFedVI else {}))
+    with pytest.raises(TypeError, match=r"options are keyword arguments\.$"):  # a loss, then an option: no hint
+        nfv.FedLocalVI(normal_mean, AutoNormal(normal_mean), Trace_ELBO(), ids)
