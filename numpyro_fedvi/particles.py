@@ -309,8 +309,12 @@ def oracle_elbo(loss: ELBO | None, draws: str | None, particles: int | str, max_
     ``particles`` (an even number, or a rule of :meth:`ControlledDraws.particles_for`).  ``loss``'s own
     ``num_particles`` (``Trace_ELBO(num_particles=32)``) is a floor of a rule's count (made even); the rules need
     antithetic pairs: with ``"iid"`` or ``"moment_matched"`` draws a rule means 4 (or ``loss``'s ``num_particles``
-    when more)."""
+    when more).  A particle count with ``draws=None`` is refused (it would be ignored: set ``loss``'s own)."""
     if draws is None:
+        if not isinstance(particles, str):
+            raise ValueError(f"oracle_particles={particles!r} sets the controlled draws' particles, and "
+                             "oracle_draws=None evaluates the loss as given: set its own num_particles (e.g. "
+                             f"Trace_ELBO(num_particles={particles!r})) or pick oracle_draws.")
         return loss
     if draws not in SCHEMES:
         raise ValueError(f"oracle_draws must be None or one of {SCHEMES}, got {draws!r}.")

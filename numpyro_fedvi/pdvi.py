@@ -359,9 +359,10 @@ def _check_eta(eta, init_global):
 class PDVI:
     """Primal–dual mean-field VI (PD-VI / P²D-VI) with NumPyro's SVI surface.
 
-    ``PDVI(model, guide, loss=Trace_ELBO(), num_partitions=30, eta=1.0)`` is PD-VI (Oracle I);
-    ``eta={"m": 1e-2, "s": 1.0}`` (one η per global param site, or arrays per coordinate) or ``eta="auto"``
-    is P²D-VI (Oracle II).  Blocks are a partition of the model's data plate (README, "One model, every engine"):
+    ``PDVI(model, guide)`` is P²D-VI (Oracle II, ``eta="auto"``: one η per global param site from the blocks'
+    curvature); ``eta={"m": 1e-2, "s": 1.0}`` sets those per site by hand, and a float ``eta`` for every coordinate
+    is PD-VI (Oracle I: ``PDVI(model, guide, num_partitions=30, eta=1e-3)``; η must be below ~1/L of a block: η = 1
+    diverged on the random-effects benchmark, see the README).  Blocks are a partition of the model's data plate (README, "One model, every engine"):
     guide params inside it (``numpyro.param(..., event_dim=...)``) are local φ, every other param is global λ.
 
     :param loss: any NumPyro ELBO (``Trace_ELBO``, ``TraceMeanField_ELBO``, ``TraceGraph_ELBO``,
@@ -395,10 +396,11 @@ class PDVI:
         runs, none with η and h shrunk with the move (see the README).
     :param eta_curvature: how ``eta="auto"`` combines the blocks' curvatures: ``"median"`` (default) or ``"max"``
         (the theory's L = max_b L_b).  The estimate is a second derivative of a Monte-Carlo objective, so the max
-        over blocks picks the noisiest draw: measured on non-centred eight schools (8 one-school blocks, 300
-        iterations, every other default), ``"max"`` set η of q(tau)'s params to ~1e-4 and ended with q(mu)'s mean at
-        −121 (NUTS: 4.4); ``"median"`` gave 4.7 and a q(log tau) scale of 0.89.  On random effects (equal blocks)
-        the two agree.
+        over blocks picks the noisiest draw and the smallest η: on non-centred eight schools (8 one-school blocks,
+        300 iterations, every other default), before the consensus trust region, ``"max"`` set η of q(tau)'s params
+        to ~1e-4 and ended with q(mu)'s mean at −121 (NUTS: 4.4) where ``"median"`` gave 4.7; with the trust region
+        (which shrinks η only where a move is clipped) both end near the posterior (2026-11-29, seeds 0–7: q(mu)'s
+        mean 4.48–4.53 with ``"max"``).  On random effects (equal blocks) the two agree.
     :param local_optimizer: the oracle's solver: ``"newton"`` (damped Newton on the exact arrow-shaped Hessian of
         the block objective, :mod:`~numpyro_fedvi.newton`: ``d_loc + d_g`` Hessian-vector products per step, no
         data-dependent loop), an optax optimizer (re-initialised on every oracle call, e.g. ``optax.lbfgs()``, the
@@ -412,7 +414,9 @@ class PDVI:
     :param dual_granularity: ``"partition"`` (one dual per block; ``n`` = number of blocks) or ``"datum"``
         (one dual and one oracle per data point, ``n = N``; the points of the selected blocks form S_t).
     :param selection: ``"random"`` (uniform without replacement, as in the theory) or ``"cyclic"``.
-    :param alternating: update local params first and the global copy last in each oracle step.
+    :param alternating: with an optax ``local_optimizer``: update local params first and the global copy last in
+        each oracle step (``None``, default: True).  The Newton oracle steps φ and λ jointly (a given value is
+        warned about and has no effect there).
     :param crn: common random numbers of Monte-Carlo ELBOs: ``"oracle"`` fixes the key during each oracle
         solve and draws a new one per visit (specs/pdvi.md §3); ``"run"`` uses one key per unit for the
         whole run, so every f_i is a deterministic sample-average objective and Algorithm 1 converges to its
@@ -479,7 +483,7 @@ class PDVI:
                  partitions_per_step: int = 1, eta: float | dict | str = "auto", eta_scale: float = 0.3,
                  eta_curvature: str = "median",
                  local_optimizer: optax.GradientTransformation | str | None = None, local_steps: int | None = None,
-                 dual_granularity: str = "partition", selection: str = "random", alternating: bool = True,
+                 dual_granularity: str = "partition", selection: str = "random", alternating: bool | None = None,
                  crn: str = "oracle", block_solver: Callable | None = None, oracle_draws: str | None = "orthogonal",
                  oracle_particles: int | str = "minimal", eta_refresh=True, consensus_max_move: float | None = 0.25,
                  data_plate: str | None = None, mesh=None, local_table: str = "device", **static_kwargs):
@@ -520,6 +524,9 @@ class PDVI:
         self.local_optimizer, self.local_steps = local_optimizer, local_steps
         if crn not in ("oracle", "run"):
             raise ValueError(f"crn must be 'oracle' or 'run', got {crn!r}.")
+        if alternating not in (None, True, False):
+            raise TypeError(f"alternating must be True, False or None (default: True for an optax local_optimizer), "
+                            f"got {alternating!r}.")
         self.dual_granularity, self.selection, self.alternating = dual_granularity, selection, alternating
         self.crn = crn
         if block_solver is not None and not callable(block_solver):
@@ -620,6 +627,10 @@ class PDVI:
             solver = "newton" if num_hvps <= NEWTON_MAX_HVPS else optax.lbfgs(
                 linesearch=optax.scale_by_zoom_linesearch(max_linesearch_steps=10, initial_guess_strategy="one"))
         steps = self.local_steps if self.local_steps is not None else (2 if solver == "newton" else 10)
+        if solver == "newton" and self.alternating is not None:
+            warnings.warn(f"alternating={self.alternating} has no effect with the Newton oracle, which steps the local "
+                          "and global params jointly; it applies to an optax local_optimizer.", UserWarning,
+                          stacklevel=4)
         return solver, int(steps)
 
     # a federated client's view (numpyro_fedvi.flower): it holds one unit's rows as its block 0 of a plate of
@@ -681,7 +692,7 @@ class PDVI:
 
             if self.block_solver is None:
                 lam, rows, value = prox_solve(f, lam0, mu, eta, rows, self._solver, self._solver_steps,
-                                              self.alternating)
+                                              self.alternating is not False)
             else:
                 lam, rows = self.block_solver(lam0, mu, eta, rows, Block(idx, mask, weight, unit_key), *args,
                                               **kwargs, **self.static_kwargs)

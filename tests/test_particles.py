@@ -27,7 +27,7 @@ from numpyro_fedvi.inputs import prepare_inputs
 from numpyro_fedvi.models import gmm, random_effects
 from numpyro_fedvi.objectives import block_loss_fn
 from numpyro_fedvi.particles import (SCHEMES, ControlledDraws, FrozenDraws, _ControlledNoise, _project_and_whiten,
-                                      controlled_normals)
+                                      controlled_normals, oracle_elbo)
 from numpyro_fedvi.structure import inspect_model
 from shared_models import oracle_particles
 
@@ -484,6 +484,11 @@ def test_bad_arguments():
         ControlledDraws(Trace_ELBO(), 1, "moment_matched")
     e = ControlledDraws(TraceEnum_ELBO(num_particles=5, max_plate_nesting=2), 4)
     assert e.num_particles == 4 and e.elbo.num_particles == 1 and e.elbo.max_plate_nesting == 2
+    # a particle count the oracle would ignore (no controlled draws): refused, saying where the count goes
+    loss = Trace_ELBO()
+    assert oracle_elbo(loss, None, "minimal") is loss
+    with pytest.raises(ValueError, match=r"oracle_particles=8 .*Trace_ELBO\(num_particles=8\)"):
+        oracle_elbo(loss, None, 8)
 
 
 # ----------------------------------------------------------------------------------------------------------

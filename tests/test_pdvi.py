@@ -12,6 +12,7 @@ Compiles dominate the run time: the PDVI objects and runs are shared through mod
 """
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -351,6 +352,24 @@ def test_eta_values_refused_at_construction(eta, match):
 def test_constructor_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         PDVI(model, guide, TraceMeanField_ELBO(), num_partitions=4, **kwargs)
+
+
+def test_options_the_oracle_would_ignore_are_refused_or_warned():
+    """``alternating`` steers an optax solver only: given with the Newton oracle it is warned about (it changed
+    nothing, silently); a particle count without controlled draws is refused; a non-bool ``alternating`` too."""
+    import types
+
+    small = types.SimpleNamespace(init_global={"m": jnp.zeros(())}, init_local={"u": jnp.zeros((5,))})
+    with pytest.warns(UserWarning, match="alternating=False has no effect with the Newton oracle"):
+        assert PDVI(model, guide, alternating=False)._resolve_solver(small)[0] == "newton"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        PDVI(model, guide)._resolve_solver(small)                                   # the default: no warning
+        PDVI(model, guide, alternating=False, local_optimizer=optax.adam(0.1))._resolve_solver(small)
+    with pytest.raises(ValueError, match="oracle_particles=8 sets the controlled draws"):
+        PDVI(model, guide, oracle_draws=None, oracle_particles=8)
+    with pytest.raises(TypeError, match="alternating must be True, False or None"):
+        PDVI(model, guide, alternating="yes")
 
 
 def test_error_nan_in_data_names_argument():
