@@ -1017,4 +1017,10 @@ class PDVI:
                         get_params=self.get_params, progress_bar=progress_bar, callbacks=callbacks,
                         early_stopping=early_stopping, stable_update=stable_update, chunk_size=chunk_size,
                         desc=type(self).__name__, cache=self.__dict__.setdefault("_run_cache", {}),
-                        hooks=self._hooks(state, num_steps, inputs))
+                        hooks=self._hooks(state, num_steps, inputs), remedy=self._remedy())
+
+    def _remedy(self) -> str:
+        """What the run's non-finite warnings advise: PD-VI has no step size, its knob is η."""
+        knob = "lower eta_scale (eta='auto')" if self.eta_spec == "auto" else "lower eta"
+        trust = "" if self.consensus_max_move is not None else " or bound the consensus step (consensus_max_move)"
+        return f"{knob}{trust}"

@@ -193,6 +193,7 @@ def run_loop(
     desc: str = "",
     cache: dict | None = None,
     hooks: Sequence[tuple[int, Callable[[Any], Any]]] = (),
+    remedy: str = "lower the step size(s)",
 ) -> RunResult:
     """Run ``step_fn`` for ``num_steps`` steps from ``init_state``.
 
@@ -216,6 +217,7 @@ def run_loop(
     :param hooks: ``(k, fn)`` pairs: after ``k`` steps of this run the state becomes ``fn(state)`` (host side;
         chunks are cut there).  Engines use it for between-step adaptations that must not be compiled into the
         step, e.g. PD-VI's ``eta_refresh``.
+    :param remedy: what the warnings about non-finite steps advise (the engine's own knob, e.g. PD-VI's η).
     :param cache: a dict owned by the engine that keeps the compiled chunks across runs (key: ``step_fn`` and the
         loop's static settings; pass a bound method as ``step_fn`` so the key is stable).
 
@@ -319,14 +321,15 @@ def run_loop(
         loss_arr = loss_arr[:non_finite_step]
         warnings.warn(
             f"Non-finite loss or state at step {non_finite_step}; the run stopped and returns the last finite "
-            "state (from the step before). Lower the step size(s) or use stable_update=True to skip such steps.",
+            f"state (from the step before). {remedy[0].upper() + remedy[1:]} or use stable_update=True to skip such "
+            "steps.",
             RuntimeWarning,
             stacklevel=2,
         )
     skipped = int(np.sum(~np.isfinite(loss_arr))) if stable_update else 0
     if stable_update and skipped > max(1, 0.05 * len(loss_arr)):
         warnings.warn(f"stable_update skipped {skipped} of {len(loss_arr)} steps (non-finite loss or state); "
-                      "the result may be poor: lower the step size(s).", RuntimeWarning, stacklevel=2)
+                      f"the result may be poor: {remedy}.", RuntimeWarning, stacklevel=2)
     state = carry.state
     diagnostics = {"num_steps": len(loss_arr), "stop_reason": stop_reason, "non_finite_step": non_finite_step,
                    "skipped_steps": skipped}

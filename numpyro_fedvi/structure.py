@@ -184,6 +184,11 @@ class Partitions(NamedTuple):
         return int(self.indices.shape[0])
 
 
+def flat_ids(seq) -> bool:
+    """A list / tuple of numbers (one block or client id per datum), not a list of index arrays."""
+    return len(seq) > 0 and all(np.ndim(v) == 0 for v in seq)
+
+
 def make_partitions(size: int, num_partitions: int | None = None, partitions=None) -> Partitions:
     """Build fixed partitions of ``range(size)``.
 
@@ -198,7 +203,7 @@ def make_partitions(size: int, num_partitions: int | None = None, partitions=Non
         if not isinstance(num_partitions, (int, np.integer)) or not 1 <= num_partitions <= size:
             raise ValueError(f"num_partitions must be an integer in [1, {size}], got {num_partitions!r}.")
         blocks = np.array_split(np.arange(size), int(num_partitions))
-    elif isinstance(partitions, (list, tuple)) or np.ndim(partitions) == 2:
+    elif (isinstance(partitions, (list, tuple)) and not flat_ids(partitions)) or np.ndim(partitions) == 2:
         blocks = [np.asarray(b).reshape(-1) for b in partitions]
         if not blocks:
             raise ValueError("partitions is empty; give at least one block of data indices.")
@@ -215,7 +220,8 @@ def make_partitions(size: int, num_partitions: int | None = None, partitions=Non
             raise ValueError(f"a partition-id array must hold {size} integers (one block id per datum).")
         uniq = np.unique(ids)
         if uniq[0] < 0 or not np.array_equal(uniq, np.arange(uniq.size)):
-            raise ValueError("partition ids must be 0..B-1 with every id used.")
+            raise ValueError(f"partition ids must be 0..B-1 with every id used (got ids {uniq[:5].tolist()}"
+                             f"{'...' if uniq.size > 5 else ''}); relabel with np.unique(ids, return_inverse=True)[1].")
         blocks = [np.flatnonzero(ids == b) for b in uniq]
     width = max(b.size for b in blocks)
     indices = np.stack([np.concatenate([b, np.full(width - b.size, b[0])]) for b in blocks]).astype(np.int32)

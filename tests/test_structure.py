@@ -559,3 +559,20 @@ def test_large_unsubsampled_plate_warns_once_per_setup(engine):
         setup(batch_size=100)
         warn_if_unsubsampled(DataPlate("data", n - 1, -1), 8, engine)
         warn_if_unsubsampled(DataPlate("data", n, -1), 3, engine)
+
+
+def test_a_python_list_of_ids_is_an_id_array():
+    """``partitions=ids.tolist()`` / ``clients=ids.tolist()`` are block / client ids, as the NumPy array is (it was
+    read as a list of one-index blocks and refused as not covering the plate); ids other than 0..B-1 are refused
+    saying how to relabel them."""
+    from numpyro_fedvi.federated import ClientData
+    from numpyro_fedvi.federated.data import check_clients
+
+    ids = np.arange(12) % 4
+    as_list, as_array = make_partitions(12, partitions=ids.tolist()), make_partitions(12, partitions=ids)
+    np.testing.assert_array_equal(np.asarray(as_list.indices), np.asarray(as_array.indices))
+    assert check_clients(ids.tolist(), None) == 4
+    np.testing.assert_array_equal(np.asarray(ClientData.from_plate(12, tuple(ids.tolist())).data),
+                                  np.asarray(as_array.indices))
+    with pytest.raises(ValueError, match=r"got ids \[0, 10, 20, 30\]\); relabel with np.unique"):
+        make_partitions(12, partitions=(10 * ids).tolist())

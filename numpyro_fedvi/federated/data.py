@@ -274,7 +274,9 @@ def check_clients(clients, num_clients) -> int:
                         "(model(rows, *args)), see the engine's docstring.")
     if isinstance(clients, jax.core.Tracer):
         raise TypeError("clients is a traced value: give the client ids on the host, outside jit/vmap.")
-    if isinstance(clients, (list, tuple)) or np.ndim(clients) == 2:
+    from ..structure import flat_ids
+
+    if (isinstance(clients, (list, tuple)) and not flat_ids(clients)) or np.ndim(clients) == 2:
         blocks = [np.asarray(b) for b in clients]
         if not blocks:
             raise ValueError("clients is an empty list; give one index array per client.")
