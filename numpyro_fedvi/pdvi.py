@@ -356,6 +356,23 @@ def _check_eta(eta, init_global):
     return {k: jnp.asarray(v, jnp.result_type(float)) for k, v in out.items()}
 
 
+def _checked_solution(out, lam0, rows):
+    """A ``block_solver``'s ``(lam, rows)`` with ``lam`` in λ_0's dtypes, once it has the given entries and shapes
+    (at trace time: a missing site or a row count off failed as a pytree or broadcasting error naming neither)."""
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise TypeError(f"block_solver must return (lam, rows), got a {type(out).__name__}.")
+    for name, got, like in (("lam", out[0], lam0), ("rows", out[1], rows)):
+        if not isinstance(got, dict) or set(got) != set(like):
+            keys = sorted(got) if isinstance(got, dict) else type(got).__name__
+            raise ValueError(f"block_solver returned {name} = {keys}; it must be a dict with the keys {sorted(like)} "
+                             f"(the {name} it was given, same shapes).")
+        for k in like:
+            if jnp.shape(got[k]) != jnp.shape(like[k]):
+                raise ValueError(f"block_solver returned {name}[{k!r}] of shape {jnp.shape(got[k])}; the {name} it "
+                                 f"was given has shape {jnp.shape(like[k])} there.")
+    return jax.tree.map(lambda new, old: jnp.asarray(new, old.dtype), out[0], lam0), out[1]
+
+
 class PDVI:
     """Primal–dual mean-field VI (PD-VI / P²D-VI) with NumPyro's SVI surface.
 
@@ -694,9 +711,9 @@ class PDVI:
                 lam, rows, value = prox_solve(f, lam0, mu, eta, rows, self._solver, self._solver_steps,
                                               self.alternating is not False)
             else:
-                lam, rows = self.block_solver(lam0, mu, eta, rows, Block(idx, mask, weight, unit_key), *args,
-                                              **kwargs, **self.static_kwargs)
-                lam = jax.tree.map(lambda new, old: jnp.asarray(new, old.dtype), lam, lam0)
+                out = self.block_solver(lam0, mu, eta, rows, Block(idx, mask, weight, unit_key), *args, **kwargs,
+                                        **self.static_kwargs)
+                lam, rows = _checked_solution(out, lam0, rows)
                 value = f(lam, rows)
             ok = jnp.isfinite(value) & tree_all_finite(lam) & tree_all_finite(rows)
             return lam, rows, jnp.where(ok, value, jnp.nan), idx, mask

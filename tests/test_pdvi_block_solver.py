@@ -125,3 +125,22 @@ def test_block_solver_must_be_callable(problem):
         PDVI(gmm.gmm_model, guide, num_partitions=3, block_solver="cavi")
     with pytest.raises(ValueError, match="num_sweeps"):
         gmm.block_cavi_solver(num_sweeps=0)
+
+
+def test_a_solver_returning_other_entries_or_shapes_is_named(problem):
+    """A ``block_solver`` whose ``(lam, rows)`` lacks a site, has another row count or is not a pair fails naming
+    ``block_solver`` and the entry (it failed as a pytree-structure or broadcasting error naming neither)."""
+    data, hyper, _, guide, *_ = problem
+    exact = gmm.block_cavi_solver(2, 2)
+    broken = {
+        r"block_solver returned lam = \['m'\]; it must be a dict with the keys \['m', 's'\]":
+            lambda *a, **k: ({"m": exact(*a, **k)[0]["m"]}, exact(*a, **k)[1]),
+        r"block_solver returned rows\['.*'\] of shape \(20,": lambda *a, **k: (
+            exact(*a, **k)[0], {n: r[:20] for n, r in exact(*a, **k)[1].items()}),
+        r"block_solver must return \(lam, rows\), got a dict": lambda *a, **k: exact(*a, **k)[0],
+    }
+    for match, solver in broken.items():
+        engine = PDVI(gmm.gmm_model, guide, TraceEnum_ELBO(), num_partitions=N // BLOCK, eta={"m": 0.01, "s": 1.0},
+                      data_plate="data", block_solver=solver)
+        with pytest.raises((ValueError, TypeError), match=match):
+            engine.run(jax.random.key(1), 2, data.x, hyper, progress_bar=False)
