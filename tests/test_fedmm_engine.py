@@ -6,14 +6,16 @@ argument errors and the α-bound warning.
 """
 
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax import random
 
-from numpyro_fedvi.federated import ClientData, FixedSize, Full, Identity, StochasticQuantizer
+from numpyro_fedvi.federated import ClientData, FixedSize, Full, Identity, RandK, StochasticQuantizer
 from numpyro_fedvi.fedmm import SASSMM, FedMM, fedmm_init, fedmm_step, gmm_map_em, remark1_toy
 
 K, D = 3, 2
@@ -86,8 +88,8 @@ def test_resume_equals_uninterrupted(gmm):
 
 def test_errors_and_warnings(gmm):
     fam, cd, _, s0 = gmm
-    with pytest.raises(ValueError, match="cv_step=0"):
-        FedMM(fam, cv_step=0.0, participation=FixedSize(2))
+    with pytest.raises(ValueError, match="cv_step=0"):  # (FixedSize(m): whether m < M is known at init)
+        FedMM(fam, cv_step=0.0, participation=FixedSize(2)).init(random.key(0), cd, s0)
     with pytest.raises(ValueError, match="step_size"):
         FedMM(fam, step_size=1.5)
     with pytest.raises(ValueError, match="batch_size"):
@@ -104,8 +106,8 @@ def test_errors_and_warnings(gmm):
 
 
 def test_defaults_with_partial_participation_and_compression_reach_the_em_fixed_point(gmm):
-    """The README's claim for FedMM's defaults (γ = 1, every row of an active client, cv_step="auto") with 2 of 4
-    clients per round and 8-bit messages: the run ends at a fixed point of centralised EM (one EM step by hand in
+    """The README's claim for FedMM's defaults (step_size="auto", every row of an active client, cv_step="auto")
+    with 2 of 4 clients per round and 8-bit messages: the run ends at a fixed point of centralised EM (one EM step by hand in
     NumPy, θ ← s1/(s2 + λ) at θ's responsibilities, does not move it) — EM's own from the same Ŝ₀ up to the
     labelling of the components."""
     fam, clients, pooled, s0 = gmm
@@ -126,6 +128,27 @@ def test_defaults_with_partial_participation_and_compression_reach_the_em_fixed_
     np.testing.assert_allclose(em_step(got), got, atol=1e-4)
     order = lambda t: t[np.lexsort(t.T)]  # the components sorted: the labelling left out
     np.testing.assert_allclose(order(got), order(theta), atol=1e-4)
+
+
+def test_auto_step_is_one_for_exact_rounds_and_alphas_bound_with_coarse_messages(gmm):
+    """``step_size="auto"`` (default): γ = 1 with every client and exact messages (EM-style rounds, bitwise the
+    explicit 1), else γ = α = 1/(1+ω_p) at init; with RandK(1) messages the default reaches EM's fixed point where
+    γ = 1 runs away (non-finite, or the objective far above EM's)."""
+    fam, cd, pooled, s0 = gmm
+    exact = FedMM(fam).run(random.key(0), 20, cd, s0, progress_bar=False)
+    one = FedMM(fam, step_size=1.0).run(random.key(0), 20, cd, s0, progress_bar=False)
+    np.testing.assert_array_equal(np.asarray(exact.params), np.asarray(one.params))
+    em = FedMM(fam).run(random.key(0), 300, cd, s0, progress_bar=False)
+    engine = FedMM(fam, compressor=RandK(1))
+    auto = engine.run(random.key(0), 300, cd, s0, progress_bar=False)
+    assert engine.step_size == pytest.approx(engine.cv_step) and engine.step_size < 0.5
+    order = lambda t: np.asarray(t, np.float64)[np.lexsort(np.asarray(t, np.float64).T)]
+    np.testing.assert_allclose(order(auto.params), order(em.params), atol=1e-3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the non-finite stop warns)
+        far = FedMM(fam, compressor=RandK(1), step_size=1.0).run(random.key(0), 300, cd, s0, progress_bar=False)
+    assert far.diagnostics["stop_reason"] == "non_finite" or float(far.losses[-1]) > float(em.losses[-1]) + 1.0
+    assert FedMM(fam, server_optimizer=optax.adam(0.1)).step_size == 1.0   # a server optimizer takes γ's place
 
 
 def test_entry_points_refuse_data_that_is_not_client_data_and_schedules_outside_the_unit_interval(gmm):
