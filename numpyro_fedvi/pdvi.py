@@ -429,7 +429,9 @@ class PDVI:
         20-step zoom line search of ``optax.lbfgs()`` also spun forever on some float paths (seen at N = 1e5).
     :param local_steps: solver steps per oracle call (default: 2 for Newton, 10 for an optax optimizer).
     :param dual_granularity: ``"partition"`` (one dual per block; ``n`` = number of blocks) or ``"datum"``
-        (one dual and one oracle per data point, ``n = N``; the points of the selected blocks form S_t).
+        (one dual and one oracle per data point, ``n = N``; the points of the selected blocks form S_t).  With the
+        η refresh, ``"datum"`` settled away from the optimum where the per-datum curvature varies (README: a
+        logistic random intercept, 4–6 nats); use ``eta_refresh=False`` with it there.
     :param selection: ``"random"`` (uniform without replacement, as in the theory) or ``"cyclic"``.
     :param alternating: with an optax ``local_optimizer``: update local params first and the global copy last in
         each oracle step (``None``, default: True).  The Newton oracle steps φ and λ jointly (a given value is
