@@ -673,3 +673,27 @@ def test_simulation_equals_in_process_run_and_survives_failures():
     assert dropped[0][:2] == (0, 1) and "client error" in dropped[0][2]
     assert dropped[1][:2] == (1, 2) and "NaN" in dropped[1][2]
     assert all(np.all(np.isfinite(v)) for v in faulty.params.values())
+
+
+def test_simulate_keeps_flowers_per_round_log_to_warnings_unless_verbose(monkeypatch):
+    """Flower's strategy logs a few INFO lines per round (1,622 lines for the hospitals example's 400 rounds):
+    ``simulate`` runs it with the ``flwr`` logger at WARNING unless ``verbose=True``, and restores the level after
+    (also when the simulation raises)."""
+    import logging
+
+    import flwr.simulation
+
+    seen = []
+
+    def fake_run_simulation(*args, verbose_logging=False, **kwargs):
+        seen.append((logging.getLogger("flwr").getEffectiveLevel(), verbose_logging))
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(flwr.simulation, "run_simulation", fake_run_simulation)
+    strategy = type("S", (), {"num_clients": 2, "losses": []})()
+    before = logging.getLogger("flwr").level
+    for verbose in (False, True):
+        with pytest.raises(RuntimeError, match="stop here"):
+            flower.simulate(strategy, None, 1, verbose=verbose)
+        assert logging.getLogger("flwr").level == before
+    assert seen[0] == (logging.WARNING, False) and seen[1][0] < logging.WARNING and seen[1][1] is True
