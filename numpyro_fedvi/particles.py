@@ -218,10 +218,15 @@ class ControlledDraws(ELBO):
     :param scheme: one of :data:`SCHEMES` (default ``"orthogonal"``).
     :param max_particles: the cap of ``"auto"`` and ``"minimal"``.
     :param min_particles: their floor (even, at most ``max_particles``; PD-VI raises it on small data).
+    :param local_plate: the data plate's name: the rules count the own coordinates per slice of the sites in it
+        only (a latent in another plate, e.g. a mixture's ``plate("components", K)``, is global: fresh draws at
+        every oracle visit average its cross moments); ``None`` (default): of every plated site.  PD-VI passes its
+        data plate (measured: a 5-component, 10-d mixture's oracle took 3.3× the time per iteration with its
+        component means counted, for the same W2).
     """
 
     def __init__(self, elbo: ELBO | None = None, num_particles: int | str = "auto", scheme: str = "orthogonal",
-                 max_particles: int = 16, min_particles: int = 4):
+                 max_particles: int = 16, min_particles: int = 4, local_plate: str | None = None):
         from numpyro.infer import Trace_ELBO
 
         if scheme not in SCHEMES:
@@ -245,6 +250,7 @@ class ControlledDraws(ELBO):
             raise ValueError(f"min_particles must be an even integer in [4, max_particles={max_particles}], got "
                              f"{min_particles!r}.")
         self.scheme, self.max_particles, self.min_particles = scheme, int(max_particles), int(min_particles)
+        self.local_plate = local_plate
         super().__init__(num_particles=S)
 
     def particles_for(self, guide, rng_key, param_map, *args, **kwargs) -> int:
@@ -273,8 +279,9 @@ class ControlledDraws(ELBO):
         # per coordinate and leave that datum's SAA off (measured: 3 of 600 rows' scales 1.8-3.8x the optimum).  A
         # global site's own coordinates are not counted: fresh draws at every visit average their cross moments,
         # and a full-rank latent would take the cap
+        local = (lambda p: bool(p)) if self.local_plate is None else (lambda p: self.local_plate in p)
         d = max((sum(n if not q & p else n // size for q, n, size in sites[:i] if not q & p or (q == p and p))
-                 + (m // size if p and m > size else 0) for i, (p, m, size) in enumerate(sites)), default=0)
+                 + (m // size if local(p) and m > size else 0) for i, (p, m, size) in enumerate(sites)), default=0)
         return 2 * max(self.min_particles // 2, min(self.max_particles // 2,
                                                     d + (2 if self.num_particles == "auto" else 1)))
 

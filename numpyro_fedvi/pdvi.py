@@ -623,8 +623,9 @@ class PDVI:
         return min(plate.size, DEFAULT_PARTITIONS), None
 
     def _oracle_loss_for(self, structure, args, kwargs):
-        """``oracle_loss`` for these data: a particle rule's floor raised to ``SMALL_DATA_PARTICLE_BUDGET / D``
-        (even, at most ``SMALL_DATA_MAX_PARTICLES``; ``D``: :func:`data_elements` of the whole data, at least N)."""
+        """``oracle_loss`` for these data: a particle rule counting the data plate's sites as local
+        (``ControlledDraws(local_plate=)``), its floor raised to ``SMALL_DATA_PARTICLE_BUDGET / D`` (even, at most
+        ``SMALL_DATA_MAX_PARTICLES``; ``D``: :func:`data_elements` of the whole data, at least N)."""
         loss = self.oracle_loss
         if not (isinstance(loss, ControlledDraws) and isinstance(loss.num_particles, str)):
             return loss
@@ -632,10 +633,10 @@ class PDVI:
         num_total = n if self._num_total is None else self._num_total
         # at least one element per datum: data the model closes over are not among its arguments
         elements = max(data_elements(args, kwargs, n, num_total), num_total)
-        floor = 2 * min(SMALL_DATA_MAX_PARTICLES // 2, SMALL_DATA_PARTICLE_BUDGET // (2 * elements))
-        if floor <= loss.min_particles:
-            return loss
-        return ControlledDraws(loss.elbo, loss.num_particles, loss.scheme, max(loss.max_particles, floor), floor)
+        floor = max(loss.min_particles, 2 * min(SMALL_DATA_MAX_PARTICLES // 2,
+                                                 SMALL_DATA_PARTICLE_BUDGET // (2 * elements)))
+        return ControlledDraws(loss.elbo, loss.num_particles, loss.scheme, max(loss.max_particles, floor), floor,
+                               local_plate=structure.data_plate.name)
 
     def _resolve_solver(self, structure):
         """``(solver, steps)`` of the oracle: ``local_optimizer=None`` picks Newton for small global dimensions."""
