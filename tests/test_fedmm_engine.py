@@ -134,7 +134,7 @@ def test_auto_step_is_one_for_exact_rounds_and_alphas_bound_with_coarse_messages
     """``step_size="auto"`` (default): γ = 1 with every client and exact messages (EM-style rounds, bitwise the
     explicit 1), else γ = α = 1/(1+ω_p) at init; with RandK(1) messages the default reaches EM's fixed point where
     γ = 1 runs away (non-finite, or the objective far above EM's)."""
-    fam, cd, pooled, s0 = gmm
+    fam, cd, _, s0 = gmm
     exact = FedMM(fam).run(random.key(0), 20, cd, s0, progress_bar=False)
     one = FedMM(fam, step_size=1.0).run(random.key(0), 20, cd, s0, progress_bar=False)
     np.testing.assert_array_equal(np.asarray(exact.params), np.asarray(one.params))

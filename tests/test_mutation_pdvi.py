@@ -714,7 +714,7 @@ def test_front_end_optax_oracle_gradient_steps():
     moves in whitened coordinates ``u`` (λ = λ_0 + √η u, ``prox_solve``): a step ``lr`` in u is ``lr·η`` in λ."""
     x = _x()
     lr, K, eta = 0.05, 3, 0.4
-    for alternating in (True, False):
+    for alternating in (True, False, None):   # None, the default: alternating with an optax solver
         pd = _engine(block_solver=None, local_optimizer=optax.sgd(lr), local_steps=K, partitions_per_step=1,
                      alternating=alternating)
         s = pd.init(random.key(6), x, 2)
@@ -733,7 +733,7 @@ def test_front_end_optax_oracle_gradient_steps():
             return (a - m) / TAU**2 - (X_NP[idx] - a) / SIG**2
 
         for _ in range(K):
-            if alternating:
+            if alternating is not False:
                 a = a - lr * ga(m, a)
                 m = m - lr * eta * gm(m, a)
             else:
@@ -949,7 +949,7 @@ def test_constructor_checks():
     assert anti.oracle_loss.scheme == "antithetic" and anti.oracle_loss.num_particles == 6
     assert isinstance(anti.loss, TraceMeanField_ELBO) and isinstance(anti.oracle_loss.elbo, TraceMeanField_ELBO)
     assert pd.partitions_per_step == 1 and pd.eta_scale == 0.3 and pd.eta_curvature == "median"
-    assert pd.local_optimizer is None and pd.local_steps is None and pd.alternating is True and pd.crn == "oracle"
+    assert pd.local_optimizer is None and pd.local_steps is None and pd.alternating is None and pd.crn == "oracle"
     assert pd.dual_granularity == "partition" and pd.selection == "random" and pd.eta_refresh is True
     assert pd.block_solver is None and pd.mesh is None and pd.local_table == "device" and pd.structure is None
     pd2 = P.PDVI(model, guide, oracle_draws=None, **ok)
