@@ -379,8 +379,8 @@ class PDVI:
     ``PDVI(model, guide)`` is P²D-VI (Oracle II, ``eta="auto"``: one η per global param site from the blocks'
     curvature); ``eta={"m": 1e-2, "s": 1.0}`` sets those per site by hand, and a float ``eta`` for every coordinate
     is PD-VI (Oracle I: ``PDVI(model, guide, num_partitions=30, eta=1e-3)``; η must be below ~1/L of a block: η = 1
-    diverged on the random-effects benchmark, see the README).  Blocks are a partition of the model's data plate (README, "One model, every engine"):
-    guide params inside it (``numpyro.param(..., event_dim=...)``) are local φ, every other param is global λ.
+    diverged on the random-effects benchmark, see the README).  Blocks are a partition of the model's data plate
+    (README, "One model, every engine"): guide params inside it (``numpyro.param(..., event_dim=...)``) are local φ, every other param is global λ.
 
     :param loss: any NumPyro ELBO (``Trace_ELBO``, ``TraceMeanField_ELBO``, ``TraceGraph_ELBO``,
         ``TraceEnum_ELBO``).

@@ -107,8 +107,8 @@ def test_errors_and_warnings(gmm):
 
 def test_defaults_with_partial_participation_and_compression_reach_the_em_fixed_point(gmm):
     """The README's claim for FedMM's defaults (step_size="auto", every row of an active client, cv_step="auto")
-    with 2 of 4 clients per round and 8-bit messages: the run ends at a fixed point of centralised EM (one EM step by hand in
-    NumPy, θ ← s1/(s2 + λ) at θ's responsibilities, does not move it) — EM's own from the same Ŝ₀ up to the
+    with 2 of 4 clients per round and 8-bit messages: the run ends at a fixed point of centralised EM (one EM step by
+    hand in NumPy, θ ← s1/(s2 + λ) at θ's responsibilities, does not move it) — EM's own from the same Ŝ₀ up to the
     labelling of the components."""
     fam, clients, pooled, s0 = gmm
     x = np.asarray(pooled, np.float64)

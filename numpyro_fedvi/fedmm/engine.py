@@ -310,8 +310,8 @@ class FedMM(_Engine):
     """
 
     def __init__(self, family: SurrogateFamily, *, step_size="auto", cv_step: float | str = "auto",
-                 participation=None, compressor=None, batch_size: int | None = None, init_control_variates: str = "zero",
-                 aggregate: str = "surrogate", to_params: Callable | None = None,
+                 participation=None, compressor=None, batch_size: int | None = None,
+                 init_control_variates: str = "zero", aggregate: str = "surrogate", to_params: Callable | None = None,
                  projection: Callable | None = None, log_every: int = 10, mesh=None, server_optimizer=None):
         self.auto_step = isinstance(step_size, str) and step_size == "auto"
         step_size = 1.0 if self.auto_step else step_size  # exact communications; else 1/(1+ω_p) (check_settings)
