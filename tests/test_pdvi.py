@@ -453,3 +453,17 @@ def test_init_params_override_guide_init():
     np.testing.assert_allclose(np.asarray(params["a"]), np.asarray(a0), rtol=1e-6)
     np.testing.assert_allclose(np.asarray(params["w"]), 0.5, rtol=1e-6)
     np.testing.assert_allclose(np.asarray(state.lam0["v"]), 0.0, atol=1e-6)  # stored unconstrained (log 1)
+
+
+def test_a_refresh_never_grows_eta_of_one_datum_units():
+    """``dual_granularity="datum"``: a refresh of ``eta="auto"`` keeps η where its estimate is larger (one datum's
+    curvature at the current point is a loose bound of its smoothness: on a logistic random intercept the refresh
+    grew η of q(s)'s location 19× and the run settled 3.6–5.9 nats off); with blocks the estimate is taken."""
+    for granularity, grows in (("datum", False), ("partition", True)):
+        pd = PDVI(model, guide, TraceMeanField_ELBO(), num_partitions=4, dual_granularity=granularity, **FAST)
+        state = pd.init(random.key(0), Y, MASK)
+        tiny = state._replace(eta={k: v * 1e-3 for k, v in state.eta.items()})
+        refreshed = pd.refresh_eta(tiny, Y, MASK)
+        for k in state.eta:
+            got, old = float(refreshed.eta[k]), float(tiny.eta[k])
+            assert (got > 10 * old) if grows else (got == pytest.approx(old, rel=1e-6)), (granularity, k, got, old)
