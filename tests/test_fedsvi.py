@@ -161,3 +161,20 @@ def test_server_optimizer_sgd_is_the_paper_step(clients):
         FedSVI(model, AutoDelta(model), step_size=0.5)
     with pytest.raises(ValueError, match="prox= needs rho"):
         FedSVI(model, AutoDelta(model), prox=lambda theta, rho: theta)
+
+
+def test_auto_step_with_rho_is_alphas_bound_under_partial_participation_or_compression(clients):
+    """``step_size="auto"`` (default): with ``rho=`` it is 1 for every client and exact messages, else α's bound
+    1/(1+ω_p) at init (FedMM's rule: γ = 1 left a RandK(1), one-client-per-round regression 1.65 sd off); without
+    ``rho`` the server's Adam takes γ's place and γ stays 1."""
+    from numpyro_fedvi.federated import RandK
+
+    exact = FedSVI(model, AutoDelta(model), rho=0.5 / PREC)
+    exact.init(random.key(0), clients)
+    assert exact.step_size == 1.0
+    coarse = FedSVI(model, AutoDelta(model), rho=0.5 / PREC, participation=FixedSize(2), compressor=RandK(1))
+    coarse.init(random.key(0), clients)
+    assert coarse.step_size == pytest.approx(coarse.cv_step) and coarse.step_size < 1.0
+    adam = FedSVI(model, AutoDelta(model), participation=FixedSize(2), compressor=RandK(1))
+    adam.init(random.key(0), clients)
+    assert adam.step_size == 1.0 and adam.cv_step == pytest.approx(coarse.cv_step)

@@ -146,7 +146,10 @@ class FedSVI(FedMM):
     :param num_clients: M contiguous clients in data order (instead of ``clients``).
     :param data_plate: name of the data plate (default: the only subsampled plate, else the only plate around
         every observation).
-    :param step_size: FedMM's γ with ``rho=`` (default 1: θ_{t+1} = θ_t − ρ·(aggregated gradient)).
+    :param step_size: FedMM's γ with ``rho=``: ``"auto"`` (default, as FedMM's) is 1 with every client and exact
+        messages (θ_{t+1} = θ_t − ρ·(aggregated gradient)), else 1/(1+ω_p) (measured: a 4-client linear regression,
+        ρ = 3e-4, RandK(1) with one client per round, 1,500 rounds: 0.002 posterior sd from the exact means
+        against 1.65 with γ = 1).  Without ``rho`` the server's optimizer takes γ's place.
     :param batch_size: rows per client per round; ``None`` = all rows (exact oracle).  Drawn with replacement
         (O(batch)) from a subsampled data plate or a ClientData; without replacement under an unsubsampled plate
         (a mask cannot count a row twice).
@@ -175,7 +178,7 @@ class FedSVI(FedMM):
     _input_arrays: dict | None = None   # array_arguments of init's model inputs (check_inputs_like)
 
     def __init__(self, model, guide, loss=None, *, rho: float | None = None, clients=None,
-                 num_clients: int | None = None, data_plate: str | None = None, step_size=1.0,
+                 num_clients: int | None = None, data_plate: str | None = None, step_size="auto",
                  cv_step: float | str = "auto", participation=None, compressor=None, batch_size: int | None = None,
                  init_control_variates: str = "zero", prox=None, projection: Callable | None = None,
                  log_every: int = 10, mesh=None, server_optimizer=None, oracle_draws: str | None = "orthogonal",
@@ -183,7 +186,7 @@ class FedSVI(FedMM):
         if rho is None:  # the default: the server's Adam on the pseudo-gradient (ρ only scales it)
             if prox is not None:
                 raise ValueError("prox= needs rho= (T = prox_{ρg} of the quadratic surrogate with SGD step ρ ≤ 1/L).")
-            if server_optimizer is None and (callable(step_size) or step_size != 1.0):
+            if server_optimizer is None and (callable(step_size) or step_size not in ("auto", 1.0)):
                 raise ValueError(f"step_size={step_size!r} is γ of the paper's federated SGD: give rho= with it (the "
                                  "default without rho is Adam on the server, whose learning rate takes γ's place).")
             rho = 1.0
