@@ -320,11 +320,16 @@ class FedLocalVI:
         return _sharding.shard_client_data(clients, self.mesh)
 
     def _place_state(self, state):
-        """The state on the engine's devices, its tail average started if it has none (:meth:`_tail_started`); a
-        state of another engine, guide or number of clients is refused (:meth:`_check_state`)."""
+        """The state on the engine's devices, its tail average started if it has none (:meth:`_tail_started`)."""
+        state = self._tail_started(state)
+        return state if self.mesh is None else _sharding.shard_vi_state(state, self.mesh)
+
+    def _given(self, state):
+        """A state given back (``update``, ``evaluate``, ``run(init_state=)``) placed, once it is refused if it is
+        not one of this engine's (:meth:`_check_state`; the engine's own states are not checked again)."""
         state = self._tail_started(state) if isinstance(state, vs.VIState) else state
         self._check_state(state)
-        return state if self.mesh is None else _sharding.shard_vi_state(state, self.mesh)
+        return self._place_state(state)
 
     def _check_state(self, state) -> None:
         """``state`` has the entries and shapes of this engine's ``init`` (one iterate per client); the template is
@@ -661,7 +666,7 @@ class FedLocalVI:
         comparable losses)."""
         self._require_init()
         args, kwargs = prepare_inputs(args, kwargs)
-        state, loss = self._compiled("update", self._update_step)(self._place_state(state), self._inputs(args, kwargs))
+        state, loss = self._compiled("update", self._update_step)(self._given(state), self._inputs(args, kwargs))
         return self._place_state(state), loss
 
     def _update_step(self, state, inputs):
@@ -684,7 +689,7 @@ class FedLocalVI:
         self._require_init()
         args, kwargs = prepare_inputs(args, kwargs)
         inputs = (self._inputs(args, kwargs), rng_key, which or self.output)
-        return self._compiled("evaluate", self._evaluate)(self._place_state(state), inputs)
+        return self._compiled("evaluate", self._evaluate)(self._given(state), inputs)
 
     def _evaluate(self, state, inputs):
         inputs, rng_key, which = inputs
@@ -709,7 +714,7 @@ class FedLocalVI:
         elif self.structure is None:
             self._setup(random.split(rng_key)[0], args, kwargs, init_params)
         inputs = self._inputs(args, kwargs)
-        init_state = self._place_state(init_state)
+        init_state = self._given(init_state)
         r0 = int(init_state.round)
         end = r0 + num_steps if isinstance(num_steps, (int, np.integer)) else r0  # run_loop checks num_steps
         hooks = [(k - r0, lambda s: self._refresh(s, inputs)) for k in self.refresh_rounds(r0, end)]
