@@ -184,9 +184,11 @@ class Partitions(NamedTuple):
         return int(self.indices.shape[0])
 
 
-def flat_ids(seq) -> bool:
-    """A list / tuple of numbers (one block or client id per datum), not a list of index arrays."""
-    return len(seq) > 0 and all(np.ndim(v) == 0 for v in seq)
+def is_index_list(spec) -> bool:
+    """Whether a ``partitions=`` / ``clients=`` value is a list (tuple, 2-D array) of index arrays, one per block or
+    client, rather than one id per datum (an array, or a list of numbers: ``ids.tolist()``)."""
+    flat_ids = isinstance(spec, (list, tuple)) and len(spec) > 0 and all(np.ndim(v) == 0 for v in spec)
+    return (isinstance(spec, (list, tuple)) and not flat_ids) or np.ndim(spec) == 2
 
 
 def make_partitions(size: int, num_partitions: int | None = None, partitions=None) -> Partitions:
@@ -203,7 +205,7 @@ def make_partitions(size: int, num_partitions: int | None = None, partitions=Non
         if not isinstance(num_partitions, (int, np.integer)) or not 1 <= num_partitions <= size:
             raise ValueError(f"num_partitions must be an integer in [1, {size}], got {num_partitions!r}.")
         blocks = np.array_split(np.arange(size), int(num_partitions))
-    elif (isinstance(partitions, (list, tuple)) and not flat_ids(partitions)) or np.ndim(partitions) == 2:
+    elif is_index_list(partitions):
         blocks = [np.asarray(b).reshape(-1) for b in partitions]
         if not blocks:
             raise ValueError("partitions is empty; give at least one block of data indices.")

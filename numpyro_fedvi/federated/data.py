@@ -274,9 +274,9 @@ def check_clients(clients, num_clients) -> int:
                         "(model(rows, *args)), see the engine's docstring.")
     if isinstance(clients, jax.core.Tracer):
         raise TypeError("clients is a traced value: give the client ids on the host, outside jit/vmap.")
-    from ..structure import flat_ids
+    from ..structure import is_index_list
 
-    if (isinstance(clients, (list, tuple)) and not flat_ids(clients)) or np.ndim(clients) == 2:
+    if is_index_list(clients):
         blocks = [np.asarray(b) for b in clients]
         if not blocks:
             raise ValueError("clients is an empty list; give one index array per client.")
