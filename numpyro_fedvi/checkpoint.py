@@ -176,15 +176,11 @@ def _decode(node, arrays: dict):
 
 
 # --- save / load ------------------------------------------------------------------------------------------------
-def _backups(path: str) -> list[str]:
+def _siblings(path: str, kind: str) -> list[str]:
+    """The directories saves to ``path`` leave beside it, oldest first: ``kind="old"`` the previous checkpoint moved
+    aside during a swap, ``"tmp"`` the temporary directories of saves killed (SIGKILL) before they finished."""
     head, name = os.path.split(path)
-    return sorted(glob.glob(os.path.join(glob.escape(head), f".{glob.escape(name)}.old-*")), key=os.path.getmtime)
-
-
-def _unfinished(path: str) -> list[str]:
-    """The temporary directories of saves to ``path`` that were killed (SIGKILL) before they finished."""
-    head, name = os.path.split(path)
-    return glob.glob(os.path.join(glob.escape(head), f".{glob.escape(name)}.tmp-*"))
+    return sorted(glob.glob(os.path.join(glob.escape(head), f".{glob.escape(name)}.{kind}-*")), key=os.path.getmtime)
 
 
 def _read_structure(path: str, check_version: bool = True) -> dict:
@@ -254,7 +250,7 @@ def save(path: str | os.PathLike, obj: Any) -> str:
         for leftover in glob.glob(glob.escape(tmp) + "*"):
             shutil.rmtree(leftover, ignore_errors=True)
         raise
-    for stale in _backups(path) + _unfinished(path):  # (unfinished: saves killed before they could clean up)
+    for stale in _siblings(path, "old") + _siblings(path, "tmp"):
         shutil.rmtree(stale, ignore_errors=True)
     return path
 
@@ -271,7 +267,7 @@ def load(path: str | os.PathLike) -> Any:
     ocp = _orbax()
     path = os.path.abspath(os.fspath(path))
     if not os.path.lexists(path):
-        backups = [b for b in _backups(path) if _is_checkpoint(b)]
+        backups = [b for b in _siblings(path, "old") if _is_checkpoint(b)]
         if not backups:
             raise FileNotFoundError(f"no checkpoint at {path}.")
         warnings.warn(f"{path} is missing (a save was interrupted while replacing it); loading the previous "
