@@ -577,7 +577,7 @@ class MPSGD:
         """Like ``update`` but keeps the old state when the loss or the new state is not finite."""
         self._require_init()
         args, kwargs = self._prepared(args, kwargs)
-        return self._compiled("stable_update", self._stable_step)(state, (args, kwargs))
+        return self._compiled("stable_update", self._stable_step)(self._checked(state), (args, kwargs))
 
     def evaluate(self, state, *args, num_samples: int = 100, rng_key=None, which: str | None = None,
                  **kwargs) -> jax.Array:

@@ -333,12 +333,13 @@ def check_data_of_other_shapes_refused_where_blocks_partition_them(fitted):
 def check_foreign_state_refused(fitted):
     """A state given back that is not one of this engine's — its leaves one row short (written for fewer clients,
     blocks or rows: JAX clamped or dropped the missing clients' rows and the run fitted the others, silently), or
-    the same leaves in a plain tuple (another engine's state) — is refused by ``update``, ``evaluate`` and a resumed
-    ``run``, naming what differs."""
+    the same leaves in a plain tuple (another engine's state) — is refused by ``update``, ``stable_update``,
+    ``evaluate`` and a resumed ``run``, naming what differs."""
     engine, case, state = fitted.engine, fitted.case, fitted.result.state
     short = jax.tree.map(lambda x: x[:-1] if np.ndim(x) >= 1 and np.shape(x)[0] > 1 else x, state)
     for bad, what in ((short, r"has shape|shapes"), (tuple(state), r"a tuple")):
         for call in (lambda s: engine.update(s, *case.args, **case.kwargs),
+                     lambda s: engine.stable_update(s, *case.args, **case.kwargs),
                      lambda s: engine.evaluate(s, *case.args, **case.kwargs),
                      lambda s: engine.run(KEY, 2, *case.args, init_state=s, progress_bar=False, **case.kwargs)):
             with pytest.raises(ValueError, match=rf"(?s)this state is not one of this .*{what}"):
