@@ -248,14 +248,32 @@ def pareto_k_hat(log_weights) -> float:
 
 
 def _observed_sites(model, latent_draw, key, args, kwargs):
-    """``(latent names, observed values, deterministic names, EnumInfo, predicted names)`` from one trace at a
-    guide draw (:func:`_predicted_sites`)."""
+    """``(latent names, observed values, deterministic names, EnumInfo, predicted names, plate dims)`` from one trace
+    at a guide draw (:func:`_predicted_sites`, :func:`_plate_dims`)."""
     tr = handlers.trace(handlers.seed(handlers.substitute(full_data(model), data=latent_draw), key)).get_trace(
         *args, **kwargs)
     latent = {n for n, s in tr.items() if s["type"] == "sample" and not s["is_observed"]}
     observed = {n: s["value"] for n, s in tr.items() if s["type"] == "sample" and s["is_observed"] and not is_factor(s)}
     deterministic = [n for n, s in tr.items() if s["type"] == "deterministic"]
-    return latent, observed, deterministic, enum_info_of_trace(tr, latent_draw), _predicted_sites(tr, latent_draw)
+    return (latent, observed, deterministic, enum_info_of_trace(tr, latent_draw), _predicted_sites(tr, latent_draw),
+            _plate_dims(tr))
+
+
+def _plate_dims(model_trace) -> dict:
+    """``{site: dim names}`` of the sample and deterministic sites inside plates: a value's batch dim is named after
+    the plate at its position (``plate.dim`` from the right of the batch shape, sized as the plate), as ArviZ's
+    ``from_numpyro`` names them; a dim left of a named one without a plate keeps ArviZ's default ``<site>_dim_<i>``."""
+    out = {}
+    for name, site in model_trace.items():
+        frames = site.get("cond_indep_stack") or []
+        if site["type"] not in ("sample", "deterministic") or not frames or is_factor(site):
+            continue
+        shape = jnp.shape(site["value"])
+        batch = len(shape) - (site["fn"].event_dim if site["type"] == "sample" else 0)
+        names = {batch + f.dim: f.name for f in frames if 0 <= batch + f.dim and shape[batch + f.dim] == f.size}
+        if names:
+            out[name] = [names.get(i, f"{name}_dim_{i}") for i in range(max(names) + 1)]
+    return out
 
 
 def _failing_site(err) -> str | None:
@@ -315,7 +333,9 @@ def to_datatree(engine, result, *args, num_samples: int = 1000, rng_key=None, lo
         ``attrs["pareto_k_note"]`` (k̂ needs the observed data).  A guide with per-datum (local) parameters raises
         ``ValueError`` at inputs with another number of rows than it was fitted on.
     :param num_samples: iid draws S (``draw`` dimension; ``chain`` has length 1).
-    :param coords, dims: passed to ``arviz_base.from_dict`` (name the dimensions of your sites).
+    :param coords, dims: passed to ``arviz_base.from_dict`` (name the dimensions of your sites).  Without ``dims``
+        for a site, its dims inside plates are named after the plates, as ``arviz_base.from_numpyro`` does
+        (:func:`_plate_dims`: a per-datum latent and the observations of the data plate share its dim).
     """
     if isinstance(num_samples, bool) or not isinstance(num_samples, (int, np.integer)) or num_samples < 2:
         raise ValueError(f"num_samples must be an int >= 2, got {num_samples!r}.")
@@ -329,7 +349,8 @@ def to_datatree(engine, result, *args, num_samples: int = 1000, rng_key=None, lo
         draws, log_q = _guide_draws(_posterior_guide(model, guide, params, args, kwargs), params, num_samples,
                                     k_draw, args, kwargs)
         first = _latent({k: v[0] for k, v in draws.items()})
-        latent_names, observed, deterministic, info, predicted = _observed_sites(model, first, k_trace, args, kwargs)
+        latent_names, observed, deterministic, info, predicted, plates = _observed_sites(model, first, k_trace, args,
+                                                                                         kwargs)
     except (ValueError, TypeError) as err:  # a guide with per-datum params at inputs of another size: say so
         local = _local_params_error(model, guide, params, args, kwargs)
         if local is None:
@@ -374,7 +395,7 @@ def to_datatree(engine, result, *args, num_samples: int = 1000, rng_key=None, lo
              "/": {"inference_library": "numpyro_fedvi", "engine": type(engine).__name__}}
     from arviz_base import from_dict   # imported on use: ~0.2 s (xarray, pandas)
 
-    return from_dict(groups, coords=coords, dims=dims, attrs=attrs)
+    return from_dict(groups, coords=coords, dims={**plates, **(dims or {})}, attrs=attrs)
 
 
 def compare_posteriors(fits: dict, reference: str, var_names) -> dict:

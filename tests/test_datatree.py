@@ -135,6 +135,37 @@ def test_pdvi_local_latents_cover_every_datum():
     assert dt.attrs["engine"] == "PDVI" and np.isfinite(dt.sample_stats.attrs["pareto_k"])
 
 
+def _grouped(g, num_groups, y=None):
+    """Group effects in one plate, per-datum latents and a deterministic in the data plate, a site in a plate at
+    dim −2 only (batch shape (2, 1)) and one in nested plates."""
+    mu = numpyro.sample("mu", dist.Normal(0.0, 3.0))
+    with numpyro.plate("groups", num_groups):
+        z = numpyro.sample("z", dist.Normal(mu, 1.0))
+    with numpyro.plate("rows", 2, dim=-2):
+        numpyro.sample("r", dist.Normal(0.0, 1.0))
+        with numpyro.plate("cols", 3):
+            numpyro.sample("rc", dist.Normal(0.0, 1.0))
+    with numpyro.plate("data", g.shape[0]):
+        u = numpyro.sample("u", dist.Normal(z[g], 1.0))
+        numpyro.deterministic("twice", 2.0 * u)
+        numpyro.sample("y", dist.Normal(u, 0.5), obs=y)
+
+
+def test_dims_are_named_after_the_plates_as_arviz_from_numpyro_does():
+    """Without ``dims=``, a site's dims inside plates carry the plates' names (as ``arviz_base.from_numpyro`` names
+    them): a per-datum latent, a deterministic, the observations and their log-likelihood share the data plate's dim;
+    a user's ``dims`` for a site win."""
+    g, y = np.repeat(np.arange(4), 3), np.linspace(-1.0, 1.0, 12)
+    svi = SVI(_grouped, numpyro.infer.autoguide.AutoNormal(_grouped), optax.adam(0.05), Trace_ELBO())
+    result = svi.run(random.key(0), 20, g, 4, y, progress_bar=False)
+    dt = nfv.to_datatree(svi, result, g, 4, y, num_samples=50, dims={"z": ["school"]})
+    want = {"mu": (), "z": ("school",), "u": ("data",), "twice": ("data",), "r": ("rows", "r_dim_0"),
+            "rc": ("rows", "cols")}
+    assert {k: v.dims[2:] for k, v in dt.posterior.data_vars.items()} == want
+    assert dt.observed_data["y"].dims == ("data",)
+    assert dt.log_likelihood["y"].dims[2:] == dt.posterior_predictive["y"].dims[2:] == ("data",)
+
+
 def test_numpyro_svi_converts():
     svi = SVI(model, guide, optax.adam(0.05), Trace_ELBO())
     result = svi.run(random.key(1), 500, X, progress_bar=False)
