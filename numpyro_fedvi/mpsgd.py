@@ -33,7 +33,7 @@ from numpyro import handlers
 from numpyro.distributions.transforms import biject_to
 
 from .curvature import lbfgs_minimize
-from .enumeration import enum_info, potential_fn
+from .enumeration import enum_info_of_trace, potential_fn, read_abstract_trace
 from .guides import apply_scale, log_abs_det_scale
 from .inputs import (
     InputJit,
@@ -372,13 +372,27 @@ class MPSGD:
     def _enum_info(self, args, kwargs):
         """The model's enumerated sites that the guide does not sample (:mod:`~numpyro_fedvi.enumeration`): one
         abstract trace per input shapes at the guide's initial point (constrained: an ``ImproperUniform`` latent has
-        no sampler), cached on the engine."""
+        no sampler), cached on the engine.  A guide whose latent vector is not the model's latents (built for another
+        model: a latent it lacks was drawn from its prior at every step, one it has only entered the entropy) is
+        refused there."""
         key = self._shapes_key(args, kwargs)
         cache = self.__dict__.setdefault("_enum_cache", {})
         if key not in cache:
             proto, unc = self.guide.prototype_trace, self.guide._unpack_latent(self._init_loc)
             init = {n: biject_to(proto[n]["fn"].support)(v) for n, v in unc.items()}
-            cache[key] = enum_info(self.model, args, {**kwargs, **self.static_kwargs}, provided=init)
+            info, latent = read_abstract_trace(
+                self.model, args, {**kwargs, **self.static_kwargs},
+                lambda tr: (enum_info_of_trace(tr, init), {n for n, site in tr.items() if site["type"] == "sample"
+                                                           and not site["is_observed"]}), init)
+            missing, extra = sorted(latent - set(init) - set(info.names)), sorted(set(init) - latent)
+            if missing or extra:
+                raise ValueError(
+                    "the guide's latent vector does not cover this model's latents (a guide built for another "
+                    f"model?): {f'model sites not in the guide: {missing}' if missing else ''}"
+                    f"{'; ' if missing and extra else ''}{f'guide sites not in the model: {extra}' if extra else ''}. "
+                    "Build it on the model the engine runs: MPSGD(model, AutoLocationScale(model)); a discrete latent "
+                    "is summed out when marked infer={'enumerate': 'parallel'}.")
+            cache[key] = info
         return cache[key]
 
     def _warn_per_datum_latents(self):
