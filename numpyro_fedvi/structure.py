@@ -191,6 +191,15 @@ def is_index_list(spec) -> bool:
     return (isinstance(spec, (list, tuple)) and not flat_ids) or np.ndim(spec) == 2
 
 
+def whole_ids(ids) -> np.ndarray:
+    """An id array as integers when it holds whole numbers in a float dtype (a pandas column with a float dtype,
+    ``ids.astype(float)``); any other array unchanged (refused by the caller when not integers)."""
+    ids = np.asarray(ids)
+    if ids.dtype.kind == "f" and ids.size and np.all(np.isfinite(ids)) and np.all(ids == np.round(ids)):
+        return ids.astype(np.int64)
+    return ids
+
+
 def make_partitions(size: int, num_partitions: int | None = None, partitions=None) -> Partitions:
     """Build fixed partitions of ``range(size)``.
 
@@ -215,9 +224,12 @@ def make_partitions(size: int, num_partitions: int | None = None, partitions=Non
         if not np.issubdtype(flat.dtype, np.integer):
             raise TypeError("partitions must hold integer index arrays.")
         if flat.size != size or not np.array_equal(np.sort(flat), np.arange(size)):
-            raise ValueError(f"partitions must cover every index of the data plate (size {size}) exactly once.")
+            column = np.shape(partitions) == (size, 1)  # df[["site"]].values: one column of ids, read as index lists
+            raise ValueError(f"partitions must cover every index of the data plate (size {size}) exactly once."
+                             + (" A 2-D array is read as one index array per row; for one column of ids (shape "
+                                f"({size}, 1)) pass it 1-D: ids.ravel()." if column else ""))
     else:
-        ids = np.asarray(partitions).reshape(-1)
+        ids = whole_ids(partitions).reshape(-1)
         if ids.size != size or not np.issubdtype(ids.dtype, np.integer):
             raise ValueError(f"a partition-id array must hold {size} integers (one block id per datum).")
         uniq = np.unique(ids)
@@ -565,8 +577,10 @@ def inspect_global_model(engine: str, model, guide, rng_key, args, kwargs, *, da
     if structure.local_names:
         raise ValueError(f"{engine} supports guides with global params only; local params "
                          f"{list(structure.local_names)} live inside the data plate {structure.data_plate.name!r} "
-                         "(use PDVI for local latents, or a guide whose params are all global: AutoDiagonalNormal, "
-                         "AutoNormal's mean-field family in one vector, or AutoMultivariateNormal).")
+                         "(per-datum latents are what PDVI is for, federated too: numpyro_fedvi.flower.PDVIStrategy "
+                         "keeps each client's local params on the client. A guide whose params are all global, e.g. "
+                         "AutoDiagonalNormal, runs here but puts every datum's latents in the global vector: the "
+                         "server holds and sends all of them every round.)")
     if not structure.init_global:
         raise ValueError("the guide has no numpyro.param sites to optimise.")
     return structure

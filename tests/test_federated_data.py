@@ -90,7 +90,7 @@ def test_from_ids_and_client_errors():
     with pytest.raises(ValueError, match="client_ids has length 3 but data has 4 rows"):
         ClientData.from_ids(np.ones((4, 2)), np.array([0, 1, 1]))
     with pytest.raises(TypeError, match="client_ids must be integers"):
-        ClientData.from_ids(np.ones(2), np.array([0.0, 1.0]))
+        ClientData.from_ids(np.ones(2), np.array([0.0, 1.5]))
     with pytest.raises(ValueError, match="one-dimensional"):
         ClientData.from_ids(np.ones(2), np.array([[0, 1]]))
     with pytest.raises(ValueError, match="NaN or inf"):

@@ -215,7 +215,7 @@ def test_errors():
 
     for engine in (FedSVI(model, local_guide, rho=1e-3, num_clients=3),
                    FedLocalVI(model, local_guide, num_clients=3, local_steps=1, step_size=1e-3)):
-        with pytest.raises(ValueError, match="use PDVI for local latents"):
+        with pytest.raises(ValueError, match="per-datum latents are what PDVI is for"):
             engine.init(random.key(0), X, Y)
 
 

@@ -455,6 +455,27 @@ def test_id_array_partitions():
     np.testing.assert_array_equal(np.asarray(p2.indices), np.asarray(p.indices))
 
 
+def test_whole_number_float_ids_are_ids_and_a_column_of_ids_gets_a_hint():
+    """Ids in a float dtype that are whole numbers (a pandas column with a float dtype) are the same partition as
+    the integers; fractional ones are refused; a (N, 1) column of ids (``df[["site"]].values``, read as N index
+    arrays) is refused with the hint to pass it 1-D."""
+    ids = np.array([2, 0, 0, 1, 2, 2, 1])
+    want = make_partitions(7, partitions=ids)
+    got = make_partitions(7, partitions=ids.astype(np.float64))
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match="must hold 7 integers"):
+        make_partitions(7, partitions=ids + 0.5)
+    with pytest.raises(ValueError, match=r"one column of ids \(shape \(7, 1\)\) pass it 1-D: ids.ravel\(\)"):
+        make_partitions(7, partitions=ids[:, None])
+    from numpyro_fedvi.federated import ClientData
+    from numpyro_fedvi.federated.data import check_clients
+
+    assert check_clients(ids.astype(np.float32), None) == 3
+    cd = ClientData.from_ids(np.arange(7.0), ids.astype(np.float64))
+    np.testing.assert_array_equal(np.asarray(cd.counts), [2, 2, 3])
+
+
 @settings(max_examples=40, deadline=None)
 @given(st.integers(1, 40).flatmap(lambda n: st.tuples(st.just(n), st.lists(st.integers(0, n - 1), min_size=n,
                                                                              max_size=n))))

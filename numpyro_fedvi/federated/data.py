@@ -160,7 +160,9 @@ class ClientData(NamedTuple):
         rows = _check_rows(paths, leaves, "data")
         if isinstance(client_ids, jax.core.Tracer):
             raise TypeError("client_ids is a traced value: build ClientData on the host, outside jit/vmap.")
-        ids = np.asarray(client_ids)
+        from ..structure import whole_ids
+
+        ids = whole_ids(client_ids)
         if ids.ndim != 1:
             raise ValueError(f"client_ids must be one-dimensional (one id per row), got shape {ids.shape}.")
         if ids.dtype.kind not in "iu":
@@ -274,7 +276,7 @@ def check_clients(clients, num_clients) -> int:
                         "(model(rows, *args)), see the engine's docstring.")
     if isinstance(clients, jax.core.Tracer):
         raise TypeError("clients is a traced value: give the client ids on the host, outside jit/vmap.")
-    from ..structure import is_index_list
+    from ..structure import is_index_list, whole_ids
 
     if is_index_list(clients):
         blocks = [np.asarray(b) for b in clients]
@@ -286,7 +288,7 @@ def check_clients(clients, num_clients) -> int:
             if b.dtype.kind not in "iu":
                 raise TypeError(f"clients[{i}] has dtype {b.dtype}; a client is an array of integer row indices.")
         return len(blocks)
-    ids = np.asarray(clients)
+    ids = whole_ids(clients)
     if ids.ndim != 1:
         raise ValueError(f"clients must be a 1-D array of client ids (one per row) or a list of index arrays, got "
                          f"an array of shape {ids.shape}.")
