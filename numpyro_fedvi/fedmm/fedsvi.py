@@ -152,7 +152,9 @@ class FedSVI(FedMM):
         against 1.65 with γ = 1).  Without ``rho`` the server's optimizer takes γ's place.
     :param batch_size: rows per client per round; ``None`` = all rows (exact oracle).  Drawn with replacement
         (O(batch)) from a subsampled data plate or a ClientData; without replacement under an unsubsampled plate
-        (a mask cannot count a row twice).
+        (a mask cannot count a row twice).  The default server Adam keeps a noise floor with minibatches (measured:
+        0.7–1.5 NUTS sd from the posterior means after 300–3,000 rounds with ``batch_size=64`` on an 8-client
+        logistic regression, 0.034 with full batches; README, FedSVI): prefer full client batches, or FedLocalVI.
     :param prox: optional ``prox_{ρg}`` on the unconstrained global params (``T`` of the quadratic family):
         :func:`~numpyro_fedvi.prox.l1_prox` (federated lasso), :func:`~numpyro_fedvi.prox.box_prox`,
         :func:`~numpyro_fedvi.prox.theta_l_prox` (``σ_min(Σ) ≥ 1/√L`` for AutoLocationScale guides), a list
