@@ -224,7 +224,8 @@ def make_partitions(size: int, num_partitions: int | None = None, partitions=Non
         if not np.issubdtype(flat.dtype, np.integer):
             raise TypeError("partitions must hold integer index arrays.")
         if flat.size != size or not np.array_equal(np.sort(flat), np.arange(size)):
-            column = np.shape(partitions) == (size, 1)  # df[["site"]].values: one column of ids, read as index lists
+            # df[["site"]].values: one column of ids, read as index lists (np.shape would refuse a ragged list)
+            column = tuple(getattr(partitions, "shape", ())) == (size, 1)
             raise ValueError(f"partitions must cover every index of the data plate (size {size}) exactly once."
                              + (" A 2-D array is read as one index array per row; for one column of ids (shape "
                                 f"({size}, 1)) pass it 1-D: ids.ravel()." if column else ""))
