@@ -722,7 +722,8 @@ class FedLocalVI:
                           get_params=self.get_params, progress_bar=progress_bar, callbacks=callbacks,
                           early_stopping=early_stopping, stable_update=stable_update, chunk_size=chunk_size,
                           desc=f"{type(self).__name__}[{self.method}]",
-                          cache=self.__dict__.setdefault("_run_cache", {}))
+                          cache=self.__dict__.setdefault("_run_cache", {}), objective_losses=True,
+                          remedy="lower step_size (or leave step_size='auto')")
         rounds = int(result.state.round)
         result.diagnostics["oracle_calls_per_client"] = rounds * self.local_steps * self.solver.calls_per_step
         return result

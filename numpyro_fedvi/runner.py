@@ -100,6 +100,23 @@ class _Carry(NamedTuple):
 
 _CHUNK_BUFFER = 256  # compiled loss buffer: the most steps between two host syncs by default
 
+# a run whose loss (a full-data objective) ends this many times its first value's magnitude above it is diverging:
+# FedSVI with rho=1.0 (a step far above 1/L) went 832 -> 319,348 and ended 7,000 posterior sd off, reported
+# "completed" with no warning (non-finite values alone were caught)
+DIVERGING_RISE = 10.0
+
+
+def warn_if_diverging(losses: np.ndarray, remedy: str) -> None:
+    """Warn when the median of the last tenth of ``losses`` (finite values; at least 10) lies more than
+    ``DIVERGING_RISE · max(|first|, 1)`` above the first: the objective grew by an order of magnitude."""
+    finite = losses[np.isfinite(losses)]
+    if finite.size < 10:
+        return
+    first, end = float(finite[0]), float(np.median(finite[-(finite.size // 10):]))
+    if end > first + DIVERGING_RISE * max(abs(first), 1.0):
+        warnings.warn(f"The loss rose from {first:.4g} at the first step to {end:.4g} over the last "
+                      f"{finite.size // 10} steps: the run is diverging; {remedy}.", RuntimeWarning, stacklevel=3)
+
 
 def _make_chunk(step_fn, chunk_size, early_stopping, stable_update):
     """``chunk(carry, stop_at, arrays, static) -> (carry, losses, steps)``: at most ``chunk_size`` steps in a
@@ -194,6 +211,7 @@ def run_loop(
     cache: dict | None = None,
     hooks: Sequence[tuple[int, Callable[[Any], Any]]] = (),
     remedy: str = "lower the step size(s)",
+    objective_losses: bool = False,
 ) -> RunResult:
     """Run ``step_fn`` for ``num_steps`` steps from ``init_state``.
 
@@ -218,6 +236,8 @@ def run_loop(
         chunks are cut there).  Engines use it for between-step adaptations that must not be compiled into the
         step, e.g. PD-VI's ``eta_refresh``.
     :param remedy: what the warnings about non-finite steps advise (the engine's own knob, e.g. PD-VI's η).
+    :param objective_losses: the losses are one full-data objective at a fixed key (comparable across steps): a run
+        whose loss grew by an order of magnitude is warned about (:func:`warn_if_diverging`).
     :param cache: a dict owned by the engine that keeps the compiled chunks across runs (key: ``step_fn`` and the
         loop's static settings; pass a bound method as ``step_fn`` so the key is stable).
 
@@ -326,6 +346,8 @@ def run_loop(
             RuntimeWarning,
             stacklevel=2,
         )
+    if objective_losses:
+        warn_if_diverging(loss_arr, remedy)
     skipped = int(np.sum(~np.isfinite(loss_arr))) if stable_update else 0
     if stable_update and skipped > max(1, 0.05 * len(loss_arr)):
         warnings.warn(f"stable_update skipped {skipped} of {len(loss_arr)} steps (non-finite loss or state); "

@@ -52,6 +52,21 @@ def test_one_round_is_full_data_gradient_step(clients):
     np.testing.assert_allclose(state1.theta["mu_auto_loc"], mu0 - rho * grad, rtol=1e-4, atol=1e-5)
 
 
+def test_a_diverging_run_is_warned_about(clients):
+    """A step above 2/L (ρ = 0.085, L = N/σ² = 25: the MAP iterate's error grows 1.125× per round) runs finite but
+    diverging: warned, naming the knob; a converging run (ρ = 1e-3) is not."""
+    import warnings
+
+    for rho, diverging in ((0.085, True), (1e-3, False)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = FedSVI(model, AutoDelta(model), rho=rho, log_every=1).run(random.key(0), 60, clients,
+                                                                               progress_bar=False)
+        said = [str(w.message) for w in caught if "diverging" in str(w.message)]
+        assert bool(np.all(np.isfinite(result.losses)))
+        assert len(said) == diverging and all("lower rho" in m for m in said), said
+
+
 def test_map_converges_to_posterior_mode(clients):
     engine = FedSVI(model, AutoDelta(model), rho=0.5 / PREC)
     res = engine.run(random.key(0), 200, clients, progress_bar=False)

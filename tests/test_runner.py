@@ -9,7 +9,7 @@ from jax import random
 from numpyro.infer.svi import SVIRunResult
 
 from numpyro_fedvi import EarlyStopping, RunResult
-from numpyro_fedvi.runner import run_loop
+from numpyro_fedvi.runner import run_loop, warn_if_diverging
 
 A = jnp.array([1.0, 3.0, 10.0])  # diagonal quadratic f(x) = ½ Σ a_j (x_j - 1)² + 1 (minimum 1 at x = 1)
 LR = 0.05
@@ -289,3 +289,21 @@ def test_bar_says_compiling_until_the_first_chunk_of_a_new_loop(capsys):
     for expected in (True, False):
         run_loop(gd_step, init_state(), 5, get_params=ident, progress_bar=True, cache=cache)
         assert ("compiling" in capsys.readouterr().err) is expected
+
+
+def test_diverging_losses_are_warned_about():
+    """An objective that ends (median of its last tenth) more than 10·max(|first|, 1) above its first value is
+    warned about; a decreasing one, a noisy one and one that rises less are not; fewer than 10 finite values never."""
+    import warnings
+
+    def said(losses):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            warn_if_diverging(np.asarray(losses, float), "lower the step")
+        return [str(w.message) for w in caught]
+
+    rising = np.geomspace(800.0, 3e5, 50)
+    assert len(said(rising)) == 1 and "lower the step" in said(rising)[0] and "800" in said(rising)[0]
+    assert said(rising[::-1]) == [] and said(np.linspace(-5.0, 5.0, 50)) == said(np.full(9, 1e9)) == []
+    assert said(np.r_[800.0, np.full(49, 800.0 * 10.9)]) == [] and len(said(np.r_[800.0, np.full(49, 8900.0)])) == 1
+    assert said(np.r_[1.0, 100.0 + np.random.default_rng(0).normal(size=49)]) != []

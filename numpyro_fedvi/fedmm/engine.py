@@ -197,7 +197,14 @@ class _Engine:
         return run_loop(self._step, init_state, num_steps, inputs=inputs, get_params=self.get_params,
                         progress_bar=progress_bar, callbacks=callbacks, early_stopping=early_stopping,
                         stable_update=stable_update, chunk_size=chunk_size, desc=type(self).__name__,
-                        cache=self.__dict__.setdefault("_run_cache", {}))
+                        cache=self.__dict__.setdefault("_run_cache", {}), objective_losses=True,
+                        remedy=self._remedy())
+
+    def _remedy(self) -> str:
+        """What the run's warnings (non-finite or diverging) advise."""
+        if getattr(self, "server_optimizer", None) is not None:
+            return "lower the server optimizer's learning rate"
+        return "lower step_size"
 
     def run(self, rng_key, num_steps: int, data, init_stat=None, *, progress_bar: bool = True,
             stable_update: bool = False, init_state=None, callbacks=(), early_stopping: EarlyStopping | None = None,

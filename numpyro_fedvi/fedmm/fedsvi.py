@@ -322,6 +322,11 @@ class FedSVI(FedMM):
     def _statistic_like(self, state) -> tuple:
         return self.structure, self.structure.init_global  # Ŝ_0: the guide's unconstrained params
 
+    def _remedy(self) -> str:
+        if self.server_optimizer is None:  # the paper's step γρ
+            return "lower rho (ρ ≲ 1/L of the full-data negative ELBO), or leave rho=None (Adam on the server)"
+        return super()._remedy()
+
     def _core_batch_size(self, inputs):
         return None if self._masked_plate() else self.batch_size  # the masked path draws inside the oracle
 
