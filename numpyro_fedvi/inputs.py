@@ -11,6 +11,8 @@ that uses a Python int for a shape (``plate("data", N)``) still sees a concrete 
 
 from __future__ import annotations
 
+import contextlib
+
 import inspect
 import math
 from collections.abc import Callable
@@ -197,8 +199,7 @@ def check_inputs_like(reference: dict | None, args, kwargs, engine: str, model=N
         return
     given = array_arguments(args, kwargs, model)
     if same_shapes:
-        changed = [f"{name} of shape {given[name]} (init: {shape})" for name, shape in reference.items()
-                   if name in given and given[name] != shape]
+        changed = _changed_shapes(reference, given)
         if changed:
             raise ValueError(f"{engine} got {', '.join(changed)}: its blocks / clients partition the data of init, "
                              "and the state (duals, local rows) belongs to them. Call init (or run without "
@@ -209,6 +210,27 @@ def check_inputs_like(reference: dict | None, args, kwargs, engine: str, model=N
                         f"{', '.join(str(reference[m]) for m in missing)}): the model would sample what it observed "
                         "at init and the step would fit its prior's draws. Pass the model's arguments as to init "
                         "(e.g. update(state, x, y) after init(key, x, y)).")
+
+
+def _changed_shapes(reference: dict, given: dict) -> list[str]:
+    return [f"{name} of shape {given[name]} (init: {shape})" for name, shape in reference.items()
+            if name in given and given[name] != shape]
+
+
+@contextlib.contextmanager
+def shapes_noted(reference: dict | None, args, kwargs, engine: str, model=None):
+    """An error raised inside gets a note when the inputs' array shapes differ from init's (``reference``:
+    :func:`array_arguments` at ``init``): a model traced at new shapes fails deep inside JAX or NumPyro
+    (``dot_general requires contracting dimensions…``, ``Model and guide shapes disagree at site 'y'`` for data whose
+    arguments disagree), with nothing that names the inputs."""
+    try:
+        yield
+    except Exception as err:
+        changed = [] if reference is None else _changed_shapes(reference, array_arguments(args, kwargs, model))
+        if changed:
+            err.add_note(f"{engine}: these inputs differ from init's: {', '.join(changed)}; the model (and the guide, "
+                         "set up at init's shapes) may not fit them.")
+        raise
 
 
 def state_template(owner, setup: tuple, key, build: Callable):

@@ -43,6 +43,7 @@ from .inputs import (
     check_static_kwargs,
     is_real_number,
     prepare_inputs,
+    shapes_noted,
     split_inputs,
 )
 from .runner import EarlyStopping, RunResult, revert_non_finite, run_loop, tree_all_finite
@@ -567,7 +568,8 @@ class MPSGD:
         iterate before the update."""
         self._require_init()
         args, kwargs = self._prepared(args, kwargs)
-        return self._compiled("update", self._step)(self._checked(state), (args, kwargs))
+        with shapes_noted(self._input_arrays, args, kwargs, "MPSGD", self.model):
+            return self._compiled("update", self._step)(self._checked(state), (args, kwargs))
 
     def _param_shapes(self) -> tuple:
         """The shapes of (μ, Σ): (d,) and (d,) for a diag scale, (d, d) otherwise."""
@@ -591,7 +593,8 @@ class MPSGD:
         """Like ``update`` but keeps the old state when the loss or the new state is not finite."""
         self._require_init()
         args, kwargs = self._prepared(args, kwargs)
-        return self._compiled("stable_update", self._stable_step)(self._checked(state), (args, kwargs))
+        with shapes_noted(self._input_arrays, args, kwargs, "MPSGD", self.model):
+            return self._compiled("stable_update", self._stable_step)(self._checked(state), (args, kwargs))
 
     def evaluate(self, state, *args, num_samples: int = 100, rng_key=None, which: str | None = None,
                  **kwargs) -> jax.Array:
@@ -604,7 +607,8 @@ class MPSGD:
             raise ValueError(f"num_samples must be a positive integer, got {num_samples!r}.")
         args, kwargs = self._prepared(args, kwargs)
         key = random.key(0) if rng_key is None else rng_key
-        return self._compiled("evaluate", self._evaluate)(state, (key, int(num_samples), which, args, kwargs))
+        with shapes_noted(self._input_arrays, args, kwargs, "MPSGD", self.model):
+            return self._compiled("evaluate", self._evaluate)(state, (key, int(num_samples), which, args, kwargs))
 
     def _evaluate(self, state, inputs):
         key, num_samples, which, args, kwargs = inputs
@@ -650,18 +654,21 @@ class MPSGD:
         elif isinstance(num_steps, bool) or not isinstance(num_steps, (int, np.integer)) or num_steps < 1:
             raise ValueError(f"num_steps must be a positive integer, got {num_steps!r}.")
         args, kwargs = prepare_inputs(args, kwargs)
+        before = self._input_arrays  # the shapes of the last set-up: named in an error at other shapes
         if init_state is None:
             state = self.init(rng_key, *args, init_params=init_params, **kwargs)
         else:
             check_inputs_like(self._input_arrays, args, kwargs, "MPSGD", self.model)
-            self._setup(random.split(rng_key)[0], args, kwargs)  # cheap after the first run: L is cached
+            with shapes_noted(before, args, kwargs, "MPSGD", self.model):
+                self._setup(random.split(rng_key)[0], args, kwargs)  # cheap after the first run: L is cached
             state = self._checked(init_state)
         num_steps = num_steps or self.default_num_steps
         batches = self._check_batches(int(state.step), num_steps)
-        result = run_loop(self._step, state, num_steps, inputs=(args, kwargs), get_params=self.get_params,
-                          progress_bar=progress_bar, callbacks=callbacks, early_stopping=early_stopping,
-                          stable_update=stable_update, chunk_size=chunk_size, desc=type(self).__name__,
-                          cache=self.__dict__.setdefault("_run_cache", {}).setdefault(self._config(), {}))
+        with shapes_noted(before, args, kwargs, "MPSGD", self.model):
+            result = run_loop(self._step, state, num_steps, inputs=(args, kwargs), get_params=self.get_params,
+                              progress_bar=progress_bar, callbacks=callbacks, early_stopping=early_stopping,
+                              stable_update=stable_update, chunk_size=chunk_size, desc=type(self).__name__,
+                              cache=self.__dict__.setdefault("_run_cache", {}).setdefault(self._config(), {}))
         steps_run = result.diagnostics["num_steps"]
         grads = int(np.sum(batches[:steps_run]))
         result.diagnostics.update(last_params=self.get_params(result.state, "last"),
