@@ -12,7 +12,6 @@ that uses a Python int for a shape (``plate("data", N)``) still sees a concrete 
 from __future__ import annotations
 
 import contextlib
-
 import inspect
 import math
 from collections.abc import Callable
