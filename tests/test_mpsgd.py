@@ -301,11 +301,11 @@ def test_inputs_are_checked_and_converted():
     narrow = np.asarray(A)[:, :-1]   # a covariate fewer: the model fails inside JAX; a note names the inputs
     for call in (lambda: engine.update(res.state, narrow, Y), lambda: engine.evaluate(res.state, narrow, Y),
                  lambda: engine.run(random.key(0), 2, narrow, Y, init_state=res.state, progress_bar=False)):
-        with pytest.raises(Exception) as info:  # noqa: PT011 - JAX's own error, with the note added
+        with pytest.raises(Exception) as info:  # JAX's own error, with the note added
             call()
         notes = getattr(info.value, "__notes__", [])
-        assert any(f"MPSGD: these inputs differ from init's: argument 'a' of shape {narrow.shape} (init: {tuple(A.shape)})" in n
-                   for n in notes), (info.value, notes)
+        said = f"MPSGD: these inputs differ from init's: argument 'a' of shape {narrow.shape} (init: {tuple(A.shape)})"
+        assert any(said in n for n in notes), (info.value, notes)
     with pytest.raises(ValueError, match="averaging_a"):
         MPSGD(model, AutoLocationScale(model), schedule="theory", averaging_a=-1.0)
 
