@@ -501,7 +501,7 @@ class FedLocalVI:
         """Trace model and guide once (on the model's arguments, or on client 0's rows for a ClientData) and build
         the clients; every client starts at the guide's init params (or the constrained ``init_params``).  Returns
         the solver state (``vi_solvers.VIState``)."""
-        args, kwargs = prepare_inputs(args, kwargs)
+        args, kwargs = prepare_inputs(args, kwargs, self.model)
         setup_key, rng_key = random.split(rng_key)
         structure = self._setup(setup_key, args, kwargs, init_params)
         z0 = strong_types(self._initial_point(structure.init_global))  # no weak types: no retrace after round 1
@@ -665,7 +665,7 @@ class FedLocalVI:
         shapes); the loss is the full-data negative ELBO at ``get_params(new_state)`` (with a key fixed for the run:
         comparable losses)."""
         self._require_init()
-        args, kwargs = prepare_inputs(args, kwargs)
+        args, kwargs = prepare_inputs(args, kwargs, self.model)
         state, loss = self._compiled("update", self._update_step)(self._given(state), self._inputs(args, kwargs))
         return self._place_state(state), loss
 
@@ -687,7 +687,7 @@ class FedLocalVI:
     def evaluate(self, state: vs.VIState, *args, rng_key=None, which: str | None = None, **kwargs) -> jax.Array:
         """Full-data negative ELBO at ``get_params(state, which)`` (key: ``rng_key`` or the run's fixed key)."""
         self._require_init()
-        args, kwargs = prepare_inputs(args, kwargs)
+        args, kwargs = prepare_inputs(args, kwargs, self.model)
         inputs = (self._inputs(args, kwargs), rng_key, which or self.output)
         return self._compiled("evaluate", self._evaluate)(self._given(state), inputs)
 
@@ -708,7 +708,7 @@ class FedLocalVI:
         """``num_steps`` communication rounds in the shared compiled loop: ``run(rng_key, num_rounds, *model_args)``
         (from ``init`` or ``init_state``: resuming gives bitwise the iterates of an uninterrupted run; a second run
         on same-shaped inputs reuses the compiled loop).  ``result.diagnostics`` adds ``oracle_calls_per_client``."""
-        args, kwargs = prepare_inputs(args, kwargs)
+        args, kwargs = prepare_inputs(args, kwargs, self.model)
         if init_state is None:
             init_state = self.init(rng_key, *args, init_params=init_params, **kwargs)
         elif self.structure is None:

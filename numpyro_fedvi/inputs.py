@@ -145,11 +145,14 @@ def check_positive(value, name: str, *, allow_zero: bool = False, expected: str 
     return v
 
 
-def prepare_inputs(args, kwargs) -> tuple[tuple, dict]:
+def prepare_inputs(args, kwargs, model=None) -> tuple[tuple, dict]:
     """The model's ``(args, kwargs)`` with array-likes converted to JAX arrays and checked finite.
 
     Raises ``TypeError`` for non-numeric arrays or ragged lists and ``ValueError`` for NaN / inf, naming the argument.
+    With ``model``: keyword arguments that continue its positional parameters are passed by position
+    (:func:`canonical_arguments`), so ``run(key, n, X, y=y)`` and ``run(key, n, X, y)`` run one compiled program.
     """
+    args, kwargs = canonical_arguments(model, args, kwargs)
     args = tuple(_convert(a, f"positional argument {i}") for i, a in enumerate(args))
     kwargs = {k: _convert(v, f"argument {k!r}") for k, v in kwargs.items()}
     for i, a in enumerate(args):
@@ -157,6 +160,21 @@ def prepare_inputs(args, kwargs) -> tuple[tuple, dict]:
     for k, v in kwargs.items():
         _check_finite(v, f"argument {k!r}")
     return args, kwargs
+
+
+def canonical_arguments(model, args, kwargs) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` with the keyword arguments that fill ``model``'s next positional-or-keyword parameters
+    moved to their positions (the same call; the compiled programs are keyed by the inputs' structure, and the
+    same data given by keyword once and by position once compiled twice).  Unchanged without a readable
+    signature."""
+    signature = _signature(model)
+    if signature is None or not kwargs:
+        return tuple(args), dict(kwargs)
+    params, args, kwargs = list(signature.parameters.values()), list(args), dict(kwargs)
+    while (len(args) < len(params) and params[len(args)].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+           and params[len(args)].name in kwargs):
+        args.append(kwargs.pop(params[len(args)].name))
+    return tuple(args), kwargs
 
 
 def _argument_name(path) -> str:

@@ -507,7 +507,7 @@ class MPSGD:
     def init(self, rng_key, *args, init_params: dict | None = None, **kwargs) -> MPSGDState | WhitenedState:
         """Set up guide and schedules; the initial state.  Theory: μ0 from the guide's init_loc_fn, Σ0 = I/√L (or
         ``init_scale``).  Adaptive: the first frame at μ0 (its |Hessian|^{-1/2}, or ``init_scale``/the given scale)."""
-        args, kwargs = prepare_inputs(args, kwargs)
+        args, kwargs = prepare_inputs(args, kwargs, self.model)
         setup_key, rng_key = random.split(rng_key)
         self._setup(setup_key, args, kwargs)
         loc, scale = self._init_loc, None
@@ -559,7 +559,7 @@ class MPSGD:
 
     def _prepared(self, args, kwargs):
         """The model's inputs of a call after ``init``: converted (:func:`prepare_inputs`), every array init had."""
-        args, kwargs = prepare_inputs(args, kwargs)
+        args, kwargs = prepare_inputs(args, kwargs, self.model)
         check_inputs_like(self._input_arrays, args, kwargs, "MPSGD", self.model)
         return args, kwargs
 
@@ -653,7 +653,7 @@ class MPSGD:
                 raise ValueError("num_steps=None needs budget=E (Theorem 4 then fixes K).")
         elif isinstance(num_steps, bool) or not isinstance(num_steps, (int, np.integer)) or num_steps < 1:
             raise ValueError(f"num_steps must be a positive integer, got {num_steps!r}.")
-        args, kwargs = prepare_inputs(args, kwargs)
+        args, kwargs = prepare_inputs(args, kwargs, self.model)
         before = self._input_arrays  # the shapes of the last set-up: named in an error at other shapes
         if init_state is None:
             state = self.init(rng_key, *args, init_params=init_params, **kwargs)

@@ -847,7 +847,7 @@ class PDVI:
     def refresh_eta(self, state: PDVIState, *args, **kwargs) -> PDVIState:
         """``eta="auto"`` re-estimated at ``state`` (λ_0 and the stored local rows), with ``h = D_η^{-1} mean(μ)``."""
         self._require_init()
-        args, kwargs = prepare_inputs(args, kwargs)
+        args, kwargs = prepare_inputs(args, kwargs, self.model)
         return self._refresh(state, self._inputs(args, kwargs))
 
     def _duals(self, point, inputs):
@@ -891,7 +891,7 @@ class PDVI:
     # SVI surface -----------------------------------------------------------------------------------
     def init(self, rng_key, *args, init_params: dict | None = None, **kwargs) -> PDVIState:
         """Trace model and guide, build the blocks and the duals; returns the initial ``PDVIState``."""
-        args, kwargs = prepare_inputs(args, kwargs)
+        args, kwargs = prepare_inputs(args, kwargs, self.model)
         rng_key, setup_key, eta_key = random.split(rng_key, 3)
         self._setup(setup_key, args, kwargs, init_params)
         lam0, local = self.structure.init_global, self.structure.init_local
@@ -936,7 +936,7 @@ class PDVI:
         """One PD-VI iteration (compiled once per input shapes); returns ``(state, loss)`` with loss the scaled
         negative ELBO of S_t.  A non-finite step is returned as computed (see :meth:`stable_update`)."""
         self._require_init()
-        args, kwargs = prepare_inputs(args, kwargs)
+        args, kwargs = prepare_inputs(args, kwargs, self.model)
         inputs = self._inputs(args, kwargs)
         state, loss = self._compiled("update", self._plain_step)(self._placed(state), inputs)
         return self._maybe_refresh(state, inputs), loss
@@ -980,7 +980,7 @@ class PDVI:
     def stable_update(self, state: PDVIState, *args, **kwargs) -> tuple[PDVIState, jax.Array]:
         """Like ``update`` but a step that produces non-finite values changes nothing except the step counter."""
         self._require_init()
-        args, kwargs = prepare_inputs(args, kwargs)
+        args, kwargs = prepare_inputs(args, kwargs, self.model)
         inputs = self._inputs(args, kwargs)
         new_state, loss, _ = self._compiled("stable_update", self._step)(self._placed(state), inputs)
         return self._maybe_refresh(new_state, inputs), loss
@@ -988,7 +988,7 @@ class PDVI:
     def evaluate(self, state: PDVIState, *args, **kwargs) -> jax.Array:
         """Full-data negative ELBO at λ_0 and the stored local params: ``Σ_b f_b(φ_b, λ_0)``."""
         self._require_init()
-        args, kwargs = prepare_inputs(args, kwargs)
+        args, kwargs = prepare_inputs(args, kwargs, self.model)
         return self._compiled("evaluate", self._evaluate)(self._placed(state), self._inputs(args, kwargs))
 
     def _evaluate(self, state, inputs):
@@ -1027,7 +1027,7 @@ class PDVI:
         the same shapes does not recompile.  A step with non-finite values writes nothing (O(|S_t|) guard).
         Returns a ``RunResult`` (``params``, ``state``, ``losses``, ``diagnostics``).
         """
-        args, kwargs = prepare_inputs(args, kwargs)
+        args, kwargs = prepare_inputs(args, kwargs, self.model)
         if init_state is None:
             state = self.init(rng_key, *args, init_params=init_params, **kwargs)
         else:

@@ -211,7 +211,7 @@ class RobustFedVI(FedLocalVI):
         """``(L_g)_g``: every group's negative ELBO per datum at constrained guide ``params`` (from this or any other
         engine).  Key: ``rng_key``, else the ``crn`` key when one was given, else ``random.key(0)``."""
         self._require_init()
-        args, kwargs = prepare_inputs(args, kwargs)
+        args, kwargs = prepare_inputs(args, kwargs, self.model)
         theta, _ = self.structure.unconstrain(params)
         if rng_key is None:
             rng_key = self.crn if not isinstance(self.crn, bool) else random.key(0)

@@ -194,6 +194,22 @@ def check_second_run_does_not_recompile(fitted):
         f"a second run() traced the model {fitted.second_run_traces} times (first run: {fitted.first_run_traces})")
 
 
+def check_arguments_by_keyword_or_position_run_one_compiled_loop(fitted):
+    """The model's data given by position where the first runs gave them by keyword (or the reverse: ``run(key, n,
+    X, y=y)`` after ``run(key, n, X, y)``) is the same call: no new trace beyond the set-up, the same result."""
+    engine, case = fitted.engine, fitted.case
+    bound = inspect.signature(case.model).bind(*case.args, **case.kwargs).arguments
+    names = list(bound)
+    if case.kwargs:   # all by position
+        args, kwargs = tuple(bound.values()), {}
+    else:             # all but the first by keyword
+        args, kwargs = (bound[names[0]],), {k: bound[k] for k in names[1:]}
+    before = traces()
+    result = engine.run(KEY, 2 * STEPS, *args, progress_bar=False, chunk_size=STEPS, **kwargs)
+    assert traces() - before <= SETUP_TRACES, f"the other argument form traced the model {traces() - before} times"
+    _assert_tree_equal(result.params, fitted.result.params, "params of the other argument form differ")
+
+
 def check_resume_is_bitwise_equal_to_uninterrupted(fitted):
     engine, case = fitted.engine, fitted.case
     first = _run(engine, case, STEPS)
@@ -347,6 +363,7 @@ def check_foreign_state_refused(fitted):
 
 
 CHECKS = [check_run_result_is_finite_and_deterministic, check_second_run_does_not_recompile,
+          check_arguments_by_keyword_or_position_run_one_compiled_loop,
           check_resume_is_bitwise_equal_to_uninterrupted, check_svi_surface_and_eager_update_loop,
           check_jitted_update_gives_finite_state, check_predictive_and_datatree, check_pandas_and_list_inputs,
           check_nan_input_refused_before_compilation, check_zero_steps_refused, check_observations_left_out_refused,

@@ -232,7 +232,7 @@ class FedSVI(FedMM):
     def _split(self, args, kwargs, where: str):
         """``(client_data, model args, model kwargs)`` of a call, converted and checked (prepare_inputs; after init,
         :func:`~numpyro_fedvi.inputs.check_inputs_like` in ``update`` and ``evaluate``; ``run`` checks a resume)."""
-        args, kwargs = prepare_inputs(args, kwargs)
+        args, kwargs = prepare_inputs(args, kwargs, self.model)
         if self.mesh is not None:  # the model's own arguments on every device
             args, kwargs = _sharding.replicate_arrays((args, kwargs), self.mesh)
         if self._plate_mode or self._fixed_rows is not None:
