@@ -152,14 +152,13 @@ def prepare_inputs(args, kwargs, model=None) -> tuple[tuple, dict]:
     With ``model``: keyword arguments that continue its positional parameters are passed by position
     (:func:`canonical_arguments`), so ``run(key, n, X, y=y)`` and ``run(key, n, X, y)`` run one compiled program.
     """
-    args, kwargs = canonical_arguments(model, args, kwargs)
     args = tuple(_convert(a, f"positional argument {i}") for i, a in enumerate(args))
     kwargs = {k: _convert(v, f"argument {k!r}") for k, v in kwargs.items()}
     for i, a in enumerate(args):
         _check_finite(a, f"positional argument {i}")
     for k, v in kwargs.items():
         _check_finite(v, f"argument {k!r}")
-    return args, kwargs
+    return canonical_arguments(model, args, kwargs)  # after the checks: their messages name the arguments as given
 
 
 def canonical_arguments(model, args, kwargs) -> tuple[tuple, dict]:

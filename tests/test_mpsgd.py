@@ -295,6 +295,8 @@ def test_inputs_are_checked_and_converted():
     bad[3] = np.nan
     with pytest.raises(ValueError, match="positional argument 1 holds NaN"):
         engine.run(random.key(0), 5, A, bad)
+    with pytest.raises(ValueError, match="argument 'y' holds NaN"):   # named as given, not as passed on
+        engine.run(random.key(0), 5, A, y=bad)
     res = engine.run(random.key(0), 5, np.asarray(A).tolist(), np.asarray(Y), progress_bar=False)
     state, loss = engine.stable_update(res.state, A, Y)
     assert np.isfinite(float(loss)) and int(state.step) == 6
