@@ -299,8 +299,10 @@ def load(path: str | os.PathLike) -> Any:
             with _checkpointer() as ck:
                 arrays = ck.restore(path, ocp.args.Composite(arrays=ocp.args.PyTreeRestore(restore_args=restore_args)))
         except Exception as err:  # noqa: BLE001 - orbax / tensorstore raise many kinds; all mean a damaged checkpoint
+            reason = str(err).splitlines()[0] if str(err) else ""
+            reason = reason if len(reason) <= 200 else reason[:200] + " …"  # (tensorstore quotes its whole spec)
             raise CheckpointError(f"{path} is a damaged numpyro_fedvi checkpoint: its arrays cannot be read "
-                                  f"({type(err).__name__}: {err}).") from err
+                                  f"({type(err).__name__}: {reason}; the full error is chained).") from err
         arrays = arrays["arrays"]
     return _decode(meta["tree"], arrays)
 

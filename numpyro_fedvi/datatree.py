@@ -104,6 +104,19 @@ def _params(result):
     return params
 
 
+def _check_params_cover_guide(guide, params, args, kwargs) -> None:
+    """Every ``param`` site of the guide has a value in ``params``: a missing one was drawn at the guide's INITIAL
+    value, silently (a Flower PD-VI result holds the global params only: per-datum ones stay on the clients)."""
+    tr = handlers.trace(handlers.seed(handlers.substitute(full_data(guide), data=params), 0)).get_trace(*args,
+                                                                                                        **kwargs)
+    missing = sorted(n for n, site in tr.items() if site["type"] == "param" and n not in params)
+    if missing:
+        raise ValueError(f"to_datatree: the result has no values for the guide's params {missing} (it has "
+                         f"{sorted(params)}); they would be drawn at their initial values. Pass a result holding "
+                         "every guide param (a federated PD-VI result over Flower keeps the per-datum params on the "
+                         "clients).")
+
+
 class _laplace_latent(Messenger):
     """Effect handler: the auxiliary ``_{prefix}_latent`` site of an ``AutoLaplaceApproximation`` draws from and is
     scored by the Laplace approximation ``posterior`` instead of the guide's training-time Delta at the MAP (the
@@ -346,6 +359,7 @@ def to_datatree(engine, result, *args, num_samples: int = 1000, rng_key=None, lo
     k_draw, k_trace, k_pred = random.split(key, 3)
 
     try:
+        _check_params_cover_guide(guide, params, args, kwargs)
         draws, log_q = _guide_draws(_posterior_guide(model, guide, params, args, kwargs), params, num_samples,
                                     k_draw, args, kwargs)
         first = _latent({k: v[0] for k, v in draws.items()})

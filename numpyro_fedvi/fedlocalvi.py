@@ -35,7 +35,7 @@ from . import preconditioning as _pre
 from . import sharding as _sharding
 from . import vi_solvers as vs
 from .curvature import diag_hessian
-from .federated import ClientData, check_clients, client_minibatch
+from .federated import ClientData, check_client_data, check_clients, client_minibatch
 from .fedmm.engine import strong_types
 from .inputs import (
     InputJit,
@@ -234,7 +234,7 @@ class FedLocalVI:
         if isinstance(clients, ClientData):
             if num_clients is not None:
                 raise ValueError("give clients= (ids, index arrays or a ClientData) or num_clients=, not both.")
-            clients = prepare_value(clients, "clients")  # NaN / inf refused before anything compiles
+            clients = check_client_data(prepare_value(clients, "clients"), "clients")  # NaN / inf refused too
             self._plate_clients, self.num_clients = None, clients.num_clients
             self.num_total = int(np.sum(np.asarray(clients.counts)))  # N, on the host (traced code needs a constant)
         else:
@@ -247,6 +247,9 @@ class FedLocalVI:
         self.auto_step = isinstance(step_size, str)
         if self.auto_step and step_size != "auto":
             raise ValueError(f"step_size must be 'auto' or a float > 0, got {step_size!r}.")
+        if prox is not None and method != "local_dual_averaging":
+            raise ValueError(f"prox= is a local dual averaging option (composite problems); method={method!r} "
+                             "takes none.")
         if self.auto_step and prox is not None:
             raise ValueError("prox= (a composite term on θ) takes a float step_size: its prox scale is the step in θ's "
                              "units, which step_size='auto' rescales per coordinate.")
@@ -275,9 +278,6 @@ class FedLocalVI:
                     raise ValueError(f"delta must be a finite float >= 0, got {delta!r}.")
         elif sigma is not None or delta is not None:
             raise ValueError(f"sigma= and delta= are SLIPPAX options; method={method!r} takes neither.")
-        if prox is not None and method != "local_dual_averaging":
-            raise ValueError(f"prox= is a local dual averaging option (composite problems); method={method!r} "
-                             "takes none.")
         if prox is not None and not callable(prox):
             raise TypeError(f"prox must be a callable prox(θ, s) = prox_(sφ)(θ), got {prox!r}.")
         if batch_size is not None:

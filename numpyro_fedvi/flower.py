@@ -57,6 +57,7 @@ from .fedmm.core import (
     round_clients,
     server_optimizer_init,
     server_update,
+    tail_average,
 )
 from . import preconditioning as _pre
 from . import vi_solvers as vs
@@ -587,6 +588,17 @@ def _cached_client(key, build):
     return _built_once(_CLIENTS, key, build)
 
 
+def _received(msg, template, client: int):
+    """The server's broadcast in ``msg`` decoded against the client's ``template`` (built from the client's own
+    data); a mismatch names the likely cause: the client's data do not have the server's shapes."""
+    try:
+        return from_record(msg.content["broadcast"], template)
+    except ValueError as err:
+        raise ValueError(f"client {client}: the server's broadcast does not fit this client's model ({err}). The "
+                         "client's data (its model arguments, the row count aside) must have the shapes of the "
+                         "arguments the server's strategy was built with.") from err
+
+
 def make_client_app(engine, data_fn: Callable, *, stat_template=None):
     """A Flower ``ClientApp`` running ``engine``'s client step on the node's own data.
 
@@ -619,7 +631,7 @@ def make_client_app(engine, data_fn: Callable, *, stat_template=None):
             return Message(RecordDict({"meta": ConfigRecord({"partition-id": i, "num-rows": c.num_rows})}),
                            reply_to=msg)
         i, c = setup(context, int(cfg["num-total"]), int(cfg["num-clients"]))
-        reply = c.query(i, from_record(msg.content["broadcast"], c.broadcast_template), cfg, context.state)
+        reply = c.query(i, _received(msg, c.broadcast_template, i), cfg, context.state)
         return Message(RecordDict({"message": to_record(reply), "meta": ConfigRecord({"partition-id": i})}),
                        reply_to=msg)
 
@@ -627,7 +639,7 @@ def make_client_app(engine, data_fn: Callable, *, stat_template=None):
     def train(msg, context):
         cfg = msg.content["config"]
         i, c = setup(context, int(cfg["num-total"]), int(cfg["num-clients"]))
-        b = from_record(msg.content["broadcast"], c.broadcast_template)
+        b = _received(msg, c.broadcast_template, i)
         reply, metrics = c.train(i, b, cfg, context.state)
         return Message(RecordDict({"message": to_record(reply),
                                    "meta": ConfigRecord({"partition-id": i, "round": int(cfg["round"]),
@@ -640,7 +652,7 @@ def make_client_app(engine, data_fn: Callable, *, stat_template=None):
         i, c = setup(context, int(cfg["num-total"]), int(cfg["num-clients"]))
         if not hasattr(c, "evaluate"):
             raise ValueError(f"{type(engine).__name__} clients take no EVALUATE message.")
-        objective = c.evaluate(i, from_record(msg.content["broadcast"], c.evaluate_template), cfg, context.state)
+        objective = c.evaluate(i, _received(msg, c.evaluate_template, i), cfg, context.state)
         return Message(RecordDict({"meta": ConfigRecord({"partition-id": i, "evaluation": int(cfg["evaluation"])}),
                                    "metrics": MetricRecord({"objective": objective})}), reply_to=msg)
 
@@ -942,7 +954,7 @@ class FedMMStrategy(_EngineStrategy):
         x0 = s0 if engine.aggregate == "surrogate" else theta0
         self.state = FedMMState(s0, theta0, jax.tree.map(jnp.zeros_like, x0), (), jnp.asarray(0, jnp.int32),
                                 rng_key, jnp.zeros((), jnp.result_type(float)),
-                                server_optimizer_init(engine.server_optimizer, x0))
+                                server_optimizer_init(engine.server_optimizer, x0), theta0)
         self.p = float(engine.participation.prob(self.num_clients))
         self.accepted = np.full(self.num_clients, -1, np.int64)
         self._clients = jax.jit(partial(round_clients, engine.participation, self.num_clients))
@@ -987,8 +999,9 @@ class FedMMStrategy(_EngineStrategy):
         return bool(ok)
 
     def get_params(self, state=None):
-        """Constrained guide params (FedSVI) or ``to_params(θ)`` / θ (FedMM) of ``state`` (default: the last)."""
-        theta = (self.state if state is None else state).theta
+        """Constrained guide params (FedSVI) or ``to_params(θ)`` / θ (FedMM) of ``state`` (default: the last) at
+        the engine's ``output`` iterate (FedSVI: the tail average, as in process)."""
+        theta = self.engine.output_iterate(self.state if state is None else state)
         return self.to_params(theta) if self.to_params is not None else theta
 
 
@@ -997,7 +1010,8 @@ def _server_round(family, step_size, alpha, p, aggregate, server_optimizer, stat
     H, V = collect_messages(state.V, q, weights, p, alpha)
     s, theta, server_opt, _ = server_update(state, family, H, step_size, aggregate, server_optimizer)
     ok = _finite((H, V, s, theta))
-    return state._replace(s=s, theta=theta, V=V, step=state.step + 1, server_opt=server_opt), ok
+    tail = tail_average(state.tail, theta, state.step + 1)
+    return state._replace(s=s, theta=theta, V=V, step=state.step + 1, server_opt=server_opt, tail=tail), ok
 
 
 def _finite(tree):

@@ -209,9 +209,11 @@ class RobustFedVI(FedLocalVI):
 
     def group_losses(self, params: dict, *args, rng_key=None, **kwargs) -> jax.Array:
         """``(L_g)_g``: every group's negative ELBO per datum at constrained guide ``params`` (from this or any other
-        engine).  Key: ``rng_key``, else the ``crn`` key when one was given, else ``random.key(0)``."""
-        self._require_init()
+        engine; a fresh engine traces the model on these arguments first).  Key: ``rng_key``, else the ``crn`` key
+        when one was given, else ``random.key(0)``."""
         args, kwargs = prepare_inputs(args, kwargs, self.model)
+        if self.structure is None:  # the guide's params' names, shapes and constraints (the init values go unused)
+            self._setup(random.key(0), args, kwargs)
         theta, _ = self.structure.unconstrain(params)
         if rng_key is None:
             rng_key = self.crn if not isinstance(self.crn, bool) else random.key(0)

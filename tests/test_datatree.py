@@ -133,6 +133,12 @@ def test_pdvi_local_latents_cover_every_datum():
                                atol=0.2)
     assert dt.log_likelihood["obs"].shape == (1, 100, N)
     assert dt.attrs["engine"] == "PDVI" and np.isfinite(dt.sample_stats.attrs["pareto_k"])
+    # a result without the per-datum params (a Flower PD-VI result keeps them on the clients) drew them at the
+    # guide's initial values, silently: refused, naming them
+    local = [k for k in result.params if np.shape(result.params[k])[:1] == (N,)]
+    assert local
+    with pytest.raises(ValueError, match=r"no values for the guide's params \[.*" + local[0]):
+        nfv.to_datatree(engine, {k: v for k, v in result.params.items() if k not in local}, X, num_samples=10)
 
 
 def _grouped(g, num_groups, y=None):

@@ -253,8 +253,10 @@ def test_bad_inputs():
         FedLocalVI(model, GUIDE, cd, method="lippax", inner_steps=0, **ok)
     with pytest.raises(ValueError, match="inner_steps"):
         FedLocalVI(model, GUIDE, cd, method="local_sgd", inner_steps=3, **ok)
-    with pytest.raises(ValueError, match="prox"):
+    with pytest.raises(ValueError, match="prox= is a local dual averaging option"):
         FedLocalVI(model, GUIDE, cd, method="lesgd", prox=l1_prox(1.0), **ok)
+    with pytest.raises(ValueError, match="prox= is a local dual averaging option"):  # named before the step size
+        FedLocalVI(model, GUIDE, cd, method="local_sgd", prox=l1_prox(1.0))
     with pytest.raises(ValueError, match="batch_size"):
         FedLocalVI(model, GUIDE, cd, batch_size=0, **ok)
     with pytest.raises(TypeError, match="crn"):

@@ -298,8 +298,8 @@ def test_gathered_round_equals_the_masked_round(gmm, compressor):
 
 
 def test_guarded_round_with_a_non_finite_client_changes_nothing(gmm):
-    """A client whose rows hold NaN: a guarded round that activates it returns the state as it was (s, θ, V and every
-    V_i; only the step moves) and ok = False; the other rounds proceed as unguarded ones."""
+    """A client whose rows hold NaN: a guarded round that activates it returns the state as it was (s, θ, V, every
+    V_i and the tail average; only the step moves) and ok = False; the other rounds proceed as unguarded ones."""
     fam, cd, _, s0 = gmm
     bad = ClientData(cd.data.at[1, 0].set(jnp.nan), cd.mask, cd.counts)
     state = fedmm_init(fam, s0, cd, random.key(5), "full")
@@ -312,10 +312,12 @@ def test_guarded_round_with_a_non_finite_client_changes_nothing(gmm):
         new, info = guarded(state)
         plain, _ = unguarded(state)
         if bool(info["ok"]):
-            _tree_close((new.s, new.V, new.V_clients), (plain.s, plain.V, plain.V_clients), rtol=1e-6, atol=1e-7)
+            _tree_close((new.s, new.V, new.V_clients, new.tail), (plain.s, plain.V, plain.V_clients, plain.tail),
+                        rtol=1e-6, atol=1e-7)
         else:
             assert not np.all(np.isfinite(np.asarray(plain.V_clients["s1"])))
-            pairs = ((new.s, state.s), (new.theta, state.theta), (new.V, state.V), (new.V_clients, state.V_clients))
+            pairs = ((new.s, state.s), (new.theta, state.theta), (new.V, state.V), (new.V_clients, state.V_clients),
+                     (new.tail, state.tail))
             for a, b in pairs:
                 _tree_close(a, b, rtol=0, atol=0)
         seen.add(bool(info["ok"]))

@@ -148,6 +148,32 @@ def test_default_is_adam_on_the_full_data_gradient(clients):
     assert np.max(np.abs(equal - expected)) > 0.1
 
 
+def test_minibatch_output_is_the_polynomial_decay_tail_of_the_server_iterates(clients):
+    """``output="tail"`` (the default with ``batch_size`` and the server's Adam): the state's tail after each of 5
+    rounds is Shamir & Zhang's θ̃_t = θ̃_{t−1} + (η+1)/(t+η) (θ_t − θ̃_{t−1}), η = 3, over the recorded θ_1 … θ_t (θ_0
+    drops out: θ̃_1 = θ_1), and ``get_params`` / ``evaluate`` read it (``which="last"``: θ_t); full client batches or
+    ``rho=`` output θ_t.  A state written before the tail existed resumes with its tail started at θ_t."""
+    assert FedSVI(model, AutoDelta(model)).output == "last"
+    assert FedSVI(model, AutoDelta(model), rho=1e-3, batch_size=10).output == "last"
+    engine = FedSVI(model, AutoDelta(model), batch_size=10)
+    state = engine.init(random.key(0), clients, init_params={"mu_auto_loc": POST_MEAN + 3.0})
+    assert float(state.tail["mu_auto_loc"]) == float(state.theta["mu_auto_loc"])
+    expected = None
+    for t in range(1, 6):
+        state, _ = engine.update(state, clients)
+        theta = float(state.theta["mu_auto_loc"])
+        expected = theta if expected is None else expected + 4.0 / (t + 3.0) * (theta - expected)
+        np.testing.assert_allclose(float(state.tail["mu_auto_loc"]), expected, rtol=1e-6)
+    assert abs(expected - theta) > 1e-3   # the tail lags the moving iterate: not θ_t
+    np.testing.assert_allclose(float(engine.get_params(state)["mu_auto_loc"]), expected, rtol=1e-6)
+    assert float(engine.get_params(state, which="last")["mu_auto_loc"]) == theta
+    tail_loss, last_loss = engine.evaluate(state, clients), engine.evaluate(state, clients, which="last")
+    assert float(tail_loss) != float(last_loss)
+    old = engine.update(state._replace(tail=None), clients)[0]   # started at θ_5, then one round
+    np.testing.assert_allclose(float(old.tail["mu_auto_loc"]),
+                               theta + 4.0 / 9.0 * (float(old.theta["mu_auto_loc"]) - theta), rtol=1e-6)
+
+
 def test_default_reaches_the_conjugate_posterior(clients):
     """Every default (Adam on the server, ``Trace_ELBO()``'s one particle per client, full participation): the
     conjugate posterior's mean to 0.1 sd and its sd to 10% after 600 rounds (Monte-Carlo noise, with the decaying

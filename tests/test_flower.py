@@ -126,7 +126,7 @@ def test_rounds_equal_the_in_process_core(participation, server_optimizer):
     for r in range(1, 4):
         strategy.aggregate_train(r, grid.send_and_receive(strategy.configure_train(r, None, None, grid)))
     assert strategy.dropped == []
-    for name in ("s", "theta", "V", "server_opt"):
+    for name in ("s", "theta", "V", "server_opt", "tail"):
         for a, b in zip(jax.tree.leaves(getattr(strategy.state, name)), jax.tree.leaves(getattr(expected, name))):
             np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
     assert len(jax.tree.leaves(strategy.state.server_opt)) == (0 if server_optimizer is None else 5)
@@ -697,3 +697,19 @@ def test_simulate_keeps_flowers_per_round_log_to_warnings_unless_verbose(monkeyp
             flower.simulate(strategy, None, 1, verbose=verbose)
         assert logging.getLogger("flwr").level == before
     assert seen[0] == (logging.WARNING, False) and seen[1][0] < logging.WARNING and seen[1][1] is True
+
+
+def test_a_client_whose_data_have_other_columns_is_told_so():
+    """Client 1 holds 3 covariates where the server's strategy was built on 2: decoding the server's broadcast
+    against the client's own model names the cause (it blamed a "malformed record")."""
+    X, y, site = _sorted_sites()
+    wide = np.concatenate([X, X[:, :1]], axis=1)
+    engine = nfv.FedSVI(logistic, AutoNormal(logistic), Trace_ELBO(), clients=site)
+    strategy = flower.FedMMStrategy(engine, random.key(0), X[:1], y[:1], num_clients=3)
+    grid = _Grid(flower.make_client_app(engine, lambda ctx: (
+        (wide if ctx.node_config["partition-id"] == 1 else X)[site == ctx.node_config["partition-id"]],
+        y[site == ctx.node_config["partition-id"]])), 3)
+    strategy.handshake(grid)
+    with pytest.raises(ValueError, match=r"client 1: the server's broadcast does not fit this client's model .*must "
+                                         r"have the shapes of the arguments the server's strategy was built with"):
+        grid.send_and_receive(strategy.configure_train(1, None, None, grid))

@@ -269,3 +269,12 @@ def test_default_step_size_estimate_is_the_preconditioned_saddle_operators_norm(
     got, expected = jax.jit(jax.vmap(lambda g: (jax.flatten_util.ravel_pytree(preconditioned(z, key, g))[0],
                                                 V(flat, g))))(groups)
     np.testing.assert_allclose(got, float(state.precond["eta"]) * D_ * np.asarray(expected), rtol=1e-4, atol=1e-7)
+
+
+def test_group_losses_of_any_params_on_a_fresh_engine():
+    """``group_losses`` on an engine that never ran traces the model first (it raised "call init first") and gives
+    NumPyro's L_g of the given params (``oracle_draws=None``: the ELBO as given, at the crn key)."""
+    u = to_u({"w_auto_loc": jnp.asarray([0.5, -0.2, 0.1]), "w_auto_scale": jnp.full(D, 0.3)})
+    fresh = RobustFedVI(model, AutoNormal(model, init_loc_fn=INIT, init_scale=0.1), CLIENTS, ELBO, tau=TAU,
+                        crn=KEY, oracle_draws=None)
+    np.testing.assert_allclose(fresh.group_losses(to_params(u)), group_losses(u), rtol=1e-5)

@@ -167,6 +167,28 @@ def test_bernoulli_one_is_full_participation():
         FedMM(GMM, cv_step=0.0, participation=FixedSize(2)).init(random.key(0), GMM_CLIENTS, S0)
 
 
+def test_participation_and_compressor_of_the_wrong_type_are_refused_with_their_choices():
+    with pytest.raises(TypeError, match=r"participation must be Full\(\), Bernoulli\(p\) or FixedSize\(m\) .*got 0.5 "
+                                        r"\(for p = 0.5 use Bernoulli\(0.5\)\)"):
+        FedMM(GMM, participation=0.5)
+    with pytest.raises(TypeError, match=r"participation must be .*got 'full'\."):
+        FedMM(GMM, participation="full")
+    with pytest.raises(TypeError, match=r"compressor must be Identity\(\), StochasticQuantizer\(bits\) or RandK\(k\)"):
+        FedMM(GMM, compressor="x")
+
+
+def test_a_hand_built_client_data_whose_counts_disagree_with_its_mask_is_refused():
+    """``counts`` set the client weights μ_i = N_i/N: a count the mask contradicts ran with wrong weights."""
+    data, mask = GMM_CLIENTS.data, GMM_CLIENTS.mask
+    wrong = ClientData(data, mask, GMM_CLIENTS.counts.at[1].add(5))
+    with pytest.raises(ValueError, match=r"client 1's count is \d+ but its mask has \d+ real rows"):
+        FedMM(GMM).run(random.key(0), 2, wrong, S0, progress_bar=False)
+    with pytest.raises(ValueError, match=r"every leaf needs the mask's leading shape"):
+        FedMM(GMM).init(random.key(0), ClientData(jax.tree.map(lambda x: x[:, :-1], data), mask,
+                                                  GMM_CLIENTS.counts), S0)
+    FedMM(GMM).init(random.key(0), ClientData(data, mask, GMM_CLIENTS.counts), S0)  # consistent: accepted
+
+
 def test_cv_step_above_its_bound_is_refused():
     with pytest.raises(ValueError, match=r"cv_step=0.9 exceeds its bound 1/\(1\+ω_p\) = 0.5 .*p = 0.5"):
         FedMM(GMM, cv_step=0.9, participation=FixedSize(2)).init(random.key(0), GMM_CLIENTS, S0)

@@ -1,7 +1,7 @@
 """Federation building blocks (DESIGN.md layer 6): stacked client data, participation laws, compressors."""
 
 from .compression import Compressor, Identity, RandK, StochasticQuantizer
-from .data import ClientData, check_clients, client_minibatch, sample_rows, take_rows
+from .data import ClientData, check_client_data, check_clients, client_minibatch, sample_rows, take_rows
 from .participation import Bernoulli, FixedSize, Full, Participation
 
 __all__ = [
@@ -14,6 +14,7 @@ __all__ = [
     "Participation",
     "RandK",
     "StochasticQuantizer",
+    "check_client_data",
     "check_clients",
     "client_minibatch",
     "sample_rows",

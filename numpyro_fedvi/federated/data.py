@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import random
 
-__all__ = ["ClientData", "check_clients", "client_minibatch", "sample_rows", "take_rows"]
+__all__ = ["ClientData", "check_client_data", "check_clients", "client_minibatch", "sample_rows", "take_rows"]
 
 
 def _leaf_name(path) -> str:
@@ -217,6 +217,36 @@ def _check_client_data(client_data) -> None:
     if not isinstance(client_data, ClientData):
         raise TypeError(f"client_data must be a ClientData (see ClientData.from_list / from_ids), got "
                         f"{type(client_data).__name__}.")
+
+
+def check_client_data(client_data: ClientData, where: str = "client_data") -> ClientData:
+    """A ClientData built by hand (``ClientData(data, mask, counts)``) checked on the host before anything runs: a
+    bool mask ``(n_clients, max_rows)``, one count per client equal to its mask's real rows (at least one), and data
+    leaves ``(n_clients, max_rows, ...)`` (``from_list`` / ``from_ids`` build it so; a count that disagrees with the
+    mask gave wrong client weights μ_i = N_i/N silently).  Returns it."""
+    _check_client_data(client_data)
+    if any(isinstance(a, jax.core.Tracer) for a in jax.tree.leaves(client_data)):
+        return client_data
+    mask, counts = np.asarray(client_data.mask), np.asarray(client_data.counts)
+    if mask.ndim != 2 or mask.dtype != bool:
+        raise ValueError(f"{where}.mask must be a bool array (n_clients, max_rows), got {mask.dtype} of shape "
+                         f"{mask.shape}; build it with ClientData.from_list / from_ids.")
+    if counts.shape != mask.shape[:1]:
+        raise ValueError(f"{where}.counts must hold one row count per client, shape ({mask.shape[0]},), got shape "
+                         f"{counts.shape}.")
+    real = mask.sum(1)
+    bad = np.flatnonzero(real != counts)
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"{where}: client {i}'s count is {int(counts[i])} but its mask has {int(real[i])} real rows "
+                         "(counts set the client weights μ_i = N_i/N); build it with ClientData.from_list / from_ids.")
+    if np.any(real < 1):
+        raise ValueError(f"{where}: client {int(np.argmin(real))} has 0 rows; drop empty clients.")
+    for path, leaf in jax.tree_util.tree_leaves_with_path(client_data.data):
+        if np.shape(leaf)[:2] != mask.shape:
+            raise ValueError(f"{where}.data{jax.tree_util.keystr(path)} has shape {np.shape(leaf)}; every leaf needs "
+                             f"the mask's leading shape {mask.shape} (n_clients, max_rows).")
+    return client_data
 
 
 def sample_rows(key, client_data: ClientData, batch_size: int, *, replace: bool = True):

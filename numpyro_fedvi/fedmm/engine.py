@@ -18,7 +18,7 @@ import numpy as np
 from jax import random
 
 from .. import sharding as _sharding
-from ..federated import Bernoulli, ClientData, FixedSize, Full, Identity
+from ..federated import Bernoulli, ClientData, Compressor, check_client_data, FixedSize, Full, Identity, Participation
 from ..inputs import InputJit, check_state_like, prepare_inputs, prepare_value, state_template
 from ..runner import EarlyStopping, RunResult, revert_non_finite, run_loop, tree_all_finite
 from .core import (
@@ -312,6 +312,10 @@ class FedMM(_Engine):
     :param server_optimizer: ``None`` (Algorithm 2: ``Ŝ ← project(Ŝ + γ_t H)``) or an optax
         ``GradientTransformation`` the server applies to the pseudo-gradient ``−H`` instead of the step γ_t (FedOpt,
         Reddi et al. 2021; :func:`~numpyro_fedvi.fedmm.core.server_update`); ``step_size`` must then stay 1.
+    :param output: what ``get_params`` (and ``evaluate``) read: ``"last"`` (default; Algorithm 2's θ_t) or
+        ``"tail"``: the polynomial-decay average of θ_1 … θ_t that every state carries
+        (:func:`~numpyro_fedvi.fedmm.core.tail_average`; FedSVI's default).  ``get_params(state, which=...)`` reads
+        either from the same state.
 
     ``client_data`` is a :class:`~numpyro_fedvi.federated.ClientData`.
     """
@@ -319,7 +323,10 @@ class FedMM(_Engine):
     def __init__(self, family: SurrogateFamily, *, step_size="auto", cv_step: float | str = "auto",
                  participation=None, compressor=None, batch_size: int | None = None,
                  init_control_variates: str = "zero", aggregate: str = "surrogate", to_params: Callable | None = None,
-                 projection: Callable | None = None, log_every: int = 10, mesh=None, server_optimizer=None):
+                 projection: Callable | None = None, log_every: int = 10, mesh=None, server_optimizer=None,
+                 output: str = "last"):
+        _check_output(output)
+        self.output = output
         self.auto_step = isinstance(step_size, str) and step_size == "auto"
         step_size = 1.0 if self.auto_step else step_size  # exact communications; else 1/(1+ω_p) (check_settings)
         super().__init__(family, step_size, batch_size, to_params, projection)
@@ -338,6 +345,14 @@ class FedMM(_Engine):
         self.log_every = int(log_every)
         self.participation = Full() if participation is None else participation
         self.compressor = Identity() if compressor is None else compressor
+        if not isinstance(self.participation, Participation):
+            hint = f" (for p = {participation} use Bernoulli({participation}))" if isinstance(
+                participation, float) else ""
+            raise TypeError(f"participation must be Full(), Bernoulli(p) or FixedSize(m) (numpyro_fedvi.federated), "
+                            f"got {participation!r}{hint}.")
+        if not isinstance(self.compressor, Compressor):
+            raise TypeError(f"compressor must be Identity(), StochasticQuantizer(bits) or RandK(k) "
+                            f"(numpyro_fedvi.federated), got {compressor!r}.")
         self.auto_cv_step = isinstance(cv_step, str) and cv_step == "auto"
         if not self.auto_cv_step and not (isinstance(cv_step, (int, float)) and not isinstance(cv_step, bool)
                                           and math.isfinite(cv_step) and cv_step >= 0):
@@ -368,14 +383,38 @@ class FedMM(_Engine):
 
     def _place_data(self, client_data):
         """A ClientData with the client axis over the mesh."""
+        if isinstance(client_data, ClientData):
+            check_client_data(client_data, "the clients' ClientData")
         if self.mesh is None or not isinstance(client_data, ClientData):
             return client_data
         self._check_mesh_clients(client_data.num_clients)
         return _sharding.shard_client_data(client_data, self.mesh)
 
     def _place_state(self, state):
-        """A FedMMState with ``V_clients`` along the client axis, the rest replicated."""
+        """A FedMMState with its tail average started (:meth:`_tail_started`) and ``V_clients`` along the client axis,
+        the rest replicated."""
+        state = self._tail_started(state)
         return state if self.mesh is None or state is None else _sharding.shard_fedmm_state(state, self.mesh)
+
+    @staticmethod
+    def _tail_started(state):
+        """``state`` with its tail average started at θ_t when it has none (a state written before
+        ``FedMMState.tail`` existed, e.g. an older checkpoint)."""
+        if isinstance(state, FedMMState) and state.tail is None:
+            return state._replace(tail=state.theta)
+        return state  # (a foreign state is refused by the state check, with its own message)
+
+    def output_iterate(self, state: FedMMState, which: str | None = None):
+        """θ of ``which`` (default ``output``): ``"last"`` θ_t, ``"tail"`` the polynomial-decay average."""
+        which = self.output if which is None else which
+        _check_output(which, "which")
+        return state.theta if which == "last" or state.tail is None else state.tail
+
+    def get_params(self, state: FedMMState, which: str | None = None):
+        """``to_params`` (e.g. NumPyro guide params for ``Predictive``) of the output iterate ``which`` (default
+        ``output``; :meth:`output_iterate`), or that iterate itself."""
+        theta = self.output_iterate(state, which)
+        return self.to_params(theta) if self.to_params is not None else theta
 
     def _prepare(self, data):
         """The clients' data: a :class:`~numpyro_fedvi.federated.ClientData` (``TypeError`` otherwise), converted and
@@ -385,6 +424,10 @@ class FedMM(_Engine):
                             "rows_1, ...]) for per-client arrays, or ClientData.from_ids(rows, client_ids)), got "
                             f"{type(data).__name__}.")
         return self._place_data(super()._prepare(data))
+
+    def stable_update(self, state: FedMMState, *args, **kwargs):
+        """Like ``update`` but keeps the old state when the loss or the new state is not finite."""
+        return super().stable_update(self._tail_started(state), *args, **kwargs)
 
     def update(self, state: FedMMState, client_data: ClientData):
         """One round; the loss is Σ_i μ_i objective_i(θ_t) over all rows every ``log_every`` rounds (the last value
@@ -408,7 +451,7 @@ class FedMM(_Engine):
         """``state`` has the entries and shapes ``init`` gives at these inputs: one control variate per client, each
         in the statistic's shapes (θ's with ``aggregate="parameter"``); a state written for another number of
         clients ran on silently (their rows of ``V_clients`` clamped or dropped)."""
-        client_data = self._data_of(inputs)
+        client_data, state = self._data_of(inputs), self._tail_started(state)
 
         def template():
             setup, s0 = self._statistic_like(state)
@@ -492,19 +535,33 @@ class FedMM(_Engine):
         ok = info["ok"] & jnp.isfinite(loss)
         return new._replace(objective=jnp.where(ok, loss, state.objective)), loss, ok
 
-    def evaluate(self, state: FedMMState, client_data: ClientData):
-        """``Σ_i μ_i objective_i(θ_t)`` over all rows."""
+    def evaluate(self, state: FedMMState, client_data: ClientData, which: str | None = None):
+        """``Σ_i μ_i objective_i(θ)`` over all rows at the output iterate ``which`` (default ``output``)."""
         if not self._has_objective():
             raise ValueError("this family has no objective to evaluate.")
         data = self._prepare(client_data)
         self._check_state(state, data)
-        return self._compiled("evaluate", self._evaluate)(self._place_state(state), data)
+        return self._compiled("evaluate", self._evaluate)(self._at_output(state, which), data)
+
+    def _at_output(self, state: FedMMState, which: str | None):
+        """The placed state with θ replaced by the output iterate ``which`` (what ``evaluate`` evaluates)."""
+        state = self._place_state(state)
+        return state._replace(theta=self.output_iterate(state, which))
 
     def _evaluate(self, state, inputs):
         objective = self._objective_fn(inputs)
         if objective is not None:
             return objective(state.theta)
         return full_objective(self._family_for(inputs), state.theta, self._data_of(inputs))
+
+
+_OUTPUTS = ("last", "tail")
+
+
+def _check_output(value, name="output"):
+    if value not in _OUTPUTS:
+        raise ValueError(f"{name} must be one of {_OUTPUTS} (the last server iterate θ_t, or its polynomial-decay "
+                         f"average), got {value!r}.")
 
 
 def _num_rows(data) -> int:
