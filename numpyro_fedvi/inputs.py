@@ -275,7 +275,9 @@ def check_state_like(state, template, engine: str, state_type: type | None = Non
                          "data of the same shapes split into the same clients / blocks.")
 
     if state_type is not None and not isinstance(state, state_type):
-        refuse(f"a {type(state).__name__}, where it runs on a {state_type.__name__}")
+        hint = (" (pass its .state: init_state=result.state)" if isinstance(getattr(state, "state", None), state_type)
+                else "")
+        refuse(f"a {type(state).__name__}{hint}, where it runs on a {state_type.__name__}")
     template = template() if callable(template) else template
     if type(state) is not type(template):
         refuse(f"a {type(state).__name__}, where it runs on a {type(template).__name__}")

@@ -189,6 +189,13 @@ def test_a_hand_built_client_data_whose_counts_disagree_with_its_mask_is_refused
     FedMM(GMM).init(random.key(0), ClientData(data, mask, GMM_CLIENTS.counts), S0)  # consistent: accepted
 
 
+def test_a_run_result_given_as_init_state_is_refused_with_the_fix():
+    result = FedMM(GMM).run(random.key(0), 2, GMM_CLIENTS, S0, progress_bar=False)
+    with pytest.raises(ValueError, match=r"a RunResult \(pass its .state: init_state=result.state\), where it runs on "
+                                         r"a FedMMState"):
+        FedMM(GMM).run(random.key(0), 2, GMM_CLIENTS, S0, init_state=result, progress_bar=False)
+
+
 def test_cv_step_above_its_bound_is_refused():
     with pytest.raises(ValueError, match=r"cv_step=0.9 exceeds its bound 1/\(1\+ω_p\) = 0.5 .*p = 0.5"):
         FedMM(GMM, cv_step=0.9, participation=FixedSize(2)).init(random.key(0), GMM_CLIENTS, S0)
