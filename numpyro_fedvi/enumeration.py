@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from numpyro import handlers
 from numpyro.infer.util import log_density, potential_energy
 
-from .inputs import merge_inputs, split_inputs
+from .inputs import merge_inputs, split_inputs, traced_data_note
 from .structure import is_factor
 
 __all__ = ["EnumInfo", "enum_info", "enum_info_of_trace", "log_density_fn", "pointwise_log_likelihood", "potential_fn"]
@@ -53,7 +53,8 @@ def read_abstract_trace(model, args, kwargs, read: Callable, provided: Mapping |
         found.append(read(handlers.trace(handlers.seed(model, 0)).get_trace(*args_, **kwargs_)))
         return 0
 
-    jax.eval_shape(trace, arrays)
+    with traced_data_note():
+        jax.eval_shape(trace, arrays)
     return found[0]
 
 

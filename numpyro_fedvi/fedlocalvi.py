@@ -478,6 +478,13 @@ class FedLocalVI:
             return vs.mirror_map(self.prox, state.anchor, z, state.step.astype(vs.float_dtype(z)) * self.step_size)
         return z
 
+    def _remedy(self) -> str:
+        """What the run's non-finite / diverging warnings advise (with ``step_size="auto"`` a smaller float step)."""
+        if self.auto_step:
+            return ("give a float step_size (η ≲ 1/L of the full-data negative ELBO: step_size='auto' diverged here) "
+                    "or fewer local_steps")
+        return "lower step_size (or leave step_size='auto')"
+
     def initial_state(self, z0, rng_key) -> vs.VIState:
         """The solver's initial state, its tail average at the initial (primal) iterate."""
         return self._tail_started(self.solver.init(z0, self.num_clients, rng_key))
@@ -723,7 +730,7 @@ class FedLocalVI:
                           early_stopping=early_stopping, stable_update=stable_update, chunk_size=chunk_size,
                           desc=f"{type(self).__name__}[{self.method}]",
                           cache=self.__dict__.setdefault("_run_cache", {}), objective_losses=True,
-                          remedy="lower step_size (or leave step_size='auto')")
+                          remedy=self._remedy())
         rounds = int(result.state.round)
         result.diagnostics["oracle_calls_per_client"] = rounds * self.local_steps * self.solver.calls_per_step
         return result

@@ -333,6 +333,28 @@ def merge_inputs(arrays, static):
                                                   for s in stat])
 
 
+# errors of a model that turns a traced data argument into a Python / NumPy value while the engines trace it
+_TRACED_DATA_ERRORS = (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError,
+                       jax.errors.TracerIntegerConversionError, jax.errors.TracerBoolConversionError)
+TRACED_DATA_NOTE = (
+    "numpyro_fedvi: the engines pass the model's array arguments to their compiled steps as traced values (the data "
+    "are not baked into the program; SVI.run closes over them as constants). A model that turns a data argument into "
+    "a Python or NumPy value while it runs (n = len(np.unique(group)), int(x.max()), `if x.sum() > 0`) must get that "
+    "value as an argument instead: compute it outside the model and pass it as a Python number, which the engines "
+    "keep static (e.g. model(group, y, num_groups=n)).")
+
+
+@contextlib.contextmanager
+def traced_data_note():
+    """Re-raise a model's tracer-conversion error with :data:`TRACED_DATA_NOTE` (what to change) attached."""
+    try:
+        yield
+    except _TRACED_DATA_ERRORS as err:
+        if TRACED_DATA_NOTE not in getattr(err, "__notes__", ()):
+            err.add_note(TRACED_DATA_NOTE)
+        raise
+
+
 class InputJit:
     """``fn(state, inputs)`` compiled once per static inputs and array shapes (``jax.jit`` with the non-array
     leaves of ``inputs`` static).  Call as ``compiled(state, inputs)``."""
@@ -347,8 +369,10 @@ class InputJit:
 
     def __call__(self, state, inputs):
         arrays, static = split_inputs(inputs)
-        return self._jit(state, arrays, static)
+        with traced_data_note():
+            return self._jit(state, arrays, static)
 
     def lower(self, state, inputs):
         arrays, static = split_inputs(inputs)
-        return self._jit.lower(state, arrays, static)
+        with traced_data_note():
+            return self._jit.lower(state, arrays, static)

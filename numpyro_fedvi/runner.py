@@ -25,7 +25,7 @@ from jax import lax
 from numpyro.infer.svi import SVIRunResult
 from tqdm.auto import tqdm
 
-from .inputs import merge_inputs, split_inputs
+from .inputs import merge_inputs, split_inputs, traced_data_note
 
 __all__ = ["EarlyStopping", "RunResult", "revert_non_finite", "run_loop", "tree_all_finite"]
 
@@ -294,7 +294,8 @@ def run_loop(
                 while done < num_steps:
                     due = [k for k, _ in hooks if k > done] + [done - done % k + k for k in every]
                     stop_at = jnp.asarray(min([done + per_chunk, num_steps] + due))
-                    running = chunk(carry, stop_at, arrays, static)
+                    with traced_data_note():
+                        running = chunk(carry, stop_at, arrays, static)
                     new_carry, chunk_losses, steps = finish(running)
                     carry, losses, running = new_carry, [*losses, chunk_losses], None  # one assignment: no signal check
                     bar.update(steps)

@@ -234,6 +234,13 @@ def test_determinism_resume_and_predictive():
     assert float(eng.evaluate(full.state)) == pytest.approx(float(full.losses[-1]), rel=1e-5)
 
 
+def test_divergence_advice_names_a_knob_the_user_has():
+    """With ``step_size="auto"`` the warnings advised "lower step_size (or leave step_size='auto')" — already so."""
+    cd, GUIDE = iid_clients(), constants().GUIDE
+    assert FedLocalVI(model, GUIDE, cd)._remedy().startswith("give a float step_size")
+    assert FedLocalVI(model, GUIDE, cd, step_size=0.01)._remedy() == "lower step_size (or leave step_size='auto')"
+
+
 def test_bad_inputs():
     cd, GUIDE = iid_clients(), constants().GUIDE
     ok = {"local_steps": 5, "step_size": 0.01}
