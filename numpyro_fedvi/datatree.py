@@ -389,6 +389,10 @@ def to_datatree(engine, result, *args, num_samples: int = 1000, rng_key=None, lo
         lp = _log_joint(model, args, kwargs, draws, info)
         log_w = np.asarray(lp - log_q, np.float64)
         stats_attrs["pareto_k"] = pareto_k_hat(log_w)
+        if all(np.ptp(np.asarray(v), axis=0).max(initial=0.0) == 0 for v in posterior.values()):
+            stats_attrs["pareto_k"] = float("nan")   # equal weights, but q is a point mass, not the posterior
+            stats_attrs["pareto_k_note"] = ("no k̂: every draw is the same point (a point-mass guide such as "
+                                            "AutoDelta), which has no density relative to the posterior.")
         groups = {"posterior": chain(posterior), "sample_stats": chain({"lp": lp, "log_q": log_q, "log_weight": log_w})}
     if observed:
         groups["observed_data"] = {k: np.asarray(v) for k, v in observed.items()}

@@ -366,6 +366,8 @@ def test_laplace_log_q_is_the_pushed_forward_gaussian_and_autodelta_stays_a_poin
     point = nfv.to_datatree(types.SimpleNamespace(model=scale_model, guide=AutoDelta(scale_model)),
                             {"mu_auto_loc": jnp.asarray(1.0), "s_auto_loc": jnp.asarray(1.0)}, X, num_samples=30)
     assert float(point.posterior["mu"].std()) == 0.0 and float(point.posterior["s"].std()) == 0.0
+    # equal weights, but not "q is the posterior": k̂ is undefined (it read -inf, the exact-posterior value)
+    assert np.isnan(point.sample_stats.attrs["pareto_k"]) and "point-mass" in point.sample_stats.attrs["pareto_k_note"]
     parts = AutoGuideList(scale_model)
     parts.append(AutoLaplaceApproximation(numpyro.handlers.block(scale_model, expose=["mu"])))
     with pytest.raises(NotImplementedError, match="inside an AutoGuideList"):
