@@ -382,9 +382,10 @@ class FedMM(_Engine):
             _sharding._check_divides(int(num_clients), self.mesh, "the number of clients")
 
     def _place_data(self, client_data):
-        """A ClientData with the client axis over the mesh."""
-        if isinstance(client_data, ClientData):
-            check_client_data(client_data, "the clients' ClientData")
+        """A ClientData, checked (once per object: an eager ``update`` loop passes the same one) and with the client
+        axis over the mesh."""
+        if isinstance(client_data, ClientData) and client_data is not self.__dict__.get("_checked_clients"):
+            self._checked_clients = check_client_data(client_data, "the clients' ClientData")
         if self.mesh is None or not isinstance(client_data, ClientData):
             return client_data
         self._check_mesh_clients(client_data.num_clients)
