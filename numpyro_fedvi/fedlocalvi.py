@@ -632,8 +632,7 @@ class FedLocalVI:
         # not taken; η halves and the counters move on
         finite = tree_all_finite(new.z) & tree_all_finite(new.control) & ~self.collapsed(state, new)
         new = self.with_tail(new)
-        precond = {**state.precond, "eta": state.precond["eta"] / 2}
-        kept = self.with_tail(state._replace(step=new.step, round=new.round, precond=precond))
+        kept = self.with_tail(self.halved_step(state)._replace(step=new.step, round=new.round))
 
         # the loss at the new state, or at the kept one when the round is not taken: ONE trace of the full-data
         # objective in a loop of at most two tries (a cond on the first value compiled it twice: +1.5 s)
@@ -649,6 +648,16 @@ class FedLocalVI:
         tries, value = jax.lax.while_loop(retry, attempt, (jnp.asarray(0), nan))
         ok = tries == 1
         return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, kept), value
+
+    @staticmethod
+    def halved_step(state: vs.VIState) -> vs.VIState:
+        """``step_size="auto"``'s answer to a round it does not take: η halved, and with it the control variates,
+        which live in the units of the preconditioned operator ``η D V`` (kept, they were 2^k too large after k
+        halvings and the next refresh multiplied them by η_new / η_halved: divorce regression with a Gamma q(σ),
+        clients' first local steps moved log-concentration by 39 and every later round was non-finite)."""
+        halve = lambda x: (x / 2).astype(x.dtype)  # noqa: E731
+        control = None if state.control is None else jax.tree.map(halve, state.control)
+        return state._replace(precond={**state.precond, "eta": halve(state.precond["eta"])}, control=control)
 
     def collapsed(self, old: vs.VIState, new: vs.VIState, structure: ModelStructure | None = None) -> jax.Array:
         """True when the round from ``old`` to ``new`` moved an element of a positive guide param (constrained to

@@ -381,19 +381,27 @@ class _FedLocalVIClient:
         h, presync = (saved["h"], saved["presync"]) if saved else (_zeros(self.z_template), None)
         presync_round = int(state[_META]["round"]) if saved else -1   # -1: no presync value to use
         rescaled = int(state[_META].get("rescaled-round", -1)) if saved else -1
+        control_eta = float(state[_META].get("control-eta", math.nan)) if saved else math.nan
         if phase == 0 and presync_round >= 0 and int(b["round"]) == presync_round + 1:
             # Scaffnew's step with the server's average of the round this client's presync value came from
             h = vs.control_update(h, presync, b["z"], e.local_steps, e.step_size, e.control_step, b.get("offset"))
             presync_round = -1   # taken: a repeated phase 0 (a skipped round) does not take it twice
-        if phase == 0 and int(cfg.get("rescale", 0)) and e.drift_correction and rescaled != int(b["round"]):
+        rescale = phase == 0 and int(cfg.get("rescale", 0)) and e.drift_correction and rescaled != int(b["round"])
+        if phase == 0 and e.auto_step and math.isfinite(control_eta):
+            # h lives in the units of η D V: the rounds the server did not take since h was last expressed halved η,
+            # and h with them (FedLocalVI.halved_step); a refresh's old η is the halved one
+            target = b["old_eta"] if rescale else b["eta"]
+            h = jax.tree.map(lambda x: (x * (target / control_eta)).astype(x.dtype), h)
+        if rescale:
             # the refresh after the previous round (in process: after its Scaffnew step), once per round
             h, rescaled = self.rescale((b, h, i), self.inputs), int(b["round"])
+        meta = {"rescaled-round": rescaled, "control-eta": float(b["eta"]) if e.auto_step else math.nan}
         h_used = h if e.drift_correction else None
         if phase == 0 and self.base.halves is not None:
             carry, x = self.first_half((b, h_used, i), self.inputs)
             state[_CARRY] = to_record(carry)
             _save(state, {"h": h, "presync": _zeros(self.z_template) if presync is None else presync},
-                  {"round": presync_round, "carry-round": int(b["round"]), "rescaled-round": rescaled})
+                  {"round": presync_round, "carry-round": int(b["round"]), **meta})
             return {"x": x}, {}
         if phase == 1:
             if _CARRY not in state or int(state[_META]["carry-round"]) != int(b["round"]):
@@ -402,8 +410,7 @@ class _FedLocalVIClient:
             z, output = self.second_half((b, h_used, i, carry), self.inputs)
         else:
             z, output = self.round((b, h_used, i), self.inputs)
-        _save(state, {"h": h, "presync": z},
-              {"round": int(b["round"]), "carry-round": -1, "rescaled-round": rescaled})
+        _save(state, {"h": h, "presync": z}, {"round": int(b["round"]), "carry-round": -1, **meta})
         return {"z": z, "output": output}, {}
 
     def evaluate(self, i, b, cfg, state):

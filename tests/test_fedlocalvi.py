@@ -376,6 +376,11 @@ def test_auto_step_refreshes_rejects_non_finite_rounds_and_resumes_bitwise():
     assert float(new.precond["eta"]) == float(np.float32(1e30) / 2)
     for a, b in zip(jax.tree.leaves(new.z), jax.tree.leaves(blown.z)):
         assert np.array_equal(np.asarray(a), np.asarray(b))
+    # the control variates live in the units of η D V: they halve with η (kept, they were 2^k too large after k
+    # refused rounds, and a refresh then multiplied them by η_new / η_halved: a divorce regression diverged)
+    assert any(np.any(np.asarray(c) != 0) for c in jax.tree.leaves(blown.control))
+    for a, b in zip(jax.tree.leaves(new.control), jax.tree.leaves(blown.control)):
+        assert np.array_equal(np.asarray(a), np.asarray(b) / 2)
 
 
 def test_auto_step_does_not_take_a_round_that_collapses_a_positive_param(monkeypatch):

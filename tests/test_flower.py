@@ -381,6 +381,12 @@ def test_fedlocalvi_default_step_size_over_flower_equals_in_process():
     assert int(strategy.state.round) == 4 and float(strategy.state.precond["eta"]) == eta / 4
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(strategy.state.z), jax.tree.leaves(z_before)))
     assert strategy.result().diagnostics["skipped_steps"] == 2   # the two rounds not taken (it said 0)
+    # each client's h halved with η at each round not taken (h lives in the units of η D V, as in process)
+    grid.send_and_receive(strategy.configure_train(5, None, None, grid))
+    for m, ctx in enumerate(grid.contexts.values()):
+        h = flower.from_record(ctx.state["numpyro_fedvi.state"], {"h": template, "presync": template})["h"]
+        for a, b in zip(jax.tree.leaves(h), jax.tree.leaves(jax.tree.map(lambda c: c[m] / 4, state.control))):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.slow   # 54 s
