@@ -452,8 +452,14 @@ def inspect_model(
         if not stale:
             raise
     if stale:
+        before = dict(vars(guide))
         reset_prototype(guide)
-        guide_trace, model_trace = _traces(model, guide, model_key, guide_key, args, kwargs, init_params)
+        try:
+            guide_trace, model_trace = _traces(model, guide, model_key, guide_key, args, kwargs, init_params)
+        except Exception:  # the user's guide stays set up as it was (else Predictive set it up under its vmap later:
+            vars(guide).clear()  # {} once, then JAX's UnexpectedTracerError, after a run(..., yy=y) typo)
+            vars(guide).update(before)
+            raise
 
     warn_discrete_latents(model_trace, loss, engine)
     if block_oracle:

@@ -597,3 +597,24 @@ def test_a_python_list_of_ids_is_an_id_array():
                                   np.asarray(as_array.indices))
     with pytest.raises(ValueError, match=r"got ids \[0, 10, 20, 30\]\); relabel with np.unique"):
         make_partitions(12, partitions=(10 * ids).tolist())
+
+
+def test_a_failed_setup_at_other_inputs_leaves_the_guide_as_it_was():
+    """A guide set up at other inputs is set up again; when that fails (a model call that raises: a misspelled keyword
+    of a second run) the user's guide keeps its prototype, and Predictive still draws from it (a guide left without
+    one was set up inside Predictive's vmap: ``{}``, then JAX's UnexpectedTracerError)."""
+    from numpyro.infer import Predictive
+
+    def model(x, y=None):
+        a = numpyro.sample("a", dist.Normal(0.0, 5.0))
+        with numpyro.plate("data", x.shape[0]):
+            numpyro.sample("y", dist.Normal(a * x, 1.0), obs=y)
+
+    guide = AutoNormal(model)
+    inspect_model(model, guide, random.key(0), (X[:6], X[:6]))
+    prototype = guide.prototype_trace
+    with pytest.raises(TypeError, match="yy"):   # 12 rows: the 6-row prototype is stale, set up again, which fails
+        inspect_model(model, guide, random.key(0), (X,), {"yy": X})
+    assert guide.prototype_trace is prototype
+    draws = Predictive(model, guide=guide, num_samples=3)(random.key(1), X[:4])
+    assert draws["y"].shape == (3, 4)
