@@ -1366,12 +1366,20 @@ def make_server_app(strategy, num_rounds: int):
     return app
 
 
+def _not_run_simulation_notice(record: logging.LogRecord) -> bool:
+    """Drops Flower 1.42's notice that ``run_simulation`` is deprecated for the ``flwr run`` CLI: it is Flower's only
+    Python API of its simulation engine (``flwr run`` runs a project directory), and a deployment runs
+    :func:`make_server_app` / the client app on Flower's SuperLink and SuperNodes instead."""
+    return "`run_simulation` function is deprecated" not in record.getMessage()
+
+
 def simulate(strategy, client_app, num_rounds: int, *, backend_config: dict | None = None,
              verbose: bool = False) -> RunResult:
     """Run ``num_rounds`` rounds on Flower's simulation engine (Ray) with one node per client, offline: loopback
     only, Flower and Ray telemetry off, :data:`LOCAL_SIMULATION` resources by default.  Returns
     ``strategy.result()``.  ``verbose=False`` (default) keeps Flower's log to warnings (its strategy logs a few
-    lines per round at INFO: 1,622 lines for a 400-round run); ``True`` shows it, with Flower's debug log."""
+    lines per round at INFO: 1,622 lines for a 400-round run) and drops its notice that ``run_simulation`` is
+    deprecated (:func:`_not_run_simulation_notice`); ``True`` shows all of it, with Flower's debug log."""
     from flwr.simulation import run_simulation
 
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
@@ -1380,12 +1388,14 @@ def simulate(strategy, client_app, num_rounds: int, *, backend_config: dict | No
     level = flwr_log.level
     if not verbose:
         flwr_log.setLevel(logging.WARNING)
+        flwr_log.addFilter(_not_run_simulation_notice)
     try:
         run_simulation(make_server_app(strategy, num_rounds), client_app, num_supernodes=strategy.num_clients,
                        backend_config=LOCAL_SIMULATION if backend_config is None else backend_config,
                        verbose_logging=verbose)
     finally:
         flwr_log.setLevel(level)
+        flwr_log.removeFilter(_not_run_simulation_notice)
     if len(strategy.losses) < num_rounds:
         raise RuntimeError(f"the simulation ended after {len(strategy.losses)} of {num_rounds} rounds (see Flower's "
                            "log above).")
