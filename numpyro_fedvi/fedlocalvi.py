@@ -655,7 +655,9 @@ class FedLocalVI:
         which live in the units of the preconditioned operator ``η D V`` (kept, they were 2^k too large after k
         halvings and the next refresh multiplied them by η_new / η_halved: divorce regression with a Gamma q(σ),
         clients' first local steps moved log-concentration by 39 and every later round was non-finite)."""
-        halve = lambda x: (x / 2).astype(x.dtype)  # noqa: E731
+        def halve(x):
+            return (x / 2).astype(x.dtype)
+
         control = None if state.control is None else jax.tree.map(halve, state.control)
         return state._replace(precond={**state.precond, "eta": halve(state.precond["eta"])}, control=control)
 

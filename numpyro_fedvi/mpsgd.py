@@ -46,9 +46,10 @@ from .inputs import (
     shapes_noted,
     split_inputs,
 )
+from .objectives import without_imputed_entries
 from .runner import EarlyStopping, RunResult, revert_non_finite, run_loop, tree_all_finite
 from .schedules import batch_growth, constant, dynamic_batching, theorem4
-from .structure import observation_plates
+from .structure import imputation_sites, observation_plates
 from .whitening import WhitenedState, make_whitened_step, project_scale, whitened_init, whitened_params
 
 THEORY_STEP_WARN = 1e4  # (theory) a float step_size above THEORY_STEP_WARN / L is warned about (1/(2L): theory)
@@ -344,10 +345,13 @@ class MPSGD:
         model's own draws, e.g. its plate's minibatch), with the enumerated discrete sites that the guide does not
         sample summed out (:mod:`~numpyro_fedvi.enumeration`, found at set-up)."""
         kwargs = {**kwargs, **self.static_kwargs}
-        energy = potential_fn(self._enum)
+        info, imputed = self._enum
+        energy = potential_fn(info)
+        # obs_mask's entries at observed rows: a standard density (the joint latent cannot leave them out)
+        model = without_imputed_entries(self.model, self.guide, imputed, True)[0]
 
         def potential(x, key):
-            return energy(handlers.seed(self.model, key), args, kwargs, self.guide._unpack_latent(x))
+            return energy(handlers.seed(model, key), args, kwargs, self.guide._unpack_latent(x))
 
         return potential
 
@@ -371,20 +375,21 @@ class MPSGD:
         return cache[key]
 
     def _enum_info(self, args, kwargs):
-        """The model's enumerated sites that the guide does not sample (:mod:`~numpyro_fedvi.enumeration`): one
-        abstract trace per input shapes at the guide's initial point (constrained: an ``ImproperUniform`` latent has
-        no sampler), cached on the engine.  A guide whose latent vector is not the model's latents (built for another
-        model: a latent it lacks was drawn from its prior at every step, one it has only entered the entropy) is
-        refused there."""
+        """``(EnumInfo, imputation sites)``: the model's enumerated sites that the guide does not sample
+        (:mod:`~numpyro_fedvi.enumeration`) and its ``obs_mask`` imputation sites
+        (:func:`~numpyro_fedvi.structure.imputation_sites`), from one abstract trace per input shapes at the guide's
+        initial point (constrained: an ``ImproperUniform`` latent has no sampler), cached on the engine.  A guide
+        whose latent vector is not the model's latents (built for another model: a latent it lacks was drawn from its
+        prior at every step, one it has only entered the entropy) is refused there."""
         key = self._shapes_key(args, kwargs)
         cache = self.__dict__.setdefault("_enum_cache", {})
         if key not in cache:
             proto, unc = self.guide.prototype_trace, self.guide._unpack_latent(self._init_loc)
             init = {n: biject_to(proto[n]["fn"].support)(v) for n, v in unc.items()}
-            info, latent = read_abstract_trace(
+            info, latent, imputed = read_abstract_trace(
                 self.model, args, {**kwargs, **self.static_kwargs},
                 lambda tr: (enum_info_of_trace(tr, init), {n for n, site in tr.items() if site["type"] == "sample"
-                                                           and not site["is_observed"]}), init)
+                                                           and not site["is_observed"]}, imputation_sites(tr)), init)
             missing, extra = sorted(latent - set(init) - set(info.names)), sorted(set(init) - latent)
             if missing or extra:
                 raise ValueError(
@@ -393,7 +398,7 @@ class MPSGD:
                     f"{'; ' if missing and extra else ''}{f'guide sites not in the model: {extra}' if extra else ''}. "
                     "Build it on the model the engine runs: MPSGD(model, AutoLocationScale(model)); a discrete latent "
                     "is summed out when marked infer={'enumerate': 'parallel'}.")
-            cache[key] = info
+            cache[key] = info, imputed
         return cache[key]
 
     def _warn_per_datum_latents(self):

@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpyro.distributions as dist
 from jax import random
 from numpyro import handlers
 from numpyro.distributions import constraints
@@ -108,6 +109,14 @@ class ModelStructure:
     #: latent sites ``y_unobserved`` that numpyro's ``obs_mask=`` adds next to ``y_observed``: their entries at
     #: observed rows are masked out of the model's density and never used (see :func:`imputation_sites`)
     imputed_sites: tuple[str, ...] = ()
+    #: the guide draws them inside a joint latent (a ``Delta`` site: ``AutoMultivariateNormal``), whose density
+    #: cannot leave their masked-out entries out (``objectives.without_imputed_entries``)
+    imputed_jointly: bool = False
+
+    @property
+    def imputation(self) -> tuple[tuple[str, ...], bool]:
+        """``(imputed_sites, imputed_jointly)``: what ``objectives.without_imputed_entries`` takes."""
+        return self.imputed_sites, self.imputed_jointly
 
     @property
     def global_names(self) -> tuple[str, ...]:
@@ -307,6 +316,21 @@ def imputation_sites(model_trace) -> tuple[str, ...]:
     return tuple(out)
 
 
+def check_guide_sites_in_model(guide_trace, model_trace, engine: str) -> None:
+    """Refuse a guide that draws sample sites the model does not have (auxiliary sites such as an AutoContinuous
+    guide's ``_auto_latent`` aside): a guide built for another model, whose ELBO NumPyro only warns about ("Found
+    vars in model but not guide") while the model's own latents are drawn from their prior at every step (FedSVI ran
+    such a guide 50 rounds at a constant −ELBO and reported "completed")."""
+    extra = sorted(n for n, s in guide_trace.items() if s["type"] == "sample" and not s["infer"].get("is_auxiliary")
+                   and n not in model_trace)
+    if extra:
+        latent = sorted(n for n, s in model_trace.items() if s["type"] == "sample" and not s["is_observed"]
+                        and n not in guide_trace)
+        raise ValueError(f"{engine}: the guide draws site(s) {extra} that the model does not have"
+                         f"{f', and the model latent(s) {latent} are not in the guide' if latent else ''}: a guide "
+                         "built for another model? Build it on the model the engine runs, e.g. AutoNormal(model).")
+
+
 def warn_discrete_latents(model_trace, loss, engine: str) -> None:
     """NumPyro SVI's warning, for every engine: a discrete latent site that ``loss`` cannot marginalise (e.g.
     ``Trace_ELBO`` on a mixture whose assignment is enumerated; ``TraceEnum_ELBO`` can)."""
@@ -462,6 +486,7 @@ def inspect_model(
             raise
 
     warn_discrete_latents(model_trace, loss, engine)
+    check_guide_sites_in_model(guide_trace, model_trace, engine)
     if block_oracle:
         warn_score_function_sites(guide_trace, engine)
     plates = _plates(guide_trace, model_trace)
@@ -548,7 +573,19 @@ def inspect_model(
             init_global.pop(name, None)
     if block_oracle and init_local:
         check_blocks_separate(model, model_trace, args, kwargs, plate.name, engine)
-    return ModelStructure(infos, plate, init_global, init_local, trees, imputation_sites(model_trace))
+    imputed = imputation_sites(model_trace)
+    return ModelStructure(infos, plate, init_global, init_local, trees, imputed,
+                          any(drawn_jointly(guide_trace, n) for n in imputed))
+
+
+def drawn_jointly(guide_trace, name: str) -> bool:
+    """Whether the guide gives site ``name`` as a ``Delta`` (a value unpacked from a joint latent, as every
+    ``AutoContinuous`` guide does): its density is then the joint latent's, not the site's."""
+    site = guide_trace.get(name)
+    fn = site["fn"] if site is not None and site["type"] == "sample" else None
+    while isinstance(fn, (dist.MaskedDistribution, dist.Independent)):
+        fn = fn.base_dist
+    return isinstance(fn, dist.Delta)
 
 
 def _tree_leaves(name: str, value, tree) -> dict[str, Any]:
@@ -581,6 +618,13 @@ def inspect_global_model(engine: str, model, guide, rng_key, args, kwargs, *, da
     engine in the errors): no param inside the data plate, and at least one param to optimise."""
     structure = inspect_model(model, guide, rng_key, args, kwargs, data_plate=data_plate, init_params=init_params,
                               loss=loss, engine=engine)
+    imputed = [s for s in structure.imputed_sites if any(n.startswith(s) for n in structure.local_names)]
+    if imputed:
+        raise ValueError(f"{engine} supports guides with global params only; the model's obs_mask= makes the missing "
+                         f"observations per-datum latents {imputed} (imputed), whose params "
+                         f"{list(structure.local_names)} live inside the data plate {structure.data_plate.name!r}. Fit "
+                         "the rows whose observations are present (the posterior of the other latents is the same when "
+                         "the missing values enter nothing else), or use PDVI, which keeps per-datum latents.")
     if structure.local_names:
         raise ValueError(f"{engine} supports guides with global params only; local params "
                          f"{list(structure.local_names)} live inside the data plate {structure.data_plate.name!r} "

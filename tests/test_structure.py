@@ -618,3 +618,25 @@ def test_a_failed_setup_at_other_inputs_leaves_the_guide_as_it_was():
     assert guide.prototype_trace is prototype
     draws = Predictive(model, guide=guide, num_samples=3)(random.key(1), X[:4])
     assert draws["y"].shape == (3, 4)
+
+
+def test_a_guide_built_for_another_model_is_refused_naming_the_sites():
+    """A guide with a sample site the model lacks (built for another model) is refused, naming it and the model's
+    latents it leaves to their prior (NumPyro only warns; FedSVI ran 50 rounds at a constant loss, "completed"); an
+    AutoContinuous guide's auxiliary ``_auto_latent`` is no such site."""
+    from numpyro.infer.autoguide import AutoMultivariateNormal
+
+    def model(x):
+        a = numpyro.sample("a", dist.Normal(0.0, 5.0))
+        with numpyro.plate("data", x.shape[0]):
+            numpyro.sample("y", dist.Normal(a, 1.0), obs=x)
+
+    def other(x):
+        c = numpyro.sample("c", dist.Normal(0.0, 1.0))
+        with numpyro.plate("data", x.shape[0]):
+            numpyro.sample("y", dist.Normal(c, 1.0), obs=x)
+
+    with pytest.raises(ValueError, match=r"PDVI: the guide draws site\(s\) \['c'\].*latent\(s\) \['a'\] are not in"):
+        inspect_model(model, AutoNormal(other), random.key(0), (X,), engine="PDVI")
+    assert inspect_model(model, AutoMultivariateNormal(model), random.key(0), (X,)).global_names == (
+        "auto_loc", "auto_scale_tril")
