@@ -633,8 +633,10 @@ def make_client_app(engine, data_fn: Callable, *, stat_template=None):
     @app.query()
     def query(msg, context):
         cfg = msg.content["config"]
-        if "num-total" not in cfg:   # the set-up handshake
+        if "num-total" not in cfg:   # the set-up handshake (the server's first broadcast must fit this client)
             i, c = setup(context)
+            if "broadcast" in msg.content:
+                _received(msg, c.broadcast_template, i)
             return Message(RecordDict({"meta": ConfigRecord({"partition-id": i, "num-rows": c.num_rows})}),
                            reply_to=msg)
         i, c = setup(context, int(cfg["num-total"]), int(cfg["num-clients"]))
@@ -757,12 +759,16 @@ class _EngineStrategy(_strategy_base()):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"only {len(node_ids)} of {self.num_clients} nodes came up within {timeout} s.")
             time.sleep(0.1)
-        messages = [Message(RecordDict({"config": ConfigRecord({})}), message_type=MessageType.QUERY, dst_node_id=n)
-                    for n in node_ids]
-        counts = {}
+        # with the first broadcast: each client decodes it against its own model, so data of other shapes (another
+        # number of covariates) are refused here, naming the client, not at every round
+        payload = to_record(self._broadcast())
+        messages = [Message(RecordDict({"config": ConfigRecord({}), "broadcast": payload}),
+                            message_type=MessageType.QUERY, dst_node_id=n) for n in node_ids]
+        counts, failed = {}, []
         for reply in grid.send_and_receive(messages, timeout=timeout):
             if reply.has_error():
                 log.warning("node %s failed the handshake: %s", reply.metadata.src_node_id, reply.error.reason)
+                failed.append(f"node {reply.metadata.src_node_id}: {reply.error.reason}")
                 continue
             meta = reply.content["meta"]
             i = int(meta["partition-id"])
@@ -770,7 +776,7 @@ class _EngineStrategy(_strategy_base()):
         missing = sorted(set(range(self.num_clients)) - set(counts))
         if missing:
             raise RuntimeError(f"clients {missing} did not answer the handshake (their row counts fix the weights "
-                               "μ_i = N_i/N of every client).")
+                               f"μ_i = N_i/N of every client){'; ' + ' | '.join(failed) if failed else '.'}")
         self._client_of = {node: i for i, node in self.nodes.items()}
         self.counts = np.asarray([counts[i] for i in range(self.num_clients)], np.int32)
         self.weights = np.asarray(client_weights(self.counts))
