@@ -105,14 +105,15 @@ def _params(result):
     return params
 
 
-def _check_params_cover_guide(guide, params, args, kwargs) -> None:
+def _check_params_cover_guide(guide, params, args, kwargs, who: str = "to_datatree") -> None:
     """Every ``param`` site of the guide has a value in ``params``: a missing one was drawn at the guide's INITIAL
-    value, silently (a Flower PD-VI result holds the global params only: per-datum ones stay on the clients)."""
+    value, silently (a Flower PD-VI result holds the global params only: per-datum ones stay on the clients).  Its
+    concrete run also sets an AutoGuide up outside any trace (a fresh one failed inside ``lax.map``)."""
     tr = handlers.trace(handlers.seed(handlers.substitute(full_data(guide), data=params), 0)).get_trace(*args,
                                                                                                         **kwargs)
     missing = sorted(n for n, site in tr.items() if site["type"] == "param" and n not in params)
     if missing:
-        raise ValueError(f"to_datatree: the result has no values for the guide's params {missing} (it has "
+        raise ValueError(f"{who}: the result has no values for the guide's params {missing} (it has "
                          f"{sorted(params)}); they would be drawn at their initial values. Pass a result holding "
                          "every guide param (a federated PD-VI result over Flower keeps the per-datum params on the "
                          "clients).")
@@ -255,6 +256,7 @@ def importance_log_weights(model, guide, params, draws, args=(), kwargs=None):
     in their traces instead.  An ``AutoLaplaceApproximation`` scores its Laplace approximation (module docstring).
     """
     kwargs = dict(kwargs or {})
+    _check_params_cover_guide(guide, params, args, kwargs, "importance_log_weights")
     model, guide_f = _without_imputed_entries(model, _posterior_guide(model, guide, params, args, kwargs), params,
                                               args, kwargs)
     log_q = jax.lax.map(lambda d: log_density(guide_f, args, kwargs, {**params, **d})[0], draws)
