@@ -23,6 +23,7 @@ problem, so LocalSGD (FedAvg) is already rate-optimal here (Thm 6); the others m
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 
 import jax
@@ -73,6 +74,10 @@ STEP_SCALE = 0.25
 # later round was refused and the run ended at -ELBO 158 (31 at the optimum); a converged Bernoulli probability
 # jumped from 1 - 1e-7 to 1e-38 after the refresh of round 512.  Moves that large are never progress: a factor e^10
 MAX_LOG_MOVE = 10.0
+# step_size="auto": a run whose last STUCK_ROUNDS losses (at a fixed key) are all one value took none of those rounds
+# (every round is then non-finite or collapsing, and η halves towards 0 between refreshes): warned about.  A converged
+# run's loss still moves in its last digits (divorce regression, 3,000 default rounds: no such window in 2 x 2,980)
+STUCK_ROUNDS = 20
 NON_FINITE_INITIAL_ESTIMATE = ("step_size='auto': the curvature estimate at the initial params is not finite (check "
                                "the model's log density there, or init_params=); pass a float step_size to run "
                                "without it.")
@@ -744,4 +749,18 @@ class FedLocalVI:
                           remedy=self._remedy())
         rounds = int(result.state.round)
         result.diagnostics["oracle_calls_per_client"] = rounds * self.local_steps * self.solver.calls_per_step
+        if self.auto_step:
+            self._warn_if_stuck(np.asarray(result.losses), result.state)
         return result
+
+    def _warn_if_stuck(self, losses: np.ndarray, state: vs.VIState) -> None:
+        """Warn when the last :data:`STUCK_ROUNDS` losses are one finite value: ``step_size="auto"`` took none of
+        those rounds (each left non-finite values or collapsed a positive param; the loss is the one at the kept
+        iterate), so the run is stuck where it is (it reported "completed" silently)."""
+        tail = losses[-STUCK_ROUNDS:]
+        if len(tail) == STUCK_ROUNDS and np.all(np.isfinite(tail)) and np.ptp(tail) == 0:
+            warnings.warn(f"{type(self).__name__}: none of the last {STUCK_ROUNDS} rounds was taken (each left "
+                          "non-finite values or moved a positive param by more than a factor e^10; the loss stayed "
+                          f"{float(tail[-1]):.6g} and step_size='auto' halved η to {float(state.precond['eta']):.3g}"
+                          f"): the run is stuck. {self._remedy()[0].upper() + self._remedy()[1:]}, or check the "
+                          "model's log density at get_params(result.state).", RuntimeWarning, stacklevel=3)

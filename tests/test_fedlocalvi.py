@@ -9,6 +9,7 @@ identical clients = one client with the pooled rows; determinism; resume = unint
 """
 
 import functools
+import warnings
 from types import SimpleNamespace
 
 import jax
@@ -412,6 +413,14 @@ def test_auto_step_does_not_take_a_round_that_collapses_a_positive_param(monkeyp
     assert int(new.round) == int(start.round) + 1
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(new.z), jax.tree.leaves(start.z)))
     np.testing.assert_allclose(float(loss), float(strict.evaluate(start)), rtol=1e-5)
+    # a run that takes none of its last STUCK_ROUNDS rounds says so (it reported "completed" silently)
+    with pytest.warns(RuntimeWarning, match="none of the last 20 rounds was taken"):
+        stuck = strict.run(random.key(0), fl.STUCK_ROUNDS, progress_bar=False)
+    assert np.ptp(np.asarray(stuck.losses)) == 0
+    monkeypatch.undo()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        engine.run(random.key(0), fl.STUCK_ROUNDS, progress_bar=False)   # rounds taken: no warning
 
 
 def test_power_method_finds_the_largest_preconditioned_eigenvalue():
