@@ -294,6 +294,11 @@ def check_state_like(state, template, engine: str, state_type: type | None = Non
         if tuple(np.shape(leaf)) != tuple(np.shape(like)):
             refuse(f"state{jax.tree_util.keystr(path)} has shape {tuple(np.shape(leaf))}, where this engine's has "
                    f"{tuple(np.shape(like))}")
+        have, need = jnp.result_type(leaf), jnp.result_type(like)
+        if jnp.issubdtype(need, jnp.floating) and have != need:  # a float32 state in an x64 run: JAX's carry error
+            raise ValueError(f"state{jax.tree_util.keystr(path)} is {have}, where this {engine} runs "
+                             f"{need}: a state written {'without' if need == jnp.float64 else 'with'} "
+                             "numpyro.enable_x64(). Resume in a process of the precision that wrote it.")
 
 
 class _Dynamic:

@@ -255,8 +255,10 @@ def run_loop(
     if chunk_size is None:  # steps between host syncs; the compiled buffer is fixed, so no recompile per num_steps
         buffer = _CHUNK_BUFFER
         per_chunk = min(math.ceil(num_steps / 50), buffer) if chunked else buffer
-    else:
-        buffer = per_chunk = int(max(1, chunk_size))
+    elif isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive integer or None, got {chunk_size!r}.")
+    else:  # (each chunk_size compiles its own loop)
+        buffer = per_chunk = int(chunk_size)
     key = (step_fn, buffer, early_stopping, bool(stable_update))
     cache = {} if cache is None else cache
     compiling = key not in cache  # the bar says so while the first chunk compiles (seconds to a minute)

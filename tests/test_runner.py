@@ -86,6 +86,13 @@ def test_num_steps_must_be_positive_integer(num_steps):
         run_loop(gd_step, init_state(), num_steps, get_params=ident, progress_bar=False)
 
 
+@pytest.mark.parametrize("chunk_size", [0, -5, 2.5, True])
+def test_chunk_size_must_be_positive_integer(chunk_size):
+    """(0 and -5 ran as 1 and 2.5 as 2, silently)"""
+    with pytest.raises(ValueError, match="chunk_size must be a positive integer or None"):
+        run_loop(gd_step, init_state(), 10, get_params=ident, progress_bar=False, chunk_size=chunk_size)
+
+
 def test_early_stopping_triggers_with_rule_as_documented():
     es = EarlyStopping(rtol=1e-3, patience=5, decay=0.9, min_steps=20)
     res = run_loop(gd_step, init_state(), 2000, get_params=ident, progress_bar=True, early_stopping=es)

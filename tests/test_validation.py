@@ -417,3 +417,21 @@ def test_a_model_that_turns_its_data_into_numpy_is_told_what_to_change():
             make().run(random.key(0), 2, g, y, progress_bar=False)
         assert any("pass it as a Python number, which the engines keep static" in n
                    for n in getattr(caught.value, "__notes__", ())), name
+
+
+def test_a_state_of_another_float_precision_is_refused_naming_x64():
+    """A float32 state (a checkpoint written without x64) given to a run under ``enable_x64``: refused naming the
+    entry and the precision (PD-VI, FedLocalVI and RobustFedVI failed inside JAX's loop with a carry-type error;
+    FedSVI and MPSGD ran on in float32); integer counters are not compared."""
+    import jax
+
+    from numpyro_fedvi.inputs import check_state_like
+
+    with jax.enable_x64(True):
+        template = {"loc": jnp.zeros(2), "step": jnp.asarray(0, jnp.int32)}
+        check_state_like({"loc": jnp.zeros(2), "step": jnp.asarray(3, jnp.int32)}, template, "PDVI")
+        with pytest.raises(ValueError, match=r"state\['loc'\] is float32, where this PDVI runs float64: a state "
+                                             r"written without numpyro.enable_x64\(\)"):
+            check_state_like({"loc": jnp.zeros(2, jnp.float32), "step": jnp.asarray(3, jnp.int32)}, template, "PDVI")
+        with pytest.raises(ValueError, match="written with numpyro.enable_x64"):
+            check_state_like({"loc": jnp.zeros(2)}, {"loc": jnp.zeros(2, jnp.float32)}, "MPSGD")
