@@ -243,7 +243,8 @@ def run_loop(
 
     Ctrl-C returns the state and losses reached with ``stop_reason="interrupted"``: the running chunk finishes
     first (at most ``chunk_size`` steps), so host-side effects of its steps (PD-VI's ``local_table="host"``, written
-    in place) are those of the returned state; a second Ctrl-C stops at once and drops the running chunk (warned).
+    in place) are those of the returned state; a second Ctrl-C drops the running chunk (warned) and returns the state
+    before it (on CPU once that chunk is done: the params wait for the device).
     A ``KeyboardInterrupt`` raised by a callback stops the run the same way.
     """
     if isinstance(num_steps, bool) or not isinstance(num_steps, (int, np.integer)) or num_steps < 1:
