@@ -451,3 +451,19 @@ def test_load_errors(tmp_path, monkeypatch):
     monkeypatch.undo()
     with pytest.raises(TypeError, match="dict key"):
         nfv.save(tmp_path / "k", {(1, 2): jnp.ones(1)})
+
+
+def test_an_x64_checkpoint_loaded_without_x64_warns_once_naming_the_precision(tmp_path):
+    """A checkpoint written under ``enable_x64`` and loaded in a 32-bit process: ONE warning that names the cause
+    (it was 15-35 identical JAX truncation warnings, one per leaf); the arrays come back as 32-bit values."""
+    import warnings
+
+    with jax.enable_x64(True):
+        nfv.save(tmp_path / "x64", {"a": jnp.arange(3.0), "b": jnp.ones(2), "n": jnp.asarray(7)})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        back = nfv.load(tmp_path / "x64")
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 1 and "written with numpyro.enable_x64() (float64, int64 arrays)" in messages[0], messages
+    assert back["a"].dtype == jnp.float32 and back["n"].dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(back["a"]), [0.0, 1.0, 2.0])
