@@ -305,7 +305,7 @@ def load(path: str | os.PathLike) -> Any:
                                   f"({type(err).__name__}: {reason}; the full error is chained).") from err
         arrays = arrays["arrays"]
     wide = sorted({node["dtype"] for node in leaves.values() if node["kind"] not in ("numpy", "np_scalar")
-                   and jnp.dtype(node["dtype"]).itemsize == 8 and jnp.dtype(node["dtype"]).kind in "fiuc"})
+                   and node["dtype"] in ("float64", "int64", "uint64", "complex128")})
     if wide and not jax.config.jax_enable_x64:  # one warning naming the cause, not JAX's per leaf (15-35 of them)
         warnings.warn(f"{path} was written with numpyro.enable_x64() ({', '.join(wide)} arrays); this process runs "
                       "without it, so they load truncated to 32 bits (a resume then runs in float32). Call "
