@@ -306,14 +306,13 @@ def load(path: str | os.PathLike) -> Any:
         arrays = arrays["arrays"]
     wide = sorted({node["dtype"] for node in leaves.values() if node["kind"] not in ("numpy", "np_scalar")
                    and node["dtype"] in ("float64", "int64", "uint64", "complex128")})
-    if wide and not jax.config.jax_enable_x64:  # one warning naming the cause, not JAX's per leaf (15-35 of them)
-        warnings.warn(f"{path} was written with numpyro.enable_x64() ({', '.join(wide)} arrays); this process runs "
-                      "without it, so they load truncated to 32 bits (a resume then runs in float32). Call "
-                      "numpyro.enable_x64() before loading to keep them.", UserWarning, stacklevel=2)
-        with warnings.catch_warnings():
+    with warnings.catch_warnings():
+        if wide and not jax.config.jax_enable_x64:  # one warning naming the cause, not JAX's per leaf (15-35 of them)
+            warnings.warn(f"{path} was written with numpyro.enable_x64() ({', '.join(wide)} arrays); this process "
+                          "runs without it, so they load truncated to 32 bits (a resume then runs in float32). Call "
+                          "numpyro.enable_x64() before loading to keep them.", UserWarning, stacklevel=2)
             warnings.filterwarnings("ignore", message="Explicitly requested dtype")
-            return _decode(meta["tree"], arrays)
-    return _decode(meta["tree"], arrays)
+        return _decode(meta["tree"], arrays)
 
 
 # --- the callback ---------------------------------------------------------------------------------------------------
