@@ -36,6 +36,7 @@ import numpy as np
 
 from .host_table import HostTable
 from .runner import RunResult
+from .user_warnings import warn
 
 __all__ = ["Checkpoint", "CheckpointError", "FORMAT", "VERSION", "load", "save"]
 
@@ -270,8 +271,8 @@ def load(path: str | os.PathLike) -> Any:
         backups = [b for b in _siblings(path, "old") if _is_checkpoint(b)]
         if not backups:
             raise FileNotFoundError(f"no checkpoint at {path}.")
-        warnings.warn(f"{path} is missing (a save was interrupted while replacing it); loading the previous "
-                      f"checkpoint {backups[-1]}.", RuntimeWarning, stacklevel=2)
+        warn(f"{path} is missing (a save was interrupted while replacing it); loading the previous "
+             f"checkpoint {backups[-1]}.", RuntimeWarning)
         path = backups[-1]
     if not os.path.isdir(path):
         raise CheckpointError(f"{path} is not a numpyro_fedvi checkpoint (a checkpoint is a directory written by "
@@ -308,9 +309,9 @@ def load(path: str | os.PathLike) -> Any:
                    and node["dtype"] in ("float64", "int64", "uint64", "complex128")})
     with warnings.catch_warnings():
         if wide and not jax.config.jax_enable_x64:  # one warning naming the cause, not JAX's per leaf (15-35 of them)
-            warnings.warn(f"{path} was written with numpyro.enable_x64() ({', '.join(wide)} arrays); this process "
-                          "runs without it, so they load truncated to 32 bits (a resume then runs in float32). Call "
-                          "numpyro.enable_x64() before loading to keep them.", UserWarning, stacklevel=2)
+            warn(f"{path} was written with numpyro.enable_x64() ({', '.join(wide)} arrays); this process "
+                 "runs without it, so they load truncated to 32 bits (a resume then runs in float32). Call "
+                 "numpyro.enable_x64() before loading to keep them.", UserWarning)
             warnings.filterwarnings("ignore", message="Explicitly requested dtype")
         return _decode(meta["tree"], arrays)
 

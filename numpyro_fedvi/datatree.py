@@ -42,8 +42,6 @@ its Hessian on the part's blocked model (the prior of its sites alone), not an a
 
 from __future__ import annotations
 
-import warnings
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -57,9 +55,10 @@ from numpyro.infer.util import log_density
 from numpyro.primitives import Messenger
 
 from .enumeration import EnumInfo, enum_info_of_trace, log_density_fn, pointwise_log_likelihood, read_abstract_trace
-from .inputs import prepare_inputs
+from .inputs import concrete_data_fallback, prepare_inputs
 from .objectives import without_imputed_entries
 from .structure import drawn_jointly, imputation_sites, is_factor
+from .user_warnings import warn
 
 __all__ = ["compare_posteriors", "full_data", "importance_log_weights", "pareto_k_hat", "resample_observed",
            "to_datatree"]
@@ -177,9 +176,9 @@ def _posterior_guide(model, guide, params, args, kwargs):
     hessian_fn = getattr(guide, "_hessian_fn", None) or (lambda f, x: jax.hessian(f)(x))
     scale_tril = np.asarray(jax.jit(lambda u: cholesky_of_inverse(hessian_fn(neg_log_posterior, u)))(loc))
     if np.any(np.isnan(scale_tril)):
-        warnings.warn("to_datatree: the Hessian of the full-data log posterior at the MAP of the "
-                      "AutoLaplaceApproximation is singular or indefinite; its draws are constant at the MAP "
-                      "and k̂ is NaN. Is the MAP converged? Consider an AutoNormal guide.", stacklevel=3)
+        warn("to_datatree: the Hessian of the full-data log posterior at the MAP of the "
+             "AutoLaplaceApproximation is singular or indefinite; its draws are constant at the MAP "
+             "and k̂ is NaN. Is the MAP converged? Consider an AutoNormal guide.")
         scale_tril = np.where(np.isnan(scale_tril), 0.0, scale_tril)
     posterior = MultivariateNormal(loc, scale_tril=jnp.asarray(scale_tril, loc.dtype), validate_args=False)
     return _laplace_latent(guide_f, site=f"_{guide.prefix}_latent", posterior=posterior)
@@ -247,6 +246,7 @@ def _log_joint(model, args, kwargs, draws, info: EnumInfo | None = None):
     return jax.lax.map(lambda d: density(model_f, args, kwargs, _latent(d)), draws)
 
 
+@concrete_data_fallback
 def importance_log_weights(model, guide, params, draws, args=(), kwargs=None):
     """``(lp, log_q)`` per draw: the full-data log joint ``log p(θ, y)`` and ``log q(θ)`` of the guide's draws.
 
@@ -272,7 +272,7 @@ def pareto_k_hat(log_weights) -> float:
     if np.ptp(log_weights) <= 1e-12 * max(1.0, np.max(np.abs(log_weights))):
         return float("-inf")
     try:
-        from arviz_stats.base import array_stats   # imported on use: arviz_stats takes ~0.5 s to import
+        from arviz_stats.base import array_stats  # imported on use: arviz_stats takes ~0.5 s to import
 
         return float(array_stats.psislw(-log_weights)[1])  # psislw smooths the NEGATED input (loo's convention)
     except (ValueError, IndexError):  # too few draws for a Pareto tail (fewer than 5 in the tail: S < 25)
@@ -351,6 +351,7 @@ def _local_params_error(model, guide, params, args, kwargs) -> ValueError | None
     return ValueError(f"to_datatree: the guide's draws do not fit the model at these inputs ({shapes}) {how}")
 
 
+@concrete_data_fallback
 def to_datatree(engine, result, *args, num_samples: int = 1000, rng_key=None, log_likelihood_group: bool = True,
                 posterior_predictive: bool = True, coords=None, dims=None, **kwargs):
     """The variational posterior of a fitted engine as an ArviZ ``DataTree`` (module docstring).
@@ -431,7 +432,7 @@ def to_datatree(engine, result, *args, num_samples: int = 1000, rng_key=None, lo
         groups["posterior_predictive"] = chain(pred(k_pred, *args, **kwargs))
     attrs = {"sample_stats": stats_attrs,
              "/": {"inference_library": "numpyro_fedvi", "engine": type(engine).__name__}}
-    from arviz_base import from_dict   # imported on use: ~0.2 s (xarray, pandas)
+    from arviz_base import from_dict  # imported on use: ~0.2 s (xarray, pandas)
 
     return from_dict(groups, coords=coords, dims={**plates, **(dims or {})}, attrs=attrs)
 

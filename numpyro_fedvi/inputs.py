@@ -12,6 +12,9 @@ that uses a Python int for a shape (``plate("data", N)``) still sees a concrete 
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import functools
+import hashlib
 import inspect
 import math
 from collections.abc import Callable
@@ -19,6 +22,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from .user_warnings import warn
 
 __all__ = ["InputJit", "array_arguments", "check_inputs_like", "check_positive", "check_state_like",
            "check_static_kwargs", "is_real_number", "prepare_inputs", "prepare_value", "split_inputs",
@@ -317,12 +322,45 @@ class _Dynamic:
 _DYN = _Dynamic()
 
 
+class _Constant:
+    """An array leaf kept in the static part of the inputs (the engine's data baked into its compiled programs, as
+    ``SVI.run`` does), compared by shape, dtype and content."""
+
+    def __init__(self, value):
+        self.value = value
+        host = np.ascontiguousarray(np.asarray(value))
+        self._key = (host.shape, str(host.dtype), hashlib.blake2b(host.tobytes(), digest_size=16).digest())
+
+    def __repr__(self):
+        return f"<constant {self._key[1]}{list(self._key[0])}>"
+
+    def __eq__(self, other):
+        return isinstance(other, _Constant) and self._key == other._key
+
+    def __hash__(self):
+        return hash(self._key)
+
+
+# the engine whose public call is running (set by :func:`concrete_data_fallback`); its ``_constant_data`` flag says
+# whether split_inputs bakes the array leaves into the programs
+_RUNNING_ENGINE = contextvars.ContextVar("numpyro_fedvi_running_engine", default=None)
+
+
+def _constant_data() -> bool:
+    return bool(getattr(_RUNNING_ENGINE.get(), "_constant_data", False))
+
+
 def split_inputs(inputs):
     """``inputs`` (any pytree) -> ``(arrays, static)``: the array leaves (traced under jit) and a hashable
-    description of everything else (pytree structure and the non-array leaves)."""
+    description of everything else (pytree structure and the non-array leaves).  Inside a call of an engine that
+    fell back to constant data (:func:`concrete_data_fallback`) every array leaf is static too (``arrays`` empty)."""
     leaves, treedef = jax.tree_util.tree_flatten(inputs)
-    arrays = tuple(leaf for leaf in leaves if isinstance(leaf, (jax.Array, np.ndarray)))
-    static = tuple(_DYN if isinstance(leaf, (jax.Array, np.ndarray)) else leaf for leaf in leaves)
+    if _constant_data():
+        leaves = [_Constant(leaf) if isinstance(leaf, (jax.Array, np.ndarray)) and not isinstance(leaf, jax.core.Tracer)
+                  else leaf for leaf in leaves]
+    dynamic = [isinstance(leaf, (jax.Array, np.ndarray)) for leaf in leaves]
+    arrays = tuple(leaf for leaf, d in zip(leaves, dynamic) if d)
+    static = tuple(_DYN if d else leaf for leaf, d in zip(leaves, dynamic))
     try:
         hash(static)
     except TypeError as err:
@@ -334,8 +372,8 @@ def split_inputs(inputs):
 def merge_inputs(arrays, static):
     treedef, stat = static
     it = iter(arrays)
-    return jax.tree_util.tree_unflatten(treedef, [next(it) if s is _DYN or isinstance(s, _Dynamic) else s
-                                                  for s in stat])
+    return jax.tree_util.tree_unflatten(treedef, [next(it) if s is _DYN or isinstance(s, _Dynamic)
+                                                  else s.value if isinstance(s, _Constant) else s for s in stat])
 
 
 # errors of a model that turns a traced data argument into a Python / NumPy value while the engines trace it
@@ -347,17 +385,63 @@ TRACED_DATA_NOTE = (
     "a Python or NumPy value while it runs (n = len(np.unique(group)), int(x.max()), `if x.sum() > 0`) must get that "
     "value as an argument instead: compute it outside the model and pass it as a Python number, which the engines "
     "keep static (e.g. model(group, y, num_groups=n)).")
+CONSTANT_DATA_NOTE = (
+    "numpyro_fedvi: this happened with the model's data baked into the compiled program as constants (the engines' "
+    "fallback for a model that needs its data concrete), so the value turned into a Python or NumPy one is not data "
+    "but a latent, a param or a subset of the data the engine selects inside its step: write that part with jax.numpy "
+    "(jnp.where instead of `if`, static sizes given as Python numbers).")
+CONSTANT_DATA_WARNING = (
+    "{engine}: the model turns a data argument into a Python or NumPy value while it runs (a tracer-conversion error "
+    "with the data traced), so its data are now constants of the compiled programs, as SVI.run does: new data values "
+    "recompile, and a large data set makes a large program. To compile once per shape, compute that value outside "
+    "the model and pass it as a Python number (e.g. model(group, y, num_groups=n)).")
 
 
 @contextlib.contextmanager
 def traced_data_note():
-    """Re-raise a model's tracer-conversion error with :data:`TRACED_DATA_NOTE` (what to change) attached."""
+    """Re-raise a model's tracer-conversion error with :data:`TRACED_DATA_NOTE` (what to change) attached, or
+    :data:`CONSTANT_DATA_NOTE` when the data were constants already."""
     try:
         yield
     except _TRACED_DATA_ERRORS as err:
-        if TRACED_DATA_NOTE not in getattr(err, "__notes__", ()):
-            err.add_note(TRACED_DATA_NOTE)
+        note = CONSTANT_DATA_NOTE if _constant_data() else TRACED_DATA_NOTE
+        if note not in getattr(err, "__notes__", ()):
+            err.add_note(note)
         raise
+
+
+def concrete_data_fallback(method):
+    """Decorate an engine's public method (or a function whose first argument is an engine or a model, whose
+    attribute holds the flag): a model that needs its data concrete (it raises a tracer-conversion error while the
+    engine traces it with the data as arguments, e.g. ``n = len(np.unique(group))``) runs again with its data baked
+    into the compiled programs as constants, as ``SVI.run`` does; the engine keeps that mode (its flag
+    ``_constant_data``: True) and warns once.  A model that fails that way too (a latent turned into a number, or
+    a subsampled block's rows) raises the error with :data:`CONSTANT_DATA_NOTE` (flag False: not tried again)."""
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        if not hasattr(self, "__dict__"):  # no place for the flag (a model object with __slots__): no fallback
+            return method(self, *args, **kwargs)
+        token = _RUNNING_ENGINE.set(self)
+        try:
+            try:
+                return method(self, *args, **kwargs)
+            except _TRACED_DATA_ERRORS:
+                if self.__dict__.get("_constant_data") is not None:  # constant already, or failed that way before
+                    raise
+            self._constant_data = True
+            try:
+                out = method(self, *args, **kwargs)
+            except BaseException:
+                self._constant_data = False
+                raise
+            who = type(self).__name__ if "." in method.__qualname__ else method.__name__  # engine or function
+            warn(CONSTANT_DATA_WARNING.format(engine=who))
+            return out
+        finally:
+            _RUNNING_ENGINE.reset(token)
+
+    return call
 
 
 class InputJit:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import warnings
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -41,6 +40,7 @@ from .inputs import (
     check_inputs_like,
     check_positive,
     check_static_kwargs,
+    concrete_data_fallback,
     is_real_number,
     prepare_inputs,
     shapes_noted,
@@ -50,6 +50,7 @@ from .objectives import without_imputed_entries
 from .runner import EarlyStopping, RunResult, revert_non_finite, run_loop, tree_all_finite
 from .schedules import batch_growth, constant, dynamic_batching, theorem4
 from .structure import imputation_sites, observation_plates
+from .user_warnings import warn
 from .whitening import WhitenedState, make_whitened_step, project_scale, whitened_init, whitened_params
 
 THEORY_STEP_WARN = 1e4  # (theory) a float step_size above THEORY_STEP_WARN / L is warned about (1/(2L): theory)
@@ -411,10 +412,10 @@ class MPSGD:
         local = sum(int(np.prod(s["fn"].shape())) for s in tr.values() if s["type"] == "sample"
                     and not s["is_observed"] and data_plates & {f.name for f in s["cond_indep_stack"]})
         if local >= PER_DATUM_WARN_DIM:
-            warnings.warn(f"MPSGD: {local} of the d = {self.dim} latent coordinates are per-datum (sites in the plate "
-                          f"{sorted(data_plates)} of the observations); MPSGD optimises them in one vector (cost per "
-                          f"step O(d{'²' if self.scale_type != 'diag' else ''}) and growing with N). PDVI is made for "
-                          "per-datum latents.", UserWarning, stacklevel=4)
+            warn(f"MPSGD: {local} of the d = {self.dim} latent coordinates are per-datum (sites in the plate "
+                 f"{sorted(data_plates)} of the observations); MPSGD optimises them in one vector (cost per "
+                 f"step O(d{'²' if self.scale_type != 'diag' else ''}) and growing with N). PDVI is made for "
+                 "per-datum latents.", UserWarning)
 
     def _setup(self, rng_key, args, kwargs):
         self._input_arrays = array_arguments(args, kwargs, self.model)  # for check_inputs_like
@@ -460,9 +461,9 @@ class MPSGD:
         if n0 < 1:
             raise ValueError(f"num_particles must give N_k >= 1 draws per step; the schedule gives N_0 = {n0}.")
         if self.step_size is not None and not callable(self.step_size) and self.step_size * self.L > THEORY_STEP_WARN:
-            warnings.warn(f"step_size={self.step_size:.3g} is {2 * self.step_size * self.L:.3g} times the theory step "
-                          f"1/(2L) = {0.5 / self.L:.3g} (L = {self.L:.3g}); such a step diverges or gives a "
-                          "meaningless q. Lower it, or leave step_size=None.", UserWarning, stacklevel=3)
+            warn(f"step_size={self.step_size:.3g} is {2 * self.step_size * self.L:.3g} times the theory step "
+                 f"1/(2L) = {0.5 / self.L:.3g} (L = {self.L:.3g}); such a step diverges or gives a "
+                 "meaningless q. Lower it, or leave step_size=None.", UserWarning)
         self._chunk = int(self.chunk_size or (n0 if n_const is not None and self.step_schedule in (None, "constant")
                                               else min(max(n0, 8), 256)))
         self._min_scale = 1.0 / math.sqrt(self.L_proj)
@@ -509,6 +510,7 @@ class MPSGD:
         return self._num_particles if self.adaptive else self._batch(k)
 
     # SVI surface ------------------------------------------------------------------------------------
+    @concrete_data_fallback
     def init(self, rng_key, *args, init_params: dict | None = None, **kwargs) -> MPSGDState | WhitenedState:
         """Set up guide and schedules; the initial state.  Theory: μ0 from the guide's init_loc_fn, Σ0 = I/√L (or
         ``init_scale``).  Adaptive: the first frame at μ0 (its |Hessian|^{-1/2}, or ``init_scale``/the given scale)."""
@@ -568,6 +570,7 @@ class MPSGD:
         check_inputs_like(self._input_arrays, args, kwargs, "MPSGD", self.model)
         return args, kwargs
 
+    @concrete_data_fallback
     def update(self, state, *args, **kwargs):
         """One MPSGD iteration (compiled once per input shapes); the loss is the Monte-Carlo negative ELBO at the
         iterate before the update."""
@@ -594,6 +597,7 @@ class MPSGD:
                 f"{tuple(shapes.values())}. Resume on an engine built as the one that wrote the state.")
         return state
 
+    @concrete_data_fallback
     def stable_update(self, state, *args, **kwargs):
         """Like ``update`` but keeps the old state when the loss or the new state is not finite."""
         self._require_init()
@@ -601,6 +605,7 @@ class MPSGD:
         with shapes_noted(self._input_arrays, args, kwargs, "MPSGD", self.model):
             return self._compiled("stable_update", self._stable_step)(self._checked(state), (args, kwargs))
 
+    @concrete_data_fallback
     def evaluate(self, state, *args, num_samples: int = 100, rng_key=None, which: str | None = None,
                  **kwargs) -> jax.Array:
         """Negative ELBO with ``num_samples`` fixed draws (common random numbers: the same ``rng_key``, default
@@ -640,6 +645,7 @@ class MPSGD:
         loc, scale = self._pick(state, which)
         return {self.guide.loc_name: loc, self.guide.scale_name: scale}
 
+    @concrete_data_fallback
     def run(self, rng_key, num_steps: int | None, *args, progress_bar: bool = True, stable_update: bool = False,
             init_state=None, init_params: dict | None = None, callbacks=(),
             early_stopping: EarlyStopping | None = None, chunk_size: int | None = None, **kwargs) -> RunResult:
@@ -691,11 +697,11 @@ class MPSGD:
                          f"{moves[1]:.3g}" if stages else "no stage has ended yet")
                 early = (" (EarlyStopping stopped it: the loss is a noisy Monte-Carlo estimate, a relative rule "
                          "can fire long before the stages settle)" if reason == "early_stopping" else "")
-                warnings.warn(
+                warn(
                     f"MPSGD has not converged after {int(result.state.step)} steps{early}: {moved} ({stages} stages "
                     f"completed; converged means >= {MIN_STAGES} stages, the last moving the mean and the scale by "
                     f"<= {CONVERGED_MOVE}). Continue with run(key, num_steps, ..., init_state=result.state).",
-                    RuntimeWarning, stacklevel=2)
+                    RuntimeWarning)
         else:
             result.diagnostics.update(L=self.L, L_proj=self.L_proj, **{"lambda": (self.lambda_loc, self.lambda_scale)})
         return result

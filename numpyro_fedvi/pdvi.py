@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -43,6 +42,7 @@ from .inputs import (
     check_positive,
     check_state_like,
     check_static_kwargs,
+    concrete_data_fallback,
     prepare_inputs,
     state_template,
 )
@@ -52,6 +52,7 @@ from .particles import ControlledDraws, oracle_elbo
 from .preconditioning import evenly_spaced
 from .runner import EarlyStopping, RunResult, run_loop, tree_all_finite
 from .structure import ModelStructure, Partitions, inspect_model, make_partitions, warn_if_unsubsampled
+from .user_warnings import warn
 
 __all__ = ["Block", "NEWTON_MAX_HVPS", "PDVI", "PDVIState", "consensus_update", "dual_step", "pdvi_init", "pdvi_step",
            "prox_solve", "refreshed_eta"]
@@ -518,9 +519,9 @@ class PDVI:
         if not eta_scale > 0:
             raise ValueError(f"eta_scale must be positive, got {eta_scale!r}.")
         if eta_scale > 1:
-            warnings.warn(f"eta_scale={eta_scale} puts η above 1/L̂ (the theory needs η ≲ 1/(22 L)); with an accurate "
-                          "oracle the consensus step can swing and diverge (measured: eta_scale=10 diverged at "
-                          "iteration 8 on examples/random_effects_workflow.py). The default is 0.3.", stacklevel=2)
+            warn(f"eta_scale={eta_scale} puts η above 1/L̂ (the theory needs η ≲ 1/(22 L)); with an accurate "
+                 "oracle the consensus step can swing and diverge (measured: eta_scale=10 diverged at "
+                 "iteration 8 on examples/random_effects_workflow.py). The default is 0.3.")
         if eta_curvature not in ("median", "max"):
             raise ValueError(f"eta_curvature must be 'median' or 'max', got {eta_curvature!r}.")
         self.eta_curvature = eta_curvature
@@ -650,9 +651,8 @@ class PDVI:
                 linesearch=optax.scale_by_zoom_linesearch(max_linesearch_steps=10, initial_guess_strategy="one"))
         steps = self.local_steps if self.local_steps is not None else (2 if solver == "newton" else 10)
         if solver == "newton" and self.alternating is not None:
-            warnings.warn(f"alternating={self.alternating} has no effect with the Newton oracle, which steps the local "
-                          "and global params jointly; it applies to an optax local_optimizer.", UserWarning,
-                          stacklevel=4)
+            warn(f"alternating={self.alternating} has no effect with the Newton oracle, which steps the local "
+                 "and global params jointly; it applies to an optax local_optimizer.", UserWarning)
         return solver, int(steps)
 
     # a federated client's view (numpyro_fedvi.flower): it holds one unit's rows as its block 0 of a plate of
@@ -844,6 +844,7 @@ class PDVI:
             return [epoch * 2**k for k in range(40)]
         return sorted(int(k) for k in self.eta_refresh)
 
+    @concrete_data_fallback
     def refresh_eta(self, state: PDVIState, *args, **kwargs) -> PDVIState:
         """``eta="auto"`` re-estimated at ``state`` (λ_0 and the stored local rows), with ``h = D_η^{-1} mean(μ)``."""
         self._require_init()
@@ -889,6 +890,7 @@ class PDVI:
                 if step0 < k <= step0 + num_steps]
 
     # SVI surface -----------------------------------------------------------------------------------
+    @concrete_data_fallback
     def init(self, rng_key, *args, init_params: dict | None = None, **kwargs) -> PDVIState:
         """Trace model and guide, build the blocks and the duals; returns the initial ``PDVIState``."""
         args, kwargs = prepare_inputs(args, kwargs, self.model)
@@ -922,16 +924,17 @@ class PDVI:
             if math.isfinite(ref) and ref > 0 and high > ETA_WARN_RATIO * ref:
                 far.append(f"{k!r}: {high:.3g} = {high / ref:.3g} x {ref:.3g}")
         if far and len(far) == len(eta):
-            warnings.warn(f"eta is far above the curvature-based value eta_scale / L̂ that eta='auto' picks at the "
-                          f"initial point (site: η = ratio x auto value; {'; '.join(far)}); the theory needs "
-                          "η ≲ 1/(22 L). The penalty then all but vanishes, each block solves its own problem and the "
-                          "consensus can be far from the optimum: use eta='auto' or a smaller eta.",
-                          UserWarning, stacklevel=3)
+            warn(f"eta is far above the curvature-based value eta_scale / L̂ that eta='auto' picks at the "
+                 f"initial point (site: η = ratio x auto value; {'; '.join(far)}); the theory needs "
+                 "η ≲ 1/(22 L). The penalty then all but vanishes, each block solves its own problem and the "
+                 "consensus can be far from the optimum: use eta='auto' or a smaller eta.",
+                 UserWarning)
 
     def _require_init(self):
         if self.structure is None:
             raise RuntimeError("Call PDVI.init(rng_key, *args, **kwargs) (or run) before update/evaluate.")
 
+    @concrete_data_fallback
     def update(self, state: PDVIState, *args, **kwargs) -> tuple[PDVIState, jax.Array]:
         """One PD-VI iteration (compiled once per input shapes); returns ``(state, loss)`` with loss the scaled
         negative ELBO of S_t.  A non-finite step is returned as computed (see :meth:`stable_update`)."""
@@ -977,6 +980,7 @@ class PDVI:
                               lambda key, step: self._select(blocks, key, step), **self._consensus_options)
         return self._constrain(new), loss
 
+    @concrete_data_fallback
     def stable_update(self, state: PDVIState, *args, **kwargs) -> tuple[PDVIState, jax.Array]:
         """Like ``update`` but a step that produces non-finite values changes nothing except the step counter."""
         self._require_init()
@@ -985,6 +989,7 @@ class PDVI:
         new_state, loss, _ = self._compiled("stable_update", self._step)(self._placed(state), inputs)
         return self._maybe_refresh(new_state, inputs), loss
 
+    @concrete_data_fallback
     def evaluate(self, state: PDVIState, *args, **kwargs) -> jax.Array:
         """Full-data negative ELBO at λ_0 and the stored local params: ``Σ_b f_b(φ_b, λ_0)``."""
         self._require_init()
@@ -1017,6 +1022,7 @@ class PDVI:
                 return self.structure.constrained_params(self._global_params(state), state.local.arrays)
         return self.structure.constrained_params(self._global_params(state), state.local)
 
+    @concrete_data_fallback
     def run(self, rng_key, num_steps: int, *args, progress_bar: bool = True, stable_update: bool = False,
             init_state: PDVIState | None = None, init_params: dict | None = None, callbacks=(),
             early_stopping: EarlyStopping | None = None, chunk_size: int | None = None, **kwargs) -> RunResult:

@@ -48,7 +48,7 @@ from jax import random
 from . import vi_solvers as vs
 from .federated import ClientData
 from .fedlocalvi import LOCAL_STEPS, FedLocalVI, _positive_float
-from .inputs import prepare_inputs
+from .inputs import concrete_data_fallback, prepare_inputs
 from .preconditioning import max_preconditioned_singular_value
 from .projections import project_simplex
 from .prox import Prox, simplex_prox
@@ -207,6 +207,7 @@ class RobustFedVI(FedLocalVI):
         self._require_init()
         return self._iterate(state, which)["w"]
 
+    @concrete_data_fallback
     def group_losses(self, params: dict, *args, rng_key=None, **kwargs) -> jax.Array:
         """``(L_g)_g``: every group's negative ELBO per datum at constrained guide ``params`` (from this or any other
         engine; a fresh engine traces the model on these arguments first).  Key: ``rng_key``, else the ``crn`` key

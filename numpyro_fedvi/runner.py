@@ -14,7 +14,6 @@ import contextlib
 import math
 import signal
 import threading
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -26,6 +25,7 @@ from numpyro.infer.svi import SVIRunResult
 from tqdm.auto import tqdm
 
 from .inputs import merge_inputs, split_inputs, traced_data_note
+from .user_warnings import warn
 
 __all__ = ["EarlyStopping", "RunResult", "revert_non_finite", "run_loop", "tree_all_finite"]
 
@@ -114,8 +114,8 @@ def warn_if_diverging(losses: np.ndarray, remedy: str) -> None:
         return
     first, end = float(finite[0]), float(np.median(finite[-(finite.size // 10):]))
     if end > first + DIVERGING_RISE * max(abs(first), 1.0):
-        warnings.warn(f"The loss rose from {first:.4g} at the first step to {end:.4g} over the last "
-                      f"{finite.size // 10} steps: the run is diverging; {remedy}.", RuntimeWarning, stacklevel=3)
+        warn(f"The loss rose from {first:.4g} at the first step to {end:.4g} over the last "
+             f"{finite.size // 10} steps: the run is diverging; {remedy}.", RuntimeWarning)
 
 
 def _make_chunk(step_fn, chunk_size, early_stopping, stable_update):
@@ -327,13 +327,12 @@ def run_loop(
                 if isinstance(err, jax.errors.JaxRuntimeError) and "KeyboardInterrupt" not in str(err):
                     raise
                 if running is not None:  # a second Ctrl-C (or one raised inside a host callback) dropped this chunk
-                    warnings.warn("The chunk running at the interrupt was dropped; host-side state it wrote "
-                                  "(local_table='host') may be ahead of the returned state.", RuntimeWarning,
-                                  stacklevel=3)
+                    warn("The chunk running at the interrupt was dropped; host-side state it wrote "
+                         "(local_table='host') may be ahead of the returned state.", RuntimeWarning)
                 stop_reason = INTERRUPTED
                 done = sum(map(len, losses))
-                warnings.warn(f"Interrupted after {done} steps; returning the state and losses reached so far "
-                              "(resume with run(..., init_state=result.state)).", RuntimeWarning, stacklevel=3)
+                warn(f"Interrupted after {done} steps; returning the state and losses reached so far "
+                     "(resume with run(..., init_state=result.state)).", RuntimeWarning)
     finally:
         bar.close()
 
@@ -343,19 +342,17 @@ def run_loop(
         non_finite_step = int(np.flatnonzero(~np.isfinite(loss_arr))[0])
     if stop_reason == NON_FINITE:
         loss_arr = loss_arr[:non_finite_step]
-        warnings.warn(
+        warn(
             f"Non-finite loss or state at step {non_finite_step}; the run stopped and returns the last finite "
             f"state (from the step before). {remedy[0].upper() + remedy[1:]} or use stable_update=True to skip such "
             "steps.",
-            RuntimeWarning,
-            stacklevel=2,
-        )
+            RuntimeWarning)
     if objective_losses:
         warn_if_diverging(loss_arr, remedy)
     skipped = int(np.sum(~np.isfinite(loss_arr))) if stable_update else 0
     if stable_update and skipped > max(1, 0.05 * len(loss_arr)):
-        warnings.warn(f"stable_update skipped {skipped} of {len(loss_arr)} steps (non-finite loss or state); "
-                      f"the result may be poor: {remedy}.", RuntimeWarning, stacklevel=2)
+        warn(f"stable_update skipped {skipped} of {len(loss_arr)} steps (non-finite loss or state); "
+             f"the result may be poor: {remedy}.", RuntimeWarning)
     state = carry.state
     diagnostics = {"num_steps": len(loss_arr), "stop_reason": stop_reason, "non_finite_step": non_finite_step,
                    "skipped_steps": skipped}

@@ -30,6 +30,8 @@ from numpyro.distributions.transforms import Transform, biject_to
 from numpyro.infer.inspect import get_dependencies
 from numpyro.primitives import Messenger
 
+from .user_warnings import warn
+
 __all__ = [
     "DataPlate",
     "ModelStructure",
@@ -69,10 +71,10 @@ def warn_if_unsubsampled(plate: DataPlate, num_blocks: int, engine: str) -> None
     PD-VI iteration on benchmarks/gmm_biased at N = 10⁴, 20 blocks)."""
     if plate.subsampled or plate.size < UNSUBSAMPLED_WARN_SIZE or num_blocks < UNSUBSAMPLED_WARN_BLOCKS:
         return
-    warnings.warn(f"{engine}: the data plate {plate.name!r} (N = {plate.size}) has no subsample_size, so each of its "
-                  f"{num_blocks} blocks is evaluated on all N rows under a mask (O(N) per evaluation). Declare "
-                  f"numpyro.plate({plate.name!r}, N, subsample_size=...) (any size: the engine passes each block's "
-                  "indices) for O(block) evaluations.", stacklevel=3)
+    warn(f"{engine}: the data plate {plate.name!r} (N = {plate.size}) has no subsample_size, so each of its "
+         f"{num_blocks} blocks is evaluated on all N rows under a mask (O(N) per evaluation). Declare "
+         f"numpyro.plate({plate.name!r}, N, subsample_size=...) (any size: the engine passes each block's "
+         "indices) for O(block) evaluations.")
 
 
 @dataclass(frozen=True)
@@ -340,9 +342,9 @@ def warn_discrete_latents(model_trace, loss, engine: str) -> None:
     discrete = [n for n, s in model_trace.items() if s["type"] == "sample" and not s["is_observed"]
                 and s["fn"].support.is_discrete]
     if discrete:
-        warnings.warn(f"{engine} with {type(inner).__name__} does not support models with discrete latent variables "
-                      f"({discrete}): use TraceEnum_ELBO with the sites enumerated (infer={{'enumerate': "
-                      "'parallel'}}) and hidden from the guide.", stacklevel=4)
+        warn(f"{engine} with {type(inner).__name__} does not support models with discrete latent variables "
+             f"({discrete}): use TraceEnum_ELBO with the sites enumerated (infer={{'enumerate': "
+             "'parallel'}}) and hidden from the guide.")
 
 
 def warn_score_function_sites(guide_trace, engine: str) -> None:
@@ -354,11 +356,11 @@ def warn_score_function_sites(guide_trace, engine: str) -> None:
     sites = [n for n, s in guide_trace.items() if s["type"] == "sample" and not s["is_observed"]
              and not s["infer"].get("enumerate") and not getattr(s["fn"], "has_rsample", True)]
     if sites:
-        warnings.warn(f"{engine}: the guide's site(s) {sites} have no reparameterised samples; their ELBO gradient is "
-                      f"a score-function estimate, and {engine}'s oracle, which solves each block at fixed Monte-Carlo "
-                      "draws, does not reach the ELBO's optimum with it. Marginalise a discrete latent instead "
-                      "(TraceEnum_ELBO, the site enumerated in the model and hidden from the guide), or use an engine "
-                      "that takes gradient steps (FedSVI, FedLocalVI, numpyro.infer.SVI).", stacklevel=4)
+        warn(f"{engine}: the guide's site(s) {sites} have no reparameterised samples; their ELBO gradient is "
+             f"a score-function estimate, and {engine}'s oracle, which solves each block at fixed Monte-Carlo "
+             "draws, does not reach the ELBO's optimum with it. Marginalise a discrete latent instead "
+             "(TraceEnum_ELBO, the site enumerated in the model and hidden from the guide), or use an engine "
+             "that takes gradient steps (FedSVI, FedLocalVI, numpyro.infer.SVI).")
 
 
 def check_blocks_separate(model, model_trace, args, kwargs, plate_name: str, engine: str) -> None:

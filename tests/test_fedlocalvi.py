@@ -423,6 +423,32 @@ def test_auto_step_does_not_take_a_round_that_collapses_a_positive_param(monkeyp
         engine.run(random.key(0), fl.STUCK_ROUNDS, progress_bar=False)   # rounds taken: no warning
 
 
+def test_stuck_warning_needs_eta_halved_at_each_round_of_the_flat_tail():
+    """The stuck warning fires on a flat loss tail only when η halved at every round since the last refresh (up to
+    STUCK_ROUNDS halvings): a run at an exact fixed point repeats its loss with η kept and is not stuck."""
+    import numpyro_fedvi.fedlocalvi as fl
+
+    engine = FedLocalVI(model, constants().GUIDE, iid_clients(), ELBO)
+    start = engine.init(random.key(0))
+    flat, eta = np.full(fl.STUCK_ROUNDS, 3.0), np.float32(0.8)  # η as the state holds it
+
+    def warned(rounds, eta_end, since, losses=flat):
+        state = start._replace(round=jnp.asarray(rounds, start.round.dtype),
+                               precond={**start.precond, "eta": jnp.asarray(eta_end, start.precond["eta"].dtype)})
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter("always")
+            engine._warn_if_stuck(losses, state, since)
+        return [str(w.message) for w in rec if "rounds was taken" in str(w.message)] != []
+
+    assert warned(64, eta / 2**20, {0: 1.0, 32: eta})            # 32 rounds since the refresh, the last 20 refused
+    assert warned(36, eta / 2**4, {0: 1.0, 32: eta})             # a refresh inside the window: 4 halvings since
+    assert not warned(64, eta, {0: 1.0, 32: eta})                # converged to a fixed point: η kept
+    assert not warned(64, eta / 2**19, {0: 1.0, 32: eta})        # one of the 20 rounds taken
+    assert not warned(32, eta / 2**20, {0: 1.0, 32: eta})        # the refresh just ran: nothing to compare
+    assert not warned(64, eta / 2**20, {0: 1.0, 32: eta}, losses=np.r_[flat[:-1], 3.5])  # the loss moved
+    assert not warned(64, eta / 2**20, {0: 1.0, 32: eta}, losses=flat[:-1])             # fewer rounds than the tail
+
+
 def test_power_method_finds_the_largest_preconditioned_eigenvalue():
     """``λ_max(S A S)``, ``S = diag(√scale)``, of a symmetric matrix given by its products, against numpy."""
     from numpyro_fedvi.preconditioning import max_preconditioned_eigenvalue

@@ -701,13 +701,10 @@ def test_callable_schedules_chunk_and_checks():
 
 
 def _record_warnings(monkeypatch):
-    """Replace the module's ``warnings`` by a recorder of ``(message, category, stacklevel)`` (a stack-frame check
-    would not survive mutmut's trampoline, which adds frames)."""
-    import types
-
+    """Replace the module's ``warn`` (:func:`numpyro_fedvi.user_warnings.warn`) by a recorder of
+    ``(message, category)``; where a warning points is tested in tests/test_user_warnings.py."""
     calls = []
-    monkeypatch.setattr(mp, "warnings", types.SimpleNamespace(
-        warn=lambda message, category=None, stacklevel=1: calls.append((str(message), category, stacklevel))))
+    monkeypatch.setattr(mp, "warn", lambda message, category=UserWarning: calls.append((str(message), category)))
     return calls
 
 
@@ -716,7 +713,7 @@ def test_large_step_size_warns(monkeypatch):
     calls = _record_warnings(monkeypatch)
     _engine("diag", smoothness=2.0, step_size=6000.0).init(random.key(0), y)
     assert calls == [("step_size=6e+03 is 2.4e+04 times the theory step 1/(2L) = 0.25 (L = 2); such a step diverges "
-                      "or gives a meaningless q. Lower it, or leave step_size=None.", UserWarning, 3)]
+                      "or gives a meaningless q. Lower it, or leave step_size=None.", UserWarning)]
     _engine("diag", smoothness=2.0, step_size=5000.0).init(random.key(0), y)       # = THEORY_STEP_WARN / L
     _engine("diag", smoothness=2.0, step_size=lambda k: 6000.0).init(random.key(0), y)
     assert len(calls) == 1
@@ -886,7 +883,7 @@ def test_adaptive_init_params_and_averaging_none():
 def test_adaptive_run_diagnostics_and_convergence_flag(monkeypatch):
     """The converged flag is stages ≥ 3 and both moves ≤ 0.1 (read from the state a run ends on, here a state with
     set moves: one step does not end the stage); not converged and completed (or early-stopped) warns (exact
-    text, stacklevel 2)."""
+    text)."""
     y = _y()
     calls = _record_warnings(monkeypatch)
     eng = _adaptive("diag", stage_length=2)
@@ -901,7 +898,7 @@ def test_adaptive_run_diagnostics_and_convergence_flag(monkeypatch):
     assert calls == [(
         f"MPSGD has not converged after 3 steps: the last stage moved the mean by {m0:.3g} posterior sd and the "
         f"scale by {m1:.3g} (1 stages completed; converged means >= 3 stages, the last moving the mean and the "
-        "scale by <= 0.1). Continue with run(key, num_steps, ..., init_state=result.state).", RuntimeWarning, 2)]
+        "scale by <= 0.1). Continue with run(key, num_steps, ..., init_state=result.state).", RuntimeWarning)]
     # the same engine (its compiled init and loop): a 1-step run from step 0 never ends the first stage (2 steps)
     st = eng.init(random.key(0), y)
     f32 = jnp.float32
@@ -922,13 +919,13 @@ def test_adaptive_run_diagnostics_and_convergence_flag(monkeypatch):
         "Monte-Carlo estimate, a relative rule can fire long before the stages settle): the last stage moved the "
         f"mean by {m0:.3g} posterior sd and the scale by {m1:.3g} (1 stages completed; converged means >= 3 stages, "
         "the last moving the mean and the scale by <= 0.1). Continue with run(key, num_steps, ..., "
-        "init_state=result.state).", RuntimeWarning, 2)]
+        "init_state=result.state).", RuntimeWarning)]
     calls.clear()
     eng.run(random.key(1), 1, y, progress_bar=False, init_state=st)
     assert calls == [(
         "MPSGD has not converged after 1 steps: no stage has ended yet (0 stages completed; converged means >= 3 "
         "stages, the last moving the mean and the scale by <= 0.1). Continue with run(key, num_steps, ..., "
-        "init_state=result.state).", RuntimeWarning, 2)]
+        "init_state=result.state).", RuntimeWarning)]
 
 
 def _msg(**kw):

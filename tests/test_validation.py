@@ -394,31 +394,6 @@ def test_client_ids_given_where_the_loss_goes_say_so():
         nfv.FedLocalVI(normal_mean, AutoNormal(normal_mean), Trace_ELBO(), ids)
 
 
-def test_a_model_that_turns_its_data_into_numpy_is_told_what_to_change():
-    """NumPyro's OSIC tutorial computes ``len(np.unique(patient_code))`` inside the model: fine under ``SVI.run``
-    (data closed over as constants), a raw tracer-conversion error in every engine (data traced): the error now
-    carries a note saying to pass such numbers as Python arguments."""
-    g = np.repeat(np.arange(6), 10)
-    y = np.random.default_rng(0).normal(size=60).astype(np.float32)
-
-    def model(g, y=None):
-        mu = numpyro.sample("mu", dist.Normal(0.0, 3.0))
-        with numpyro.plate("groups", len(np.unique(g))):
-            a = numpyro.sample("a", dist.Normal(mu, 1.0))
-        with numpyro.plate("data", g.shape[0]):
-            numpyro.sample("y", dist.Normal(a[g], 1.0), obs=y)
-
-    engines = {"pdvi": lambda: nfv.PDVI(model, AutoNormal(model)),
-               "mpsgd": lambda: nfv.MPSGD(model, nfv.AutoLocationScale(model)),
-               "fedsvi": lambda: nfv.FedSVI(model, AutoNormal(model), Trace_ELBO(), clients=g % 3),
-               "fedlocalvi": lambda: nfv.FedLocalVI(model, AutoNormal(model), Trace_ELBO(), clients=g % 3)}
-    for name, make in engines.items():
-        with pytest.raises(jax.errors.TracerArrayConversionError) as caught:
-            make().run(random.key(0), 2, g, y, progress_bar=False)
-        assert any("pass it as a Python number, which the engines keep static" in n
-                   for n in getattr(caught.value, "__notes__", ())), name
-
-
 def test_a_state_of_another_float_precision_is_refused_naming_x64():
     """A float32 state (a checkpoint written without x64) given to a run under ``enable_x64``: refused naming the
     entry and the precision (PD-VI, FedLocalVI and RobustFedVI failed inside JAX's loop with a carry-type error;

@@ -40,6 +40,7 @@ from ..inputs import (
     check_inputs_like,
     check_positive,
     check_static_kwargs,
+    concrete_data_fallback,
     prepare_inputs,
     prepare_value,
 )
@@ -371,12 +372,14 @@ class FedSVI(FedMM):
         return self._init_state(rng_key, (self.client_data if self._plate_mode else client_data, args, kwargs),
                                 theta0)
 
+    @concrete_data_fallback
     def init(self, rng_key, *args, init_params: dict | None = None, **kwargs):
         """Trace model and guide once (on the model's arguments, or on client 0's rows for a ClientData), build the
         clients; Ŝ_0 = the guide's unconstrained init params (or the constrained ``init_params``), θ_0 = T(Ŝ_0)."""
         client_data, args, kwargs = self._split(args, kwargs, "init")
         return self._init(rng_key, client_data, args, kwargs, init_params)
 
+    @concrete_data_fallback
     def update(self, state, *args, **kwargs):
         """One round (compiled once per input shapes): ``update(state, *model_args)`` (or ``update(state,
         client_data, *args)``); returns ``(state, loss)`` with the loss at θ_t."""
@@ -386,6 +389,7 @@ class FedSVI(FedMM):
         self._settle(state, inputs)
         return self._compiled("update", self._round)(self._place_state(state), inputs)
 
+    @concrete_data_fallback
     def evaluate(self, state, *args, which: str | None = None, **kwargs):
         """The full-data negative ELBO (the fixed objective key; + the prox's penalty) at the output iterate
         ``which`` (default ``output``; ``"last"``: θ_t, where ``run`` reports its losses)."""
@@ -394,6 +398,7 @@ class FedSVI(FedMM):
         self._check_state(state, (client_data, args, kwargs))
         return self._compiled("evaluate", self._evaluate)(self._at_output(state, which), (client_data, args, kwargs))
 
+    @concrete_data_fallback
     def run(self, rng_key, num_steps: int, *args, progress_bar: bool = True, init_state=None,
             init_params: dict | None = None, callbacks=(), early_stopping: EarlyStopping | None = None,
             chunk_size=None, stable_update=False, **kwargs) -> RunResult:

@@ -1,0 +1,24 @@
+"""Warnings attributed to the user's line: the first frame outside numpyro_fedvi, JAX and NumPyro.
+
+The engines' public methods call each other and are wrapped (:func:`~numpyro_fedvi.inputs.concrete_data_fallback`),
+and a warning may be raised while JAX traces a step, so a counted ``stacklevel`` would name one of the package's own
+lines; ``warnings.warn(..., skip_file_prefixes=...)`` (Python 3.12) skips those frames instead.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import jax
+import numpyro
+
+__all__ = ["warn"]
+
+_INTERNAL = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
+                  for m in (jax, numpyro)) + (os.path.dirname(os.path.abspath(__file__)) + os.sep,)
+
+
+def warn(message: str, category: type[Warning] = UserWarning) -> None:
+    """``warnings.warn(message, category)`` attributed to the first caller outside this package, JAX and NumPyro."""
+    warnings.warn(message, category, skip_file_prefixes=_INTERNAL)
