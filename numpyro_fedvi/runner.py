@@ -30,8 +30,8 @@ from .user_warnings import warn
 __all__ = ["EarlyStopping", "RunResult", "revert_non_finite", "run_loop", "tree_all_finite"]
 
 # reasons a run ended
-COMPLETED, EARLY_STOPPED, NON_FINITE, CALLBACK, INTERRUPTED = (
-    "completed", "early_stopping", "non_finite", "callback", "interrupted")
+COMPLETED, EARLY_STOPPED, NON_FINITE, CALLBACK, INTERRUPTED, ERROR = (
+    "completed", "early_stopping", "non_finite", "callback", "interrupted", "error")
 _REASONS = (COMPLETED, EARLY_STOPPED, NON_FINITE)
 
 
@@ -195,6 +195,24 @@ def _ctrl_c_between_chunks():
         signal.signal(signal.SIGINT, previous)
 
 
+def _attach_partial_result(err: Exception, state, losses: list, get_params: Callable) -> None:
+    """Keep what a run reached on the exception that ends it between chunks: ``err.partial_result``, a
+    :class:`RunResult` of the last state the loop completed (``stop_reason="error"``), and a note saying so (none
+    before the first chunk completes: nothing was reached)."""
+    if not losses:
+        return
+    try:
+        loss_arr = np.concatenate(losses) if losses else np.zeros((0,))
+        result = RunResult(get_params(state), state, jnp.asarray(loss_arr),
+                           {"num_steps": len(loss_arr), "stop_reason": ERROR, "non_finite_step": None,
+                            "skipped_steps": 0})
+        err.partial_result = result
+    except Exception:  # noqa: BLE001 - the original error is what the user must see
+        return
+    err.add_note(f"numpyro_fedvi: the run stopped after {len(loss_arr)} steps; their state and losses are in this "
+                 "exception's .partial_result (a RunResult: resume with run(..., init_state=err.partial_result.state)).")
+
+
 def run_loop(
     step_fn: Callable,
     init_state: Any,
@@ -333,6 +351,9 @@ def run_loop(
                 done = sum(map(len, losses))
                 warn(f"Interrupted after {done} steps; returning the state and losses reached so far "
                      "(resume with run(..., init_state=result.state)).", RuntimeWarning)
+            except Exception as err:  # a callback (e.g. a checkpoint on a full disk) or a hook failed between chunks
+                _attach_partial_result(err, carry.state, losses, get_params)
+                raise
     finally:
         bar.close()
 

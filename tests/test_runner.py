@@ -201,6 +201,31 @@ def test_callbacks_receive_growing_losses_and_can_stop():
     assert seen == [4, 8] and res.diagnostics["stop_reason"] == "completed"
 
 
+def test_a_failing_callback_keeps_the_state_reached_on_its_exception():
+    """A callback that raises (a checkpoint on a full disk) ends the run with its error, which carries the state and
+    losses of the steps completed before it (``.partial_result``) and a note; a resume from it equals the
+    uninterrupted run.  An error before the first chunk completes carries nothing."""
+    def failing(step, state, losses):
+        if step >= 8:
+            raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError) as err:
+        run_loop(gd_step, init_state(), 20, get_params=ident, progress_bar=False, callbacks=[failing], chunk_size=4)
+    partial = err.value.partial_result
+    assert isinstance(partial, RunResult) and partial.diagnostics["stop_reason"] == "error"
+    assert int(partial.state["t"]) == 8 and partial.diagnostics["num_steps"] == 8 and partial.losses.shape == (8,)
+    assert partial.params is partial.state   # get_params(state)
+    assert any(".partial_result" in n and "after 8 steps" in n for n in err.value.__notes__)
+    whole = run_loop(gd_step, init_state(), 20, get_params=ident, progress_bar=False, chunk_size=4)
+    rest = run_loop(gd_step, partial.state, 12, get_params=ident, progress_bar=False, chunk_size=4)
+    np.testing.assert_array_equal(np.concatenate([partial.losses, rest.losses]), whole.losses)
+    np.testing.assert_array_equal(rest.state["x"], whole.state["x"])
+    with pytest.raises(ValueError) as err:
+        run_loop(gd_step, init_state(), 20, get_params=ident, progress_bar=False, chunk_size=4,
+                 hooks=[(4, lambda s: (_ for _ in ()).throw(ValueError("hook")))])
+    assert not hasattr(err.value, "partial_result") and not getattr(err.value, "__notes__", [])
+
+
 def test_run_result_replace_keeps_diagnostics():
     res = run_loop(gd_step, init_state(), 6, get_params=ident, progress_bar=False)
     replaced = res._replace(losses=res.losses[:3])
