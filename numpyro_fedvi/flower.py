@@ -971,8 +971,22 @@ class FedMMStrategy(_EngineStrategy):
         self.p = float(engine.participation.prob(self.num_clients))
         self.accepted = np.full(self.num_clients, -1, np.int64)
         self._clients = jax.jit(partial(round_clients, engine.participation, self.num_clients))
-        self._server = jax.jit(partial(_server_round, self.family, engine.step_size, engine.cv_step, self.p,
-                                       engine.aggregate, engine.server_optimizer))
+        self._server = self._server_program()
+
+    def handshake(self, grid, timeout: float | None = None) -> None:
+        """The base handshake, then the "auto" steps settled again with the clients' weights μ_i = N_i/N (their row
+        counts, known only now; :meth:`FedMM.check_settings`), as the in-process engine settles them."""
+        super().handshake(grid, timeout)
+        engine = self.engine
+        if engine.auto_step or engine.auto_cv_step:
+            engine.check_settings(self.family, self.state.s, self.num_clients, self.weights)
+            self._server = self._server_program()
+
+    def _server_program(self):
+        """The server's half of a round, compiled with the engine's γ and α."""
+        e = self.engine
+        return jax.jit(partial(_server_round, self.family, e.step_size, e.cv_step, self.p, e.aggregate,
+                               e.server_optimizer))
 
     def summary(self) -> None:
         e = self.engine

@@ -151,6 +151,30 @@ def test_auto_step_is_one_for_exact_rounds_and_alphas_bound_with_coarse_messages
     assert FedMM(fam, server_optimizer=optax.adam(0.1)).step_size == 1.0   # a server optimizer takes γ's place
 
 
+def test_auto_steps_shrink_with_the_spread_of_the_client_weights():
+    """γ = α = 1/(1 + ω_p·n·Σμ_i²): equal clients keep 1/(1+ω_p); one client of 200 rows and one of 1 under
+    FixedSize(1) (ω_p = 1) take 1/(1 + 2·Σμ²).  There the unweighted 1/2 drove the objective from 8.5 to 5.1e6 (key 0;
+    246.9 with key 2) before it came back; the weighted step never rises above its start and ends at EM's fixed
+    point (full participation)."""
+    rng = np.random.default_rng(0)
+    big, one = (MEANS[rng.integers(0, K, n)] + rng.normal(size=(n, D)) for n in (200, 1))
+    cd = ClientData.from_list([big.astype(np.float32), one.astype(np.float32)])
+    s0 = {"s1": rng.normal(size=(K, D)).astype(np.float32), "s2": np.full(K, 1 / K, np.float32)}
+    fam = gmm_map_em(K=3, d=2, lam=1e-3)
+    mu = np.array([200.0, 1.0]) / 201
+    engine = FedMM(fam, participation=FixedSize(1))
+    runs = [engine.run(random.key(k), 300, cd, s0, progress_bar=False) for k in (0, 2)]
+    assert engine.step_size == engine.cv_step == pytest.approx(1 / (1 + 2 * np.sum(mu**2)), rel=1e-6)
+    em = FedMM(fam).run(random.key(0), 300, cd, s0, progress_bar=False)
+    for run in runs:
+        losses = np.asarray(run.losses)
+        assert losses.max() <= losses[0] + 1e-6
+        np.testing.assert_allclose(losses[-1], em.losses[-1], rtol=1e-5)
+    equal = FedMM(fam, participation=FixedSize(1))
+    equal.init(random.key(0), ClientData.from_list([big[:100], big[100:]]), s0)
+    assert equal.step_size == equal.cv_step == 0.5   # 1/(1 + ω_p), ω_p = 1
+
+
 def test_entry_points_refuse_data_that_is_not_client_data_and_schedules_outside_the_unit_interval(gmm):
     """``update`` / ``evaluate`` / a resumed ``run`` with raw rows (or ``run`` with a list of per-client arrays)
     raise the TypeError naming ClientData (they raised JAX's "DynamicJaxprTracer has no attribute data"); a

@@ -45,10 +45,11 @@ def _gmm_clients():
     return rows, s0
 
 
-def _gmm_engine(participation, server_optimizer=None):
+def _gmm_engine(participation, server_optimizer=None, auto=False):
+    """FedMM with γ = 0.5, α = 0.4, or (``auto``) the defaults, which count the clients' weights μ_i."""
     step = {"step_size": 0.5} if server_optimizer is None else {"server_optimizer": server_optimizer}
-    return FedMM(gmm_map_em(K, D, 0.1), cv_step=0.4, participation=participation,
-                 compressor=StochasticQuantizer(bits=4), **step)
+    steps = {} if auto else {"cv_step": 0.4, **step}
+    return FedMM(gmm_map_em(K, D, 0.1), participation=participation, compressor=StochasticQuantizer(bits=4), **steps)
 
 
 class _Reply:
@@ -115,22 +116,27 @@ def _in_process(engine, cd, s0, rounds):
     return state
 
 
-@pytest.mark.parametrize("participation,server_optimizer", [(FixedSize(2), None), (Bernoulli(0.6), None),
-                                                             (FixedSize(2), optax.adam(0.05))],
-                         ids=["fixed-size", "bernoulli", "server-adam"])
-def test_rounds_equal_the_in_process_core(participation, server_optimizer):
+@pytest.mark.parametrize("participation,server_optimizer,auto", [(FixedSize(2), None, False),
+                                                                  (Bernoulli(0.6), None, False),
+                                                                  (FixedSize(2), optax.adam(0.05), False),
+                                                                  (FixedSize(2), None, True)],
+                         ids=["fixed-size", "bernoulli", "server-adam", "auto-steps"])
+def test_rounds_equal_the_in_process_core(participation, server_optimizer, auto):
     """Three rounds through the strategy and client apps (messages encoded / decoded as over the wire) equal three
     in-process FedMM rounds: Ŝ, θ and V (and the server optimizer's state, FedSVI's default); and every client's
-    stored control variate satisfies V = Σ μ_i V_i."""
+    stored control variate satisfies V = Σ μ_i V_i.  The auto steps, which count the client weights, are settled
+    by the server once the handshake brings the row counts."""
     rows, s0 = _gmm_clients()
     cd = ClientData.from_list(rows)
-    expected = _in_process(_gmm_engine(participation, server_optimizer), cd, s0, 3)
-    engine = _gmm_engine(participation, server_optimizer)
+    reference = _gmm_engine(participation, server_optimizer, auto)
+    expected = _in_process(reference, cd, s0, 3)
+    engine = _gmm_engine(participation, server_optimizer, auto)
     strategy = flower.FedMMStrategy(engine, random.key(3), num_clients=NUM_CLIENTS, init_stat=s0)
     grid = _Grid(flower.make_client_app(engine, lambda ctx: rows[ctx.node_config["partition-id"]],
                                         stat_template=s0), NUM_CLIENTS)
     strategy.handshake(grid)
     np.testing.assert_allclose(strategy.weights, np.asarray(cd.weights), rtol=1e-7)
+    assert (engine.step_size, engine.cv_step) == pytest.approx((reference.step_size, reference.cv_step), rel=1e-6)
     for r in range(1, 4):
         strategy.aggregate_train(r, grid.send_and_receive(strategy.configure_train(r, None, None, grid)))
     assert strategy.dropped == []
