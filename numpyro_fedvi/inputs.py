@@ -431,13 +431,14 @@ def concrete_data_fallback(method):
                     raise
             self._constant_data = True
             try:
-                out = method(self, *args, **kwargs)
-            except BaseException:
+                return method(self, *args, **kwargs)
+            except _TRACED_DATA_ERRORS:
                 self._constant_data = False
                 raise
-            who = type(self).__name__ if "." in method.__qualname__ else method.__name__  # engine or function
-            warn(CONSTANT_DATA_WARNING.format(engine=who))
-            return out
+            finally:  # the mode holds (the call returned, or failed for another reason: a callback, Ctrl-C)
+                if self._constant_data:
+                    who = type(self).__name__ if "." in method.__qualname__ else method.__name__  # engine / function
+                    warn(CONSTANT_DATA_WARNING.format(engine=who))
         finally:
             _RUNNING_ENGINE.reset(token)
 

@@ -171,3 +171,25 @@ def test_a_model_failing_with_constant_data_too_raises_with_a_note_once():
     with pytest.raises(jax.errors.ConcretizationTypeError) as err:
         owner.run(np.ones(2, np.float32))
     assert owner.calls == 3 and TRACED_DATA_NOTE in err.value.__notes__
+
+
+def test_another_error_in_the_fallen_back_call_keeps_the_mode():
+    """The retry with constant data failing for another reason (a callback's error, Ctrl-C) leaves the engine in
+    that mode, warned: the next call runs with constant data at once."""
+    first = [True]
+
+    def fn(x):
+        total = np.asarray(x).sum()   # needs the data concrete
+        if first.pop() if first else False:
+            raise ValueError("a callback failed")
+        return total * x
+
+    owner = _Owner(fn)
+    x = np.arange(3.0, dtype=np.float32)
+    with pytest.warns(UserWarning, match="now constants"), pytest.raises(ValueError, match="a callback failed"):
+        owner.run(x)
+    assert owner._constant_data is True and owner.calls == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        np.testing.assert_allclose(owner.run(x), 3.0 * x)
+    assert owner.calls == 3
