@@ -42,6 +42,8 @@ its Hessian on the part's blocked model (the prior of its sites alone), not an a
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -263,20 +265,24 @@ def importance_log_weights(model, guide, params, draws, args=(), kwargs=None):
     return _log_joint(model, args, kwargs, draws), log_q
 
 
-def pareto_k_hat(log_weights) -> float:
+def pareto_k_hat(log_weights, resolution: float = 0.0) -> float:
     """PSIS Pareto shape k̂ of importance log weights (1-d; Vehtari et al. 2024); ``-inf`` when all weights are equal
-    (q is the posterior up to round-off); ``nan`` with too few draws for a tail fit (S < 25)."""
+    (q is the posterior up to round-off: their spread at most ``resolution``, the round-off of the log densities
+    they come from, where the tail fit fails on a handful of distinct values); ``nan`` with too few draws for a tail
+    fit (S < 25)."""
     log_weights = np.asarray(log_weights, np.float64).ravel()
     if not np.all(np.isfinite(log_weights)):
         return float("nan")
-    if np.ptp(log_weights) <= 1e-12 * max(1.0, np.max(np.abs(log_weights))):
+    spread = np.ptp(log_weights)
+    if spread <= 1e-12 * max(1.0, np.max(np.abs(log_weights))):
         return float("-inf")
     try:
         from arviz_stats.base import array_stats  # imported on use: arviz_stats takes ~0.5 s to import
 
-        return float(array_stats.psislw(-log_weights)[1])  # psislw smooths the NEGATED input (loo's convention)
+        k = float(array_stats.psislw(-log_weights)[1])  # psislw smooths the NEGATED input (loo's convention)
     except (ValueError, IndexError):  # too few draws for a Pareto tail (fewer than 5 in the tail: S < 25)
         return float("nan")
+    return float("-inf") if math.isnan(k) and spread <= resolution else k
 
 
 def _observed_sites(model, latent_draw, key, args, kwargs):
@@ -409,7 +415,16 @@ def to_datatree(engine, result, *args, num_samples: int = 1000, rng_key=None, lo
     else:
         lp = _log_joint(scored, args, kwargs, draws, info)
         log_w = np.asarray(lp - log_q, np.float64)
-        stats_attrs["pareto_k"] = pareto_k_hat(log_w)
+        # lp and log q are sums in the model's precision: weights within 64 round-offs of them are equal
+        eps = float(jnp.finfo(jnp.result_type(lp, log_q)).eps)
+        scale = max(1.0, float(np.max(np.abs(lp))), float(np.max(np.abs(log_q))))
+        stats_attrs["pareto_k"] = pareto_k_hat(log_w, resolution=64 * eps * scale)
+        if math.isnan(stats_attrs["pareto_k"]):
+            stats_attrs["pareto_k_note"] = (
+                "no k̂: the Pareto tail fit of the importance weights failed (fewer than 25 draws, or too few distinct "
+                "weights); draw more (num_samples=)." if np.all(np.isfinite(log_w)) else
+                "no k̂: some importance log weights log p(θ, y) − log q(θ) are not finite (a draw where the model's "
+                "density is zero or undefined: q puts mass outside the posterior's support).")
         if all(np.ptp(np.asarray(v), axis=0).max(initial=0.0) == 0 for v in posterior.values()):
             stats_attrs["pareto_k"] = float("nan")   # equal weights, but q is a point mass, not the posterior
             stats_attrs["pareto_k_note"] = ("no k̂: every draw is the same point (a point-mass guide such as "

@@ -387,10 +387,17 @@ class MPSGD:
         if key not in cache:
             proto, unc = self.guide.prototype_trace, self.guide._unpack_latent(self._init_loc)
             init = {n: biject_to(proto[n]["fn"].support)(v) for n, v in unc.items()}
-            info, latent, imputed = read_abstract_trace(
+            info, latent, imputed, params = read_abstract_trace(
                 self.model, args, {**kwargs, **self.static_kwargs},
                 lambda tr: (enum_info_of_trace(tr, init), {n for n, site in tr.items() if site["type"] == "sample"
-                                                           and not site["is_observed"]}, imputation_sites(tr)), init)
+                                                           and not site["is_observed"]}, imputation_sites(tr),
+                            sorted(n for n, site in tr.items() if site["type"] == "param")), init)
+            if params:
+                raise ValueError(
+                    f"MPSGD: the model declares numpyro.param site(s) {params}; MPSGD fits the guide's location and "
+                    "scale only (its projected steps have no place for a model param), so they would stay at their "
+                    "initial values. Give each a prior (numpyro.sample) or a fixed value (a model argument), or fit "
+                    "them with an engine that learns model params as SVI does (PDVI, FedSVI, FedLocalVI).")
             missing, extra = sorted(latent - set(init) - set(info.names)), sorted(set(init) - latent)
             if missing or extra:
                 raise ValueError(

@@ -291,11 +291,12 @@ def is_factor(site) -> bool:
 
 def observation_plates(model_trace) -> list[str]:
     """Plates that enclose every observed sample site of the model (candidates for an unsubsampled data plate);
-    ``numpyro.factor`` terms count only when there is no other observation, and then those inside a plate (a
-    factor likelihood) before one outside every plate (a prior penalty)."""
+    an observed site outside every plate counts only when no observation sits in a plate (a global term: a latent
+    fixed by ``handlers.condition``, a prior penalty), and ``numpyro.factor`` terms only when there is no other
+    observation, those inside a plate (a factor likelihood) first."""
     observed = [s for s in model_trace.values() if s["type"] == "sample" and s.get("is_observed")]
-    # a factor in a plate is a likelihood term; one outside every plate (a prior penalty) is not an observation
-    observed = ([s for s in observed if not is_factor(s)] or [s for s in observed if s["cond_indep_stack"]]
+    data = [s for s in observed if not is_factor(s)]
+    observed = ([s for s in data if s["cond_indep_stack"]] or data or [s for s in observed if s["cond_indep_stack"]]
                 or observed)
     if not observed:
         return []
@@ -436,6 +437,16 @@ def _traces(model, guide, model_key, guide_key, args, kwargs, init_params):
         return guide_trace, handlers.trace(model_run).get_trace(*args, **kwargs)
 
 
+def _refuse_inner_plate(name: str, inner: list, engine: str) -> None:
+    """A data plate declared inside ``numpyro.contrib.control_flow.scan``'s body (its frame on the sites, no plate
+    site in the model's trace) cannot be partitioned: refused, naming what runs such a model."""
+    if name in inner:
+        raise ValueError(f"{engine}: the plate {name!r} is declared inside the body of numpyro.contrib.control_flow."
+                         "scan (or another control-flow primitive), where its blocks / clients cannot be selected: "
+                         "the engines partition a plate of the model's top level. numpyro.infer.SVI and MPSGD (one "
+                         "potential, no blocks) run this model unchanged.")
+
+
 def inspect_model(
     model,
     guide,
@@ -493,7 +504,9 @@ def inspect_model(
         warn_score_function_sites(guide_trace, engine)
     plates = _plates(guide_trace, model_trace)
     subsampled = sorted(n for n, (size, sub) in plates.items() if sub is not None and sub < size)
+    inner = sorted(set(_plate_dims(guide_trace, model_trace)) - set(plates))  # declared inside a scan's body
     if data_plate is not None:
+        _refuse_inner_plate(data_plate, inner, engine)
         if data_plate not in plates:
             raise ValueError(f"data_plate={data_plate!r} is not a plate of the model/guide; plates found: "
                              f"{sorted(plates) or 'none'}.")
@@ -530,6 +543,7 @@ def inspect_model(
                 "plate's indices) lets the engines touch only a block's rows.")
     plate = None
     if plate_name is not None:
+        _refuse_inner_plate(plate_name, inner, engine)
         size, sub = plates[plate_name]
         plate = DataPlate(plate_name, int(size), int(_plate_dims(guide_trace, model_trace)[plate_name]),
                           subsample_size=int(sub) if sub is not None and sub < size else None)

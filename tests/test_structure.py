@@ -250,6 +250,47 @@ def test_factor_likelihood_in_the_plate_with_a_global_penalty_factor():
     assert s.data_plate.name == "data" and s.data_plate.size == N
 
 
+def test_a_latent_fixed_by_condition_is_no_observation_of_the_data():
+    """``handlers.condition`` on a global latent makes it an observed site outside every plate: a global term, so
+    the plate around the real observations is still the data plate (it was "ambiguous: no plate holds every
+    observed site", naming nothing)."""
+    from numpyro import handlers
+
+    def base(x):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+        sigma = numpyro.sample("sigma", dist.HalfNormal(2.0))
+        with numpyro.plate("data", N):
+            numpyro.sample("y", dist.Normal(mu, sigma), obs=x)
+
+    s = inspect_model(handlers.condition(base, {"sigma": 0.4}), _global_guide, random.key(0), (X,))
+    assert s.data_plate.name == "data" and s.data_plate.size == N
+
+
+def test_a_plate_inside_a_scan_body_is_refused_by_name():
+    """A plate declared in the body of ``contrib.control_flow.scan`` (NumPyro's way to combine plate and scan) has
+    no plate site in the model's trace: found through the sites' frames or named with ``data_plate=``, it is
+    refused naming scan and what runs the model (a bare ``KeyError: 'series'`` before; ``data_plate='series'``
+    said "plates found: none")."""
+    from numpyro.contrib.control_flow import scan
+
+    y = jnp.zeros((5, 3))
+
+    def ar1(y):
+        phi = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+
+        def step(prev, y_t):
+            with numpyro.plate("series", 3):
+                numpyro.sample("y", dist.Normal(phi * prev, 1.0), obs=y_t)
+            return y_t, None
+
+        scan(step, jnp.zeros(3), y)
+
+    for kw in ({}, {"data_plate": "series"}):
+        with pytest.raises(ValueError, match=r"MyEngine: the plate 'series' is declared inside the body of "
+                                             r"numpyro.contrib.control_flow.scan .*SVI and MPSGD"):
+            inspect_model(ar1, _global_guide, random.key(0), (y,), engine="MyEngine", **kw)
+
+
 def test_error_model_observing_nothing_names_the_missing_observations():
     """``y=None`` left at its default: every site is latent; the error says so instead of "ambiguous plate"."""
     def model(x, y=None):
