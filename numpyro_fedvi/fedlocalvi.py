@@ -54,7 +54,7 @@ from .particles import oracle_elbo
 from .prox import as_prox, zero_prox
 from .runner import EarlyStopping, RunResult, revert_non_finite, run_loop, tree_all_finite
 from .structure import ModelStructure, Partitions, inspect_global_model, warn_if_unsubsampled
-from .user_warnings import warn
+from .user_warnings import sentence, warn
 
 __all__ = ["METHODS", "FedLocalVI"]
 
@@ -783,5 +783,5 @@ class FedLocalVI:
             warn(f"{type(self).__name__}: none of the last {STUCK_ROUNDS} rounds was taken (each left "
                  "non-finite values or moved a positive param by more than a factor e^10; the loss stayed "
                  f"{float(tail[-1]):.6g} and step_size='auto' halved η to {float(state.precond['eta']):.3g}"
-                 f"): the run is stuck. {self._remedy()[0].upper() + self._remedy()[1:]}, or check the "
+                 f"): the run is stuck. {sentence(self._remedy())}, or check the "
                  "model's log density at get_params(result.state).", RuntimeWarning)

@@ -25,7 +25,7 @@ from numpyro.infer.svi import SVIRunResult
 from tqdm.auto import tqdm
 
 from .inputs import merge_inputs, split_inputs, traced_data_note
-from .user_warnings import warn
+from .user_warnings import sentence, warn
 
 __all__ = ["EarlyStopping", "RunResult", "revert_non_finite", "run_loop", "tree_all_finite"]
 
@@ -365,7 +365,7 @@ def run_loop(
         loss_arr = loss_arr[:non_finite_step]
         warn(
             f"Non-finite loss or state at step {non_finite_step}; the run stopped and returns the last finite "
-            f"state (from the step before). {remedy[0].upper() + remedy[1:]} or use stable_update=True to skip such "
+            f"state (from the step before). {sentence(remedy)} or use stable_update=True to skip such "
             "steps.",
             RuntimeWarning)
     if objective_losses:

@@ -13,7 +13,7 @@ import warnings
 import jax
 import numpyro
 
-__all__ = ["warn"]
+__all__ = ["sentence", "warn"]
 
 _INTERNAL = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
                   for m in (jax, numpyro)) + (os.path.dirname(os.path.abspath(__file__)) + os.sep,)
@@ -22,3 +22,9 @@ _INTERNAL = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
 def warn(message: str, category: type[Warning] = UserWarning) -> None:
     """``warnings.warn(message, category)`` attributed to the first caller outside this package, JAX and NumPyro."""
     warnings.warn(message, category, skip_file_prefixes=_INTERNAL)
+
+
+def sentence(text: str) -> str:
+    """``text`` with its first letter capitalised and the rest kept (``str.capitalize`` lowercases it): a remedy
+    phrase ("lower eta (eta='auto')") opening a sentence of a warning."""
+    return text[:1].upper() + text[1:]

@@ -53,3 +53,12 @@ def test_an_owner_without_attributes_raises_its_own_error():
 
     with pytest.raises(jax.errors.TracerArrayConversionError):
         Slotted().run(np.ones(2))
+
+
+def test_sentence_capitalises_the_first_letter_only():
+    from numpyro_fedvi.user_warnings import sentence
+
+    assert sentence("lower eta (eta='auto') or bound the consensus step") == \
+        "Lower eta (eta='auto') or bound the consensus step"
+    assert sentence("give a float step_size (η ≲ 1/L)") == "Give a float step_size (η ≲ 1/L)"
+    assert sentence("") == ""
