@@ -319,7 +319,12 @@ def run_loop(
                         running = chunk(carry, stop_at, arrays, static)
                     new_carry, chunk_losses, steps = finish(running)
                     carry, losses, running = new_carry, [*losses, chunk_losses], None  # one assignment: no signal check
-                    bar.update(steps)
+                    if compiling and done + steps < num_steps:  # compiling is no run time: the bar's clock,
+                        bar.unpause()           # rate and ETA start after it (shown from the next chunk on; its
+                        bar.n += steps          # first rate sample, 8 steps in 33 s of compiling, read "3:27:41")
+                        bar.last_print_n = bar.n
+                    else:
+                        bar.update(steps)
                     done += steps
                     finite = chunk_losses[np.isfinite(chunk_losses)]
                     if finite.size or compiling:

@@ -323,6 +323,25 @@ def test_bar_says_compiling_until_the_first_chunk_of_a_new_loop(capsys):
         assert ("compiling" in capsys.readouterr().err) is expected
 
 
+def test_bar_clock_starts_after_the_compiling_chunk(capsys):
+    """The bar's elapsed time, rate and ETA start after the chunk that compiled (here made 2 s slow): with later
+    chunks the final line reads 00:00 elapsed, not the first chunk's time, which a one-chunk run still shows."""
+    import re
+    import time
+
+    def slow_first_step(state, inputs=None):
+        jax.debug.callback(lambda t: time.sleep(2.0) if int(t) == 0 else None, state["t"])
+        return gd_step(state)
+
+    def elapsed(num_steps):
+        run_loop(slow_first_step, init_state(), num_steps, get_params=ident, progress_bar=True, chunk_size=4)
+        last = capsys.readouterr().err.replace("\r", "\n").strip().splitlines()[-1]
+        return re.search(r"\[(\d\d:\d\d)<", last).group(1)
+
+    assert elapsed(40) == "00:00"
+    assert elapsed(4) == "00:02"   # one chunk: nothing follows the compilation, the time stays in
+
+
 def test_diverging_losses_are_warned_about():
     """An objective that ends (median of its last tenth) more than 10·max(|first|, 1) above its first value is
     warned about; a decreasing one, a noisy one and one that rises less are not; fewer than 10 finite values never."""
