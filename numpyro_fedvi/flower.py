@@ -979,7 +979,7 @@ class FedMMStrategy(_EngineStrategy):
         super().handshake(grid, timeout)
         engine = self.engine
         if engine.auto_step or engine.auto_cv_step:
-            engine.check_settings(self.family, self.state.s, self.num_clients, self.weights)
+            engine.check_settings(self.family, self.state.s, self.num_clients, self.counts)
             self._server = self._server_program()
 
     def _server_program(self):
