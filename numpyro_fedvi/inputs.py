@@ -223,8 +223,8 @@ def check_inputs_like(reference: dict | None, args, kwargs, engine: str, model=N
         changed = _changed_shapes(reference, given)
         if changed:
             raise ValueError(f"{engine} got {', '.join(changed)}: its blocks / clients partition the data of init, "
-                             "and the state (duals, local rows) belongs to them. Call init (or run without "
-                             "init_state) for data of other shapes.")
+                             "and the state (PD-VI's duals and local rows, the clients' control variates) belongs to "
+                             "them. Call init (or run without init_state) for data of other shapes.")
     missing = [name for name in reference if name not in given]
     if missing:
         raise TypeError(f"{engine} got no array for {', '.join(missing)}, which init() was given (shape "
