@@ -204,7 +204,18 @@ def is_index_list(spec) -> bool:
 
 def whole_ids(ids) -> np.ndarray:
     """An id array as integers when it holds whole numbers in a float dtype (a pandas column with a float dtype,
-    ``ids.astype(float)``); any other array unchanged (refused by the caller when not integers)."""
+    ``ids.astype(float)``) or is a pandas categorical (``pd.Categorical``, a column of category dtype: its codes,
+    id k the k-th category; a missing value is refused); any other array unchanged (refused by the caller when not
+    integers)."""
+    codes = getattr(getattr(ids, "cat", None), "codes", None)   # a pandas Series of category dtype
+    if codes is None and type(ids).__module__.split(".")[0] == "pandas":
+        codes = getattr(ids, "codes", None)                       # a pd.Categorical
+    if codes is not None:
+        codes = np.asarray(codes).astype(np.int64)
+        if np.any(codes < 0):
+            raise ValueError(f"the categorical ids have {int(np.sum(codes < 0))} missing value(s); every datum needs "
+                             "a block / client.")
+        return codes
     ids = np.asarray(ids)
     if ids.dtype.kind == "f" and ids.size and np.all(np.isfinite(ids)) and np.all(ids == np.round(ids)):
         return ids.astype(np.int64)

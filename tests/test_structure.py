@@ -517,6 +517,27 @@ def test_whole_number_float_ids_are_ids_and_a_column_of_ids_gets_a_hint():
     np.testing.assert_array_equal(np.asarray(cd.counts), [2, 2, 3])
 
 
+def test_pandas_categorical_ids_are_their_codes():
+    """A column of category dtype (``df.site.astype("category")``) or a ``pd.Categorical`` partitions by its codes
+    (id k = the k-th category) as partitions= / clients= / ClientData.from_ids (it was refused as "dtype object"); a
+    missing value is refused."""
+    import pandas as pd
+
+    from numpyro_fedvi.federated import ClientData
+    from numpyro_fedvi.federated.data import check_clients
+
+    names = ["south", "north", "north", "east", "south", "south", "east"]
+    codes = np.array([2, 1, 1, 0, 2, 2, 0])            # categories in sorted order: east, north, south
+    want = make_partitions(7, partitions=codes)
+    for ids in (pd.Series(names, dtype="category"), pd.Categorical(names)):
+        for a, b in zip(make_partitions(7, partitions=ids), want):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert check_clients(ids, None) == 3
+        np.testing.assert_array_equal(np.asarray(ClientData.from_ids(np.arange(7.0), ids).counts), [2, 2, 3])
+    with pytest.raises(ValueError, match="1 missing value"):
+        make_partitions(3, partitions=pd.Categorical(["a", None, "b"]))
+
+
 @settings(max_examples=40, deadline=None)
 @given(st.integers(1, 40).flatmap(lambda n: st.tuples(st.just(n), st.lists(st.integers(0, n - 1), min_size=n,
                                                                              max_size=n))))
