@@ -748,7 +748,7 @@ class FedLocalVI:
         init_state = self._given(init_state)
         r0 = int(init_state.round)
         end = r0 + num_steps if isinstance(num_steps, (int, np.integer)) else r0  # run_loop checks num_steps
-        eta_since = {r0: init_state.precond and init_state.precond["eta"]}  # η at the start and each refresh
+        eta_since = {r0: init_state.precond["eta"]} if self.auto_step else {}  # η at the start and each refresh
 
         def refresh(state, at):
             state = self._refresh(state, inputs)

@@ -32,7 +32,8 @@ __all__ = ["InputJit", "array_arguments", "check_inputs_like", "check_positive",
 _STATIC_TYPES = (bool, int, float, complex, str, bytes, type(None))
 
 
-def _is_pandas(x) -> bool:
+def is_pandas(x) -> bool:
+    """A pandas object (Series, DataFrame, Categorical, ...): converted with ``.to_numpy()``."""
     return type(x).__module__.split(".")[0] == "pandas" and hasattr(x, "to_numpy")
 
 
@@ -40,7 +41,7 @@ def _convert(value, where: str):
     """One argument: pandas / NumPy / lists of numbers -> JAX arrays; pytrees are walked leaf by leaf."""
     if isinstance(value, jax.Array) or isinstance(value, _STATIC_TYPES):
         return value
-    if _is_pandas(value):
+    if is_pandas(value):
         value = value.to_numpy()
     if isinstance(value, list):
         try:

@@ -202,7 +202,7 @@ def _attach_partial_result(err: Exception, state, losses: list, get_params: Call
     if not losses:
         return
     try:
-        loss_arr = np.concatenate(losses) if losses else np.zeros((0,))
+        loss_arr = np.concatenate(losses)
         result = RunResult(get_params(state), state, jnp.asarray(loss_arr),
                            {"num_steps": len(loss_arr), "stop_reason": ERROR, "non_finite_step": None,
                             "skipped_steps": 0})

@@ -30,6 +30,7 @@ from numpyro.distributions.transforms import Transform, biject_to
 from numpyro.infer.inspect import get_dependencies
 from numpyro.primitives import Messenger
 
+from .inputs import is_pandas
 from .user_warnings import warn
 
 __all__ = [
@@ -207,9 +208,9 @@ def whole_ids(ids) -> np.ndarray:
     ``ids.astype(float)``) or is a pandas categorical (``pd.Categorical``, a column of category dtype: its codes,
     id k the k-th category; a missing value is refused); any other array unchanged (refused by the caller when not
     integers)."""
-    codes = getattr(getattr(ids, "cat", None), "codes", None)   # a pandas Series of category dtype
-    if codes is None and type(ids).__module__.split(".")[0] == "pandas":
-        codes = getattr(ids, "codes", None)                       # a pd.Categorical
+    codes = None
+    if is_pandas(ids):   # a Series of category dtype (its .cat accessor) or a pd.Categorical
+        codes = getattr(getattr(ids, "cat", None), "codes", getattr(ids, "codes", None))
     if codes is not None:
         codes = np.asarray(codes).astype(np.int64)
         if np.any(codes < 0):
