@@ -579,6 +579,7 @@ class FedLocalVI:
         curvature = jax.tree.map(jnp.abs, diag_hessian(lambda t: self._curvature_objective(loss, t, key, inputs),
                                                        theta, key=key))
         fisher = self._fisher(state, theta, inputs)
+        curvature = self._with_coupling(curvature, fisher, loss, theta, key, inputs[0])
         scale = _pre.preconditioner(fisher, curvature)
         raw = self._operator(loss, None, inputs[0])
         units = jnp.asarray(_pre.evenly_spaced(self.num_clients))
@@ -592,6 +593,13 @@ class FedLocalVI:
         new = state._replace(control=control, precond=precond)
         ok = jnp.isfinite(precond["eta"]) & tree_all_finite(curvature) & tree_all_finite(control)
         return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, state)  # a non-finite estimate keeps the last
+
+    # a saddle-point engine whose dual block's metric needs the clients' coupling terms (RobustFedVI) sets this
+    COUPLED_METRIC = False
+
+    def _with_coupling(self, curvature, fisher, loss, z, key, cd):
+        """The preconditioner's ``H`` with what the coupling between blocks adds (none here: one block, θ)."""
+        return curvature
 
     def _no_estimate(self, state) -> dict:
         """``state.precond`` before the initial estimate: η = NaN (no estimate; a failed initial estimate leaves it,

@@ -282,13 +282,14 @@ class _FedLocalVIClient:
         # an EVALUATE message: the engine's reported point (its output iterate, z-space) and the loss's fixed key
         self.evaluate_template = {"z": z0, "key": engine._eval_key(self._state(self.broadcast_template, 0))}
         self.carry_template = {"z": z0, "out_sum": z0}
-        (self.round, self.first_half, self.second_half, self.curvature, self.eigenvalue,
+        (self.round, self.first_half, self.second_half, self.curvature, self.coupling, self.eigenvalue,
          self.rescale, self.objective) = _shared_programs(
             (app_token, num_total, num_clients, _shapes(self.inputs), _shapes(z0)), lambda: (
                 InputJit(lambda s, inputs: self._round(*s, inputs)),
                 InputJit(lambda s, inputs: self._first_half(*s, inputs)),
                 InputJit(lambda s, inputs: self._second_half(*s, inputs)),
                 InputJit(lambda s, inputs: self._curvature(*s, inputs)),
+                InputJit(lambda s, inputs: self._coupling(*s, inputs)),
                 InputJit(lambda s, inputs: self._eigenvalue(*s, inputs)),
                 InputJit(lambda s, inputs: self._rescale(*s, inputs)),
                 InputJit(lambda s, inputs: self._evaluate(*s, inputs))))
@@ -329,6 +330,13 @@ class _FedLocalVIClient:
         loss, key = e._client_loss(inputs), e._refresh_key(st)
         return diag_hessian(lambda z: self._objective(loss, key, z), e._iterate(st, "last"), key=key)
 
+    def _coupling(self, b, m, inputs):
+        """RobustFedVI: this group's coupling term ``s_g`` at θ̄ with the server's ``H`` (``b["curvature"]``; the
+        server adds the largest to w's curvature: ``RobustFedVI._with_coupling``)."""
+        e, st = self.engine, self._state(b, m)
+        z, key = e._iterate(st, "last"), e._refresh_key(st)
+        return e.coupling_terms(e._client_loss(inputs), z, key, self.rows, b["curvature"], e._fisher(st, z, inputs))[0]
+
     def _eigenvalue(self, b, m, inputs):
         """``λ_m`` at θ̄ with the server's new ``H`` (``b["curvature"]``)."""
         e, st = self.engine, self._state(b, m)
@@ -350,6 +358,8 @@ class _FedLocalVIClient:
         kind = cfg.get("query")
         if kind == "curvature":
             return {"curvature": self.curvature((b, i), self.inputs)}
+        if kind == "coupling":
+            return {"coupling": self.coupling((b, i), self.inputs)}
         if kind == "eigenvalue":
             return {"eigenvalue": self.eigenvalue((b, i), self.inputs)}
         raise ValueError(f"unknown FedLocalVI query {kind!r}.")
@@ -1112,9 +1122,10 @@ class FedLocalVIStrategy(_EngineStrategy):
 
     def _refresh(self, grid, timeout):
         """``H`` from every client's Hessian diagonal (``engine._federated_curvature``: ``|Σ_m μ_m diag ∇²F_m(θ̄)|``;
-        RobustFedVI: weighted by w̄/N, τ on w), then ``η = STEP_SCALE / max λ_m`` from up to 8 evenly spaced clients'
-        ``λ_m`` with that ``H`` (``engine._client_lambda``: FedLocalVI's eigenvalues, RobustFedVI's singular values,
-        the engine's keys); the clients rescale their control variates in the next round.  The initial estimate
+        RobustFedVI: weighted by w̄/N, on w τ plus the groups' largest coupling term, one more query), then
+        ``η = STEP_SCALE / max λ_m`` from up to 8 evenly spaced clients' ``λ_m`` with that ``H``
+        (``engine._client_lambda``: FedLocalVI's eigenvalues, RobustFedVI's singular values, the engine's keys); the
+        clients rescale their control variates in the next round.  The initial estimate
         needs every reply and finite values (``FedLocalVI.init``'s errors); a later one that fails keeps the last
         estimate (logged)."""
         r, initial = int(self.state.round), not math.isfinite(float(self.state.precond["eta"]))
@@ -1127,6 +1138,13 @@ class FedLocalVIStrategy(_EngineStrategy):
         if sorted(parts) == everyone:
             curvature = self.engine._federated_curvature([parts[m]["curvature"] for m in everyone],
                                                          jnp.asarray(self.weights), theta, float(self.counts.sum()))
+            if self.engine.COUPLED_METRIC:   # RobustFedVI: w's metric adds the groups' largest coupling term
+                terms = self._query(grid, everyone, {**self._broadcast(), "curvature": curvature},
+                                    {"coupling": jnp.zeros((), curvature["w"].dtype)}, timeout,
+                                    lambda i: {"query": "coupling"})
+                curvature = ({**curvature, "w": curvature["w"] + jnp.max(jnp.stack(
+                    [terms[m]["coupling"] for m in everyone]))} if sorted(terms) == everyone else None)
+        if curvature is not None:
             lams = self._query(grid, units, {**self._broadcast(), "curvature": curvature},
                                {"eigenvalue": jnp.zeros((), jnp.result_type(*jax.tree.leaves(theta)))}, timeout,
                                lambda i: {"query": "eigenvalue"})

@@ -30,7 +30,8 @@ every client's local steps; ``None`` is the paper's solver.
 
 Step size (default ``"auto"``, FedLocalVI's preconditioning extended to the saddle operator): the solver runs
 ``η D(z) V_g(z)`` with ``D = 1/(F(θ)/N + |diag ∇²Φ(θ̄, w̄)|)`` — the guide's Fisher diagonal per datum on θ plus
-``Σ_g w̄_g diag ∇²L_g`` there, and ``|−τ|`` on w (so w moves by ``η/τ`` times its operator) — and
+``Σ_g w̄_g diag ∇²L_g`` there, and on w ``τ + max_g Σ_j D_θj (∂_j L_g)²``, the diagonal of the saddle Jacobian's
+Schur complement (:meth:`RobustFedVI._with_coupling`; τ alone made η shrink like √τ as τ → 0) — and
 ``η = 0.25/σ̂``, ``σ̂`` the largest singular value of ``D^{1/2} ∇V_g D^{1/2}`` (not symmetric: the θ–w coupling is in
 it) over up to 8 groups, re-estimated after rounds 1, 2, 4, 8, …  The simplex projection is the same in that
 metric (one scale for every w_g).  Over Flower the groups compute the parts (their Hessian diagonal, their σ̂_g;
@@ -45,6 +46,7 @@ import jax
 import jax.numpy as jnp
 from jax import random
 
+from . import preconditioning as _pre
 from . import vi_solvers as vs
 from .federated import ClientData
 from .fedlocalvi import LOCAL_STEPS, FedLocalVI, _positive_float
@@ -192,6 +194,25 @@ class RobustFedVI(FedLocalVI):
         """The largest singular value of group g's preconditioned saddle-operator Jacobian (not symmetric: the
         coupling ``G∇L_g`` between θ and w is in it)."""
         return max_preconditioned_singular_value(lambda t: raw(t, key, g), scale, z, random.fold_in(key, g))
+
+    COUPLED_METRIC = True
+
+    def coupling_terms(self, loss, z, key, cd: ClientData, curvature, fisher) -> jax.Array:
+        """``s_g = Σ_j D_θj (∂_j L_g(θ̄))²`` for the groups of ``cd`` (``D_θ = 1/(F/N + |H|)`` on θ): the diagonal of
+        ``J D_θ Jᵀ``, J = (∇L_g)_g the θ–w coupling of the saddle operator's Jacobian."""
+        d_theta = _pre.preconditioner(fisher["theta"], curvature["theta"])
+        jac = jax.jacrev(lambda th: self._group_losses(loss, th, key, cd))(z["theta"])
+        return sum(jnp.sum(jnp.square(j.reshape(j.shape[0], -1)) * d.reshape(1, -1), axis=1)
+                   for j, d in zip(jax.tree.leaves(jac), jax.tree.leaves(d_theta)))
+
+    def _with_coupling(self, curvature, fisher, loss, z, key, cd):
+        """w's metric: ``τ + max_g s_g`` (:meth:`coupling_terms`), the diagonal of the saddle Jacobian's Schur
+        complement ``τI + J D_θ Jᵀ`` (one scale for every w_g, so that the simplex projection stays the metric's).
+        With τ alone (before) the metric 1/τ grew as τ → 0, the coupling in σ̂ with it, and η (θ's steps) shrank like
+        √τ: on a fresh user's 4-group regression with one sign-flipped group, τ = 1e-4 was at max_g L_g 2.638 after
+        150 rounds (2.472 after 600); with the coupling 2.371 after 150, as τ = 0.01 (which reached 2.378 before)."""
+        terms = self.coupling_terms(loss, z, key, cd, curvature, fisher)
+        return {**curvature, "w": curvature["w"] + jnp.max(terms).astype(curvature["w"].dtype)}
 
     def _group_losses(self, loss, theta, key, cd: ClientData):
         return jax.vmap(loss, in_axes=(None, None, 0, 0))(key, theta, cd.data, cd.mask) / self.num_total
