@@ -210,7 +210,8 @@ def _attach_partial_result(err: Exception, state, losses: list, get_params: Call
     except Exception:  # noqa: BLE001 - the original error is what the user must see
         return
     err.add_note(f"numpyro_fedvi: the run stopped after {len(loss_arr)} steps; their state and losses are in this "
-                 "exception's .partial_result (a RunResult: resume with run(..., init_state=err.partial_result.state)).")
+                 "exception's .partial_result (a RunResult: resume with "
+                 "run(..., init_state=err.partial_result.state)).")
 
 
 def run_loop(
