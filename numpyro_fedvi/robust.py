@@ -119,7 +119,7 @@ class RobustFedVI(FedLocalVI):
             raise TypeError("RobustFedVI's solver is fixed: local dual averaging with the simplex prox on the group "
                             f"weights (its saddle point needs it); got {given} (FedLocalVI takes method= and prox=).")
         self.tau = _positive_float(tau, "tau")
-        if isinstance(step_size, str):  # "auto" (checked by FedLocalVI): the w-block is preconditioned by 1/τ
+        if isinstance(step_size, str):  # "auto" (checked by FedLocalVI): the w-block has its own metric
             if weight_step_size is not None:
                 raise ValueError("weight_step_size goes with a float step_size; with step_size='auto' the w-block's "
                                  "step comes from its curvature τ (see RobustFedVI).")
@@ -168,7 +168,7 @@ class RobustFedVI(FedLocalVI):
     @staticmethod
     def _default_prox():
         """The simplex on w (an indicator: its projection does not depend on the step, and with one scale for every
-        coordinate of w, 1/τ, it is also the preconditioned metric's projection)."""
+        coordinate of w, :meth:`_with_coupling`'s, it is also the preconditioned metric's projection)."""
         return simplex_weight_prox()
 
     def _fisher(self, state, z, inputs):
@@ -178,13 +178,15 @@ class RobustFedVI(FedLocalVI):
 
     def _curvature_objective(self, loss, z, key, inputs):
         """``Φ(θ, w)`` at the synchronised (θ̄, w̄): its diagonal Hessian is ``Σ_g w̄_g diag ∇²L_g`` on θ (the
-        θ-block of the mean operator's Jacobian) and ``−τ`` on w, so ``D = 1/(F/N + |H|)`` scales w by 1/τ."""
+        θ-block of the mean operator's Jacobian) and ``−τ`` on w, to which :meth:`_with_coupling` adds the
+        coupling's term."""
         losses = self._group_losses(loss, z["theta"], key, inputs[0])
         return dro_objective(losses, z["w"], self.tau)
 
     def _federated_curvature(self, parts: list, mu, z, num_total: float) -> dict:
         """Over Flower, from the groups' Hessian diagonals ``d_g`` of their objectives ``F_g = N L_g``:
-        ``Σ_g w̄_g d_g / N`` on θ and τ on w, the in-process ``|diag ∇²Φ(θ̄, w̄)|``."""
+        ``Σ_g w̄_g d_g / N`` on θ and τ on w, the in-process ``|diag ∇²Φ(θ̄, w̄)|`` (the strategy then adds the groups'
+        largest coupling term on w, :meth:`_with_coupling`)."""
         w = z["w"]
         theta = FedLocalVI._federated_curvature([p["theta"] for p in parts], w / num_total, z, num_total)
         return {"theta": theta, "w": jnp.full_like(w, self.tau)}
