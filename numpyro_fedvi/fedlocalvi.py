@@ -181,7 +181,7 @@ class FedLocalVI:
         params (a :mod:`numpyro_fedvi.prox` map, e.g. ``l1_prox(λ)``); ``None`` = φ = 0.
     :param batch_size: rows per client per oracle call, ``None`` = all rows; drawn uniformly with replacement
         (O(batch)) from a subsampled data plate or a ClientData, without replacement under an unsubsampled plate
-        (a mask cannot count a row twice).
+        (a mask cannot count a row twice); a client of at most ``batch_size`` rows gives all of them.
     :param crn: common random numbers: ``True`` (or a PRNG key to use) takes ONE Monte-Carlo key for every oracle
         call of the run and for the reported loss (the operator is the exact gradient of that fixed-draw objective);
         ``False`` draws fresh per call (unbiased oracle).

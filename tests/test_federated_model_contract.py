@@ -174,14 +174,20 @@ def test_user_model_unchanged(name, variant):
     assert draws["w"].shape == (50, D)
 
 
-def test_client_minibatch_without_replacement_for_masked_plate():
+def test_client_minibatch_draws_and_whole_clients():
     idx, mask = jnp.arange(10, dtype=jnp.int32), jnp.arange(10) < 7
     rows, valid = client_minibatch(random.key(0), idx, mask, 5, replace=False)
     assert bool(jnp.all(valid)) and len(set(np.asarray(rows).tolist())) == 5 and int(rows.max()) < 7
     rows, valid = client_minibatch(random.key(0), idx, mask, 9, replace=False)
     assert int(valid.sum()) == 7 and set(np.asarray(rows)[np.asarray(valid)].tolist()) == set(range(7))
-    rows, valid = client_minibatch(random.key(0), idx, mask, 12, replace=False)  # >= max rows: every row
-    assert rows.shape == (10,) and int(valid.sum()) == 7
+    for replace in (False, True):  # >= max rows: every row
+        rows, valid = client_minibatch(random.key(0), idx, mask, 12, replace=replace)
+        assert rows.shape == (10,) and int(valid.sum()) == 7
+    # with replacement: a client of at most batch_size rows gives each real row once, a larger one draws
+    rows, valid = client_minibatch(random.key(0), idx, mask, 8, replace=True)
+    np.testing.assert_array_equal(np.asarray(rows)[np.asarray(valid)], np.arange(7))
+    rows, valid = client_minibatch(random.key(0), idx, mask, 6, replace=True)
+    assert bool(jnp.all(valid)) and int(rows.max()) < 7 and len(set(np.asarray(rows).tolist())) < 6
 
 
 def test_errors():

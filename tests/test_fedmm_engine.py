@@ -203,9 +203,15 @@ def test_auto_step_with_minibatches_is_a_robbins_monro_schedule():
     mu = np.array([100.0, 20.0]) / 120
     assert uneven.step_size == MinibatchStep(pytest.approx(1 / (1 + 2 * np.sum(mu**2))), pytest.approx(10 / rows))
     assert FedMM(vi.family, batch_size=10, step_size=0.3).step_size == 0.3   # a given step stays
-    large = FedMM(vi.family, to_params=vi.to_params, batch_size=500)   # b above the rows: γ_t = 1/(1 + t)
-    large.init(random.key(0), cd, init)
-    assert large.step_size == MinibatchStep(1.0, 1.0)
+    # b at least every client's rows: each client gives all of its rows (the exact oracle), γ stays the constant
+    large = FedMM(vi.family, to_params=vi.to_params, batch_size=100)
+    exact = FedMM(vi.family, to_params=vi.to_params)
+    runs = [e.run(random.key(3), 5, cd, init, progress_bar=False) for e in (large, exact)]
+    assert large.step_size == exact.step_size == 1.0
+    np.testing.assert_array_equal(runs[0].losses, runs[1].losses)
+    uneven = FedMM(vi.family, to_params=vi.to_params, batch_size=50)   # only the 100-row client draws
+    uneven.init(random.key(0), ClientData.from_list([jnp.asarray(parts[0]), jnp.asarray(parts[1][:20])]), init)
+    assert uneven.step_size == MinibatchStep(1.0, pytest.approx(50 / rows))
 
 
 def test_entry_points_refuse_data_that_is_not_client_data_and_schedules_outside_the_unit_interval(gmm):

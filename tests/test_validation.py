@@ -186,6 +186,10 @@ def test_a_hand_built_client_data_whose_counts_disagree_with_its_mask_is_refused
     with pytest.raises(ValueError, match=r"every leaf needs the mask's leading shape"):
         FedMM(GMM).init(random.key(0), ClientData(jax.tree.map(lambda x: x[:, :-1], data), mask,
                                                   GMM_CLIENTS.counts), S0)
+    # row draws index a client's first N_i rows: real rows behind padding are refused
+    moved = mask.at[1, 0].set(False)   # client 1 without its first row: its count is right, its rows are not first
+    with pytest.raises(ValueError, match=r"client 1's real rows must come first \(mask\[i, j\] = j < counts"):
+        FedMM(GMM).init(random.key(0), ClientData(data, moved, GMM_CLIENTS.counts.at[1].add(-1)), S0)
     FedMM(GMM).init(random.key(0), ClientData(data, mask, GMM_CLIENTS.counts), S0)  # consistent: accepted
 
 

@@ -221,9 +221,9 @@ def _check_client_data(client_data) -> None:
 
 def check_client_data(client_data: ClientData, where: str = "client_data") -> ClientData:
     """A ClientData built by hand (``ClientData(data, mask, counts)``) checked on the host before anything runs: a
-    bool mask ``(n_clients, max_rows)``, one count per client equal to its mask's real rows (at least one), and data
-    leaves ``(n_clients, max_rows, ...)`` (``from_list`` / ``from_ids`` build it so; a count that disagrees with the
-    mask gave wrong client weights μ_i = N_i/N silently).  Returns it."""
+    bool mask ``(n_clients, max_rows)`` whose real rows come first, one count per client equal to its mask's real rows
+    (at least one), and data leaves ``(n_clients, max_rows, ...)`` (``from_list`` / ``from_ids`` build it so; a count
+    that disagrees with the mask gave wrong client weights μ_i = N_i/N silently).  Returns it."""
     _check_client_data(client_data)
     if any(isinstance(a, jax.core.Tracer) for a in jax.tree.leaves(client_data)):
         return client_data
@@ -242,6 +242,11 @@ def check_client_data(client_data: ClientData, where: str = "client_data") -> Cl
                          "(counts set the client weights μ_i = N_i/N); build it with ClientData.from_list / from_ids.")
     if np.any(real < 1):
         raise ValueError(f"{where}: client {int(np.argmin(real))} has 0 rows; drop empty clients.")
+    scattered = np.flatnonzero(np.any(mask != (np.arange(mask.shape[1])[None, :] < counts[:, None]), axis=1))
+    if scattered.size:  # row draws index the first counts[i] rows
+        i = int(scattered[0])
+        raise ValueError(f"{where}: client {i}'s real rows must come first (mask[i, j] = j < counts[i]), got real rows "
+                         f"at {np.flatnonzero(mask[i])[:5].tolist()}; build it with ClientData.from_list / from_ids.")
     for path, leaf in jax.tree_util.tree_leaves_with_path(client_data.data):
         if np.shape(leaf)[:2] != mask.shape:
             raise ValueError(f"{where}.data{jax.tree_util.keystr(path)} has shape {np.shape(leaf)}; every leaf needs "
@@ -341,18 +346,21 @@ def client_minibatch(key, rows, mask, batch_size: int, *, replace: bool = True):
 
     ``rows`` is a pytree with a leading (padded) row axis — the client's rows or its data-plate indices.
     ``replace=True``: with replacement (O(batch), every draw valid; the same draws as the federated engines' row
-    sampling on ClientData).  ``replace=False``: a uniform random subset without replacement (needs when duplicated
-    rows would collapse, e.g. a mask on an unsubsampled data plate); draws past the client's row count are flagged
-    invalid, and ``batch_size >= max_rows`` returns every row (the exact oracle).  jit-friendly, ``batch_size``
-    static.
+    sampling on ClientData), except that a client with at most ``batch_size`` rows gives every row once (the exact
+    oracle: its real rows are the first ``count``, as :class:`ClientData` pads them).  ``replace=False``: a uniform
+    random subset without replacement (needs when duplicated rows would collapse, e.g. a mask on an unsubsampled data
+    plate); draws past the client's row count are flagged invalid.  Either way ``batch_size >= max_rows`` returns
+    every row.  jit-friendly, ``batch_size`` static.
     """
     count = jnp.sum(mask)
-    if replace:
-        j = random.randint(key, (batch_size,), 0, count)
-        return jax.tree.map(lambda a: a[j], rows), jnp.ones((batch_size,), bool)
     width = mask.shape[0]
     if batch_size >= width:
         return rows, mask
+    if replace:
+        first = jnp.arange(batch_size)
+        every_row = count <= batch_size  # then the first batch_size rows hold all of the client's real rows
+        j = jnp.where(every_row, first, random.randint(key, (batch_size,), 0, count))
+        return jax.tree.map(lambda a: a[j], rows), jnp.where(every_row, first < count, True)
     u = jnp.where(mask, random.uniform(key, (width,)), 2.0)  # padding sorts last
     j = jnp.argsort(u)[:batch_size]
     return jax.tree.map(lambda a: a[j], rows), jnp.arange(batch_size) < count

@@ -273,7 +273,8 @@ def client_message(family, theta, x_t, V_i, rows, mask, round_key, client_id, *,
     """Client i's part of round t of Algorithm 2 (steps 1–3): ``q_i = C(𝖲_i − x_t − V_{t,i})``.
 
     ``𝖲_i = oracle(θ_t, rows, mask, key)`` on all of the client's rows (``batch_size=None``: the exact oracle) or on
-    ``batch_size`` rows drawn uniformly with replacement among its real rows; with ``aggregate="parameter"`` the
+    ``batch_size`` rows drawn uniformly with replacement among its real rows (all of them when it has at most
+    ``batch_size``: :func:`~numpyro_fedvi.federated.client_minibatch`); with ``aggregate="parameter"`` the
     target is ``T(𝖲_i)`` and ``x_t = θ_t``, else ``x_t = Ŝ_t``.  Keys per (round, purpose, client):
     ``fold_in(fold_in(k_t, PURPOSE), i)`` for the rows, the oracle and the compressor, so a client computes the same
     message in process (vmapped by :func:`fedmm_direction`) and on its own machine (the Flower client app).
@@ -469,7 +470,8 @@ def fedmm_step(state: FedMMState, family: SurrogateFamily, client_data: ClientDa
         with compression or partial participation).
     :param participation: a :class:`~numpyro_fedvi.federated.Participation` law (``p = prob(n)``).
     :param compressor: a :class:`~numpyro_fedvi.federated.Compressor` applied to each ``Δ_i`` (per leaf).
-    :param batch_size: rows per client per round (uniform with replacement), ``None`` = all rows (exact oracle).
+    :param batch_size: rows per client per round (uniform with replacement; a client of at most ``batch_size`` rows
+        gives all of them), ``None`` = all rows (exact oracle).
     :param with_objective: also evaluate the full objective (an O(all rows) pass; engines call it only every
         ``log_every`` rounds).
     :param guard: a round with a non-finite direction or new iterate changes nothing (the state comes back as it

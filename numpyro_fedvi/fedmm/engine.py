@@ -243,7 +243,8 @@ class SASSMM(_Engine):
 
     :param family: a :class:`~numpyro_fedvi.fedmm.SurrogateFamily`.
     :param step_size: γ in (0, 1] or a schedule ``t -> γ_{t+1}``; γ = 1 with ``batch_size=None`` is (MAP-)EM.
-    :param batch_size: rows per round drawn uniformly with replacement, ``None`` = all rows (exact oracle).
+    :param batch_size: rows per round drawn uniformly with replacement, ``None`` (or at least the number of rows) =
+        all rows (exact oracle).
     :param to_params: optional ``θ -> params`` returned by ``get_params``.
     :param projection: ``None`` (use ``family.project``) or a callable ``s -> s`` that replaces it.
 
@@ -264,7 +265,7 @@ class SASSMM(_Engine):
 
     def _batch_fn(self, data):
         n = _num_rows(data)
-        if self.batch_size is None:
+        if self.batch_size is None or self.batch_size >= n:  # every row: the exact oracle
             return lambda key: (data, jnp.ones((n,), bool))
         b = self.batch_size
 
@@ -522,7 +523,8 @@ class FedMM(_Engine):
         auto = 1 / (1 + omega_p * spread) if omega_p > 0 else 1.0
         if self.auto_step:  # (a server optimizer takes γ's place: γ stays 1)
             self.step_size = auto if self.server_optimizer is None else 1.0
-            if self.batch_size is not None and self.server_optimizer is None:
+            noisy = self.batch_size is not None and (counts is None or np.any(counts > self.batch_size))
+            if noisy and self.server_optimizer is None:  # (a client of at most batch_size rows gives all of them)
                 rows = float(np.sum(counts**2) / counts.sum()) if counts is not None else float("inf")
                 self.step_size = MinibatchStep(auto, min(1.0, self.batch_size / rows))
         self._settled = True
