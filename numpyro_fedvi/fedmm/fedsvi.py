@@ -153,10 +153,11 @@ class FedSVI(FedMM):
         means against 1.65 with γ = 1).  Without ``rho`` the server's optimizer takes γ's place.
     :param batch_size: rows per client per round; ``None`` = all rows (exact oracle).  Drawn with replacement
         (O(batch)) from a subsampled data plate or a ClientData; without replacement under an unsubsampled plate
-        (a mask cannot count a row twice); a client of at most ``batch_size`` rows gives all of them.  The server's Adam leaves its iterate θ_t jittering with minibatches;
-        with ``batch_size`` the default output is the tail average, which averages it out (measured on an 8-client
-        logistic regression with ``batch_size=64``: 0.17–0.27 / 0.07–0.09 NUTS sd from the posterior means after 300 /
-        3,000 rounds against 1.0–1.7 / 0.73–0.86 for θ_t; full client batches 0.032 after 300; README, FedSVI).
+        (a mask cannot count a row twice); a client of at most ``batch_size`` rows gives all of them.  The server's
+        Adam leaves its iterate θ_t jittering with minibatches; with ``batch_size`` the default output is the tail
+        average, which averages it out (measured on an 8-client logistic regression with ``batch_size=64``:
+        0.17–0.27 / 0.07–0.09 NUTS sd from the posterior means after 300 / 3,000 rounds against 1.0–1.7 / 0.73–0.86
+        for θ_t; full client batches 0.032 after 300; README, FedSVI).
     :param prox: optional ``prox_{ρg}`` on the unconstrained global params (``T`` of the quadratic family):
         :func:`~numpyro_fedvi.prox.l1_prox` (federated lasso), :func:`~numpyro_fedvi.prox.box_prox`,
         :func:`~numpyro_fedvi.prox.theta_l_prox` (``σ_min(Σ) ≥ 1/√L`` for AutoLocationScale guides), a list
