@@ -221,7 +221,7 @@ class MPSGD:
     :param draws: ``"spherical"`` (adaptive default) or ``"iid"`` (theory default, the paper's estimator).
     :param stage_length: (adaptive) length of the first stage (stages double).
     :param init_scale: initial Σ = init_scale·I (theory default 1/√L; adaptive: the first frame's scale, replacing the
-        Hessian-based frame).
+        Hessian-based frame, and q's: it starts at exactly init_scale·I).
     :param step_size: (theory) ``None`` = 1/(2 L_step), a float, or a schedule ``k -> γ_k`` (a float above
         ``THEORY_STEP_WARN / L`` = 10⁴/L is warned about).
     :param smoothness: (theory) L of the potential (float) or ``"auto"`` (default: :func:`estimate_smoothness` at the
@@ -520,7 +520,9 @@ class MPSGD:
     @concrete_data_fallback
     def init(self, rng_key, *args, init_params: dict | None = None, **kwargs) -> MPSGDState | WhitenedState:
         """Set up guide and schedules; the initial state.  Theory: μ0 from the guide's init_loc_fn, Σ0 = I/√L (or
-        ``init_scale``).  Adaptive: the first frame at μ0 (its |Hessian|^{-1/2}, or ``init_scale``/the given scale)."""
+        ``init_scale``).  Adaptive: the first frame at μ0, its |Hessian|^{-1/2} with q's scale 1/√2 of it (the
+        paper's Σ0 = I/√L, whitened), or ``init_scale`` / the given scale, where q starts exactly (as ``SVI.init``
+        with ``init_params``)."""
         args, kwargs = prepare_inputs(args, kwargs, self.model)
         setup_key, rng_key = random.split(rng_key)
         self._setup(setup_key, args, kwargs)

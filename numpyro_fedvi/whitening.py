@@ -166,16 +166,19 @@ def initial_frame(potential: Callable, x0, scale_type: str, key):
 
 def whitened_init(potential: Callable, x0, scale_type: str, rng_key, *, frame_scale=None,
                   stage_length: int = 25) -> WhitenedState:
-    """Initial state at ``x0``: the frame of :func:`initial_frame` (or ``frame_scale``, a scale in the guide's
-    format, with ``L′ = SAFETY``), ``μ′ = 0`` and ``Σ′ = I/√L′`` (the paper's ``Σ0 = I/√L``, whitened)."""
+    """Initial state at ``x0``: the frame of :func:`initial_frame`, ``μ′ = 0`` and ``Σ′ = I/√L′`` (the paper's
+    ``Σ0 = I/√L``, whitened); or with ``frame_scale`` (a scale in the guide's format: the user's) that frame,
+    ``L′ = SAFETY`` and ``Σ′ = I``, so q starts at ``N(x0, frame_scale)`` as given."""
     ftype = jnp.result_type(float)
     x0 = jnp.asarray(x0, ftype)
     dim = x0.shape[0]
     if frame_scale is None:
         A, L = initial_frame(potential, x0, scale_type, random.fold_in(rng_key, 2**20))
+        start = 1.0 / jnp.sqrt(L)
     else:
         A, L = jnp.asarray(frame_scale, ftype), jnp.asarray(SAFETY, ftype)
-    scale, scale_inv, logdet = project_scale(scale_type, _identity(scale_type, dim, ftype) / jnp.sqrt(L),
+        start = jnp.ones((), ftype)
+    scale, scale_inv, logdet = project_scale(scale_type, _identity(scale_type, dim, ftype) * start,
                                              1.0 / jnp.sqrt(L))
     zero = jnp.zeros((), ftype)
     A = A.astype(ftype)

@@ -428,3 +428,21 @@ def test_improper_uniform_latent_fits_the_laplace_posterior_of_an_ordinal_model(
     laplace_sd = np.sqrt(np.diag(np.linalg.inv(np.asarray(jax.hessian(f)(jnp.asarray(mode, jnp.float32))))))
     assert np.all(np.abs(loc - mode) < 0.25 * laplace_sd), (loc, mode, laplace_sd)
     np.testing.assert_allclose(np.sqrt(np.diag(scale @ scale.T)), laplace_sd, rtol=0.25)
+
+
+@pytest.mark.parametrize("scale_type", ["full", "tril", "diag"])
+def test_adaptive_init_params_start_q_where_given(scale_type):
+    """``init(..., init_params=p)`` starts q at p, as NumPyro's ``SVI.get_params(svi.init(..., init_params=p))`` is
+    p: the given scale is the first frame AND q's scale (the whitened Σ′ starts at I, not the paper's I/√L′ of a
+    Hessian frame, which gave q at the given scale / √2); ``init_scale=s`` likewise starts q at s·I."""
+    w, V = np.linalg.eigh(COV)
+    exact = {"full": (V * np.sqrt(w)) @ V.T, "tril": np.linalg.cholesky(COV), "diag": 1 / np.sqrt(np.diag(PREC))}[
+        scale_type]
+    given = {"auto_loc": jnp.asarray(MEAN + 0.1, jnp.float32), "auto_scale": jnp.asarray(exact, jnp.float32)}
+    engine = MPSGD(model, AutoLocationScale(model, scale=scale_type))
+    params = engine.get_params(engine.init(random.key(0), A, Y, init_params=given))
+    np.testing.assert_allclose(params["auto_loc"], given["auto_loc"], rtol=1e-6)
+    np.testing.assert_allclose(params["auto_scale"], given["auto_scale"], rtol=1e-5, atol=1e-7)
+    engine = MPSGD(model, AutoLocationScale(model, scale=scale_type), init_scale=0.3)
+    scale = np.asarray(engine.get_params(engine.init(random.key(0), A, Y))["auto_scale"])
+    np.testing.assert_allclose(scale, 0.3 * (np.ones(D) if scale_type == "diag" else np.eye(D)), atol=1e-6)
