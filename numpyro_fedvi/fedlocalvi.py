@@ -60,6 +60,8 @@ __all__ = ["METHODS", "FedLocalVI"]
 
 METHODS = ("local_sgd", "lesgd", "lippax", "slippax", "local_dual_averaging")
 LOCAL_STEPS = 5  # K, local steps per round by default (RobustFedVI's too)
+CONTROL_STEP = 0.2  # α of the drift correction by default (see control_step)
+INNER_EPS = 1e-3  # (S)LIPPAX's inner accuracy behind inner_steps="auto"
 _CRN_FOLD = 0x5EED  # fold of the state key that gives the fixed Monte-Carlo key (crn=True)
 _EVAL_FOLD = 0xE7A1  # fold that gives the key of the reported loss (the same every round: comparable losses)
 _FISHER_FOLD = 0xF15E  # fold of the state key that gives the guide's Fisher draws (fixed: D(θ) deterministic)
@@ -175,7 +177,9 @@ class FedLocalVI:
         negative ELBO: η ≤ 1/L of ``F``; see ``vi_solvers.theory_step_size``); needed with ``prox``.
     :param L: Lipschitz constant of ∇F for (S)LIPPAX's inner step γ = η/(1+ηL)²; default ``1/step_size`` (η = 1/L;
         1 with ``"auto"``, whose operator is scaled to λ̂ ≤ 0.25).
-    :param inner_steps: H of (S)LIPPAX, an int or ``"auto"`` = ``inner_steps_for(η, L, inner_eps)``.
+    :param inner_steps: H of (S)LIPPAX, an int or ``"auto"`` = ``inner_steps_for(η, L, inner_eps)`` (``inner_eps``
+        default 1e-3).  ``L`` and ``inner_eps`` are refused with another method, ``control_step`` without the drift
+        correction (they would be ignored).
     :param sigma: SLIPPAX's oracle noise level σ (smoothing radius δ = ησ/d^{1/4}); ``delta`` overrides δ.
     :param prox: local dual averaging only: ``prox(θ, s) = prox_{sφ}(θ)`` of a convex term φ on the unconstrained
         params (a :mod:`numpyro_fedvi.prox` map, e.g. ``l1_prox(λ)``); ``None`` = φ = 0.
@@ -232,9 +236,10 @@ class FedLocalVI:
     def __init__(self, model, guide, loss=None, *legacy, clients=None, num_clients: int | None = None,
                  method: str = "local_sgd", local_steps: int = LOCAL_STEPS, step_size: float | str = "auto",
                  L: float | None = None,
-                 inner_steps="auto", inner_eps: float = 1e-3, sigma: float | None = None, delta: float | None = None,
+                 inner_steps="auto", inner_eps: float | None = None, sigma: float | None = None,
+                 delta: float | None = None,
                  prox: Callable | None = None, batch_size: int | None = None, crn: bool = False,
-                 output: str = "tail", drift_correction: str | None = "scaffnew", control_step: float = 0.2,
+                 output: str = "tail", drift_correction: str | None = "scaffnew", control_step: float | None = None,
                  oracle_draws: str | None = "orthogonal", oracle_particles: int | str = "minimal",
                  data_plate: str | None = None, mesh=None, **static_kwargs):
         loss, clients, num_clients = _client_spec(loss, legacy, clients, num_clients, type(self).__name__)
@@ -264,10 +269,15 @@ class FedLocalVI:
         # with "auto" the step lives in the operator (η·D(θ)·V, see numpyro_fedvi.preconditioning): the solvers run
         # the preconditioned operator with η = 1
         self.step_size = 1.0 if self.auto_step else _positive_float(step_size, "step_size")
+        if method not in ("lippax", "slippax") and (L is not None or inner_eps is not None):
+            raise ValueError(f"L= and inner_eps= are (S)LIPPAX options; method={method!r} takes neither.")
+        if inner_eps is not None and inner_steps != "auto":
+            raise ValueError(f"inner_eps sets inner_steps='auto'; give one of them (got inner_steps={inner_steps!r}).")
         self.L = 1.0 / self.step_size if L is None else _positive_float(L, "L")
         if method in ("lippax", "slippax"):
             if inner_steps == "auto":
-                inner_steps = vs.inner_steps_for(self.step_size, self.L, _positive_float(inner_eps, "inner_eps"))
+                inner_eps = INNER_EPS if inner_eps is None else _positive_float(inner_eps, "inner_eps")
+                inner_steps = vs.inner_steps_for(self.step_size, self.L, inner_eps)
             inner_steps = vs._positive_int(inner_steps, "inner_steps")
         elif inner_steps != "auto":
             raise ValueError(f"inner_steps is a (S)LIPPAX option; method={method!r} takes none (got {inner_steps!r}).")
@@ -300,7 +310,9 @@ class FedLocalVI:
             raise ValueError(f"drift_correction must be 'scaffnew' or None (the paper's plain solver), got "
                              f"{drift_correction!r}.")
         self.drift_correction = drift_correction
-        self.control_step = _positive_float(control_step, "control_step")
+        if control_step is not None and drift_correction is None:
+            raise ValueError("control_step is the drift correction's α; drift_correction=None takes none.")
+        self.control_step = _positive_float(CONTROL_STEP if control_step is None else control_step, "control_step")
         if self.control_step > 1:
             raise ValueError(f"control_step must lie in (0, 1], got {control_step!r}.")
         self.model, self.guide, self.clients = model, guide, clients

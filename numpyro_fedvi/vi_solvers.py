@@ -126,7 +126,8 @@ class Solver(NamedTuple):
 
     ``halves``: for the solvers that synchronise twice in a round (LESGD, local dual averaging), the round split at
     its first synchronisation, ``(first_half, second_half)`` (see :func:`_two_sync_solver`); ``None`` for the
-    solvers whose round ends with their only synchronisation."""
+    solvers whose round ends with their only synchronisation.  ``step_size``: the local step η the solver was built
+    with (the unit of :func:`drift_corrected`'s control step)."""
 
     init: Callable[..., VIState]
     round: Callable[..., tuple[VIState, RoundInfo]]
@@ -134,6 +135,7 @@ class Solver(NamedTuple):
     num_local_steps: int
     calls_per_step: int
     halves: Any = None
+    step_size: Any = None
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -219,9 +221,16 @@ def _call_keys(round_key, clients, K: int, calls: int, step, call):
 
 
 def _as_key(key):
+    """A typed PRNG key as given; raw key data (integers, shape (2,): a legacy ``PRNGKey``) wrapped; other raw uint32
+    key data passed through; a scalar is refused here (an int failed inside the first round, with JAX's "invalid
+    PRNG key data")."""
     if isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
         return key
-    return random.wrap_key_data(jnp.asarray(key, jnp.uint32)) if jnp.shape(key) == (2,) else key
+    raw = np.asarray(key) if isinstance(key, (list, tuple)) else key
+    if np.ndim(raw) == 0 or not jnp.issubdtype(jnp.result_type(raw), jnp.integer):
+        raise TypeError(f"key must be a PRNG key (jax.random.key(seed)), got {type(key).__name__} {key!r}"[:200]
+                        + ".")
+    return random.wrap_key_data(jnp.asarray(raw, jnp.uint32)) if np.shape(raw) == (2,) else key
 
 
 def _init_state(z0, num_clients, key, *, dual: bool) -> VIState:
@@ -302,10 +311,10 @@ def local_sgd(eta, num_local_steps: int) -> Solver:
         z, out_sum, drift = _round_scan(state, K, body)
         return _finish_round(state, z, out_sum, K, _client_mean(z), drift, 1)
 
-    return Solver(_primal_init, round_, "local_sgd", K, 1)
+    return Solver(_primal_init, round_, "local_sgd", K, 1, step_size=eta)
 
 
-def _two_sync_solver(name, K, init, half_step, mean_iterate) -> Solver:
+def _two_sync_solver(name, K, init, half_step, mean_iterate, step_size) -> Solver:
     """A solver whose local step makes two oracle calls and whose LAST step of a round synchronises twice: the
     first half's result x is averaged BEFORE the second call, then z is averaged (LESGD, local dual averaging).
 
@@ -353,7 +362,7 @@ def _two_sync_solver(name, K, init, half_step, mean_iterate) -> Solver:
                          oracle_calls=jnp.asarray(2 * K, jnp.int32), presync=presync)
         return new._replace(z=z), info
 
-    return Solver(init, round_, name, K, 2, (first_half, second_half))
+    return Solver(init, round_, name, K, 2, (first_half, second_half), step_size)
 
 
 def lesgd(eta, num_local_steps: int) -> Solver:
@@ -370,7 +379,7 @@ def lesgd(eta, num_local_steps: int) -> Solver:
             return jax.vmap(lambda zm, km, m: _axpy(-eta, operator(zm, km, m), zm))(z, keys, idx)
         return jax.vmap(lambda zm, xm, km, m: _axpy(-eta, operator(xm, km, m), zm))(z, x, keys, idx), x
 
-    return _two_sync_solver("lesgd", K, _primal_init, half_step, lambda state, z: _client_mean(z))
+    return _two_sync_solver("lesgd", K, _primal_init, half_step, lambda state, z: _client_mean(z), eta)
 
 
 def _lippax_solver(eta, K, L, H, delta_fn, name) -> Solver:
@@ -412,7 +421,7 @@ def _lippax_solver(eta, K, L, H, delta_fn, name) -> Solver:
         z, out_sum, drift = _round_scan(state, K, body)
         return _finish_round(state, z, out_sum, K, _client_mean(z), drift, H + 1)
 
-    return Solver(_primal_init, round_, name, K, H + 1)
+    return Solver(_primal_init, round_, name, K, H + 1, step_size=eta)
 
 
 def lippax(eta, num_local_steps: int, L, num_inner_steps: int) -> Solver:
@@ -429,6 +438,8 @@ def slippax(eta, num_local_steps: int, L, num_inner_steps: int, sigma, delta=Non
     ``δ = ησ/d^{1/4}`` (the value of the proof, App. E; Thm 5 prints ησ/√d), d = total size of z.  The extra step
     is at x_H itself.  ``delta`` overrides δ.  With σ = 0 (δ = 0) this is LIPPAX (up to the extra key splits)."""
     _check_positive(sigma, "sigma", allow_zero=True)
+    if delta is not None:
+        _check_positive(delta, "delta", allow_zero=True)
 
     def delta_fn(state):
         if delta is not None:
@@ -473,7 +484,7 @@ def local_dual_averaging(eta, num_local_steps: int, prox: ProxMap | None = None)
     def mean_iterate(state, z):
         return primal(state, _client_mean(z), state.step + K)
 
-    return _two_sync_solver("local_dual_averaging", K, init, half_step, mean_iterate)
+    return _two_sync_solver("local_dual_averaging", K, init, half_step, mean_iterate, eta)
 
 
 def corrected_operator(operator: Operator, h, row=lambda m: m) -> Operator:
@@ -502,7 +513,7 @@ def sync_offset(presync, synced, mean=lambda a: jnp.mean(a, axis=0)):
     return _tmap(lambda ym, ybar: mean(ybar - ym), presync, synced)
 
 
-def drift_corrected(solver: Solver, eta, control_step=1.0) -> Solver:
+def drift_corrected(solver: Solver, eta=None, control_step=1.0) -> Solver:
     """``solver`` with drift correction by control variates (Scaffnew / ProxSkip, Mishchenko et al. 2022, with a
     fixed period of K local steps): client m keeps ``h_m`` (``state.control``, Σ_m h_m = 0, initially 0) and every
     oracle call of its local steps returns ``Ṽ_m(x) − h_m``; at the synchronisation, with y_m the client's value of
@@ -516,8 +527,17 @@ def drift_corrected(solver: Solver, eta, control_step=1.0) -> Solver:
     step may stay η ≤ 1/L whatever K (ProxSkip's theorem; an anchor-gradient correction such as FedLin needs ηKL ≲ 1
     and diverged at K = 20 in our logistic-regression check).  No extra oracle call; the controls are part of the
     state (resumes stay bitwise).  α = 1 is ProxSkip's step; α < 1 moves h_m part of the way (same fixed points):
-    with noisy oracles α = 1 replays each round's noise for the K steps of the next one (see FedLocalVI)."""
+    with noisy oracles α = 1 replays each round's noise for the K steps of the next one (see FedLocalVI).
+
+    ``eta``: the solver's local step η (default: ``solver.step_size``); another value is refused, as it scales α."""
+    if eta is None:
+        eta = solver.step_size
     _check_positive(eta, "eta")
+    if not any(isinstance(e, jax.core.Tracer) or e is None for e in (eta, solver.step_size)) and not np.allclose(
+            np.asarray(eta), np.asarray(solver.step_size), rtol=1e-6, atol=0.0):
+        raise ValueError(f"drift_corrected's eta={eta!r} is not the solver's local step η = {solver.step_size!r}: "
+                         "the control step is α/(Kη) in the solver's units, so another η scales α (and diverged at "
+                         "10× smaller); leave eta out (it defaults to the solver's).")
     _check_positive(control_step, "control_step")
     if not isinstance(control_step, jax.core.Tracer) and float(control_step) > 1:
         raise ValueError(f"control_step must lie in (0, 1], got {control_step!r}.")
@@ -534,7 +554,7 @@ def drift_corrected(solver: Solver, eta, control_step=1.0) -> Solver:
         return new._replace(control=control_update(h, info.presync, synced, K, eta, control_step,
                                                    sync_offset(info.presync, synced))), info
 
-    return Solver(init, round_, f"{solver.name}+scaffnew", K, solver.calls_per_step)
+    return Solver(init, round_, f"{solver.name}+scaffnew", K, solver.calls_per_step, step_size=eta)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -587,8 +607,11 @@ def theory_step_size(method: str, L, D, sigma, K, R, M, *, G=None, d=None, beta=
     """
     L, D, sigma = float(L), float(D), float(sigma)
     K, R, M = _positive_int(K, "K"), _positive_int(R, "R"), _positive_int(M, "M")
-    if not (L > 0 and D > 0 and sigma >= 0):
-        raise ValueError(f"need L > 0, D > 0, sigma >= 0; got L={L}, D={D}, sigma={sigma}.")
+    if not (0 < L < math.inf and 0 < D < math.inf and 0 <= sigma < math.inf):
+        raise ValueError(f"need finite L > 0, D > 0, sigma >= 0; got L={L}, D={D}, sigma={sigma}.")
+    for name, value in (("G", G), ("d", d), ("beta", beta)):
+        if value is not None and not 0 < float(value) < math.inf:
+            raise ValueError(f"{name} must be a finite float > 0, got {value!r}.")
     e = math.e
     s = sigma
     noisy = s > 0

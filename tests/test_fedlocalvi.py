@@ -28,6 +28,7 @@ from numpyro.infer.initialization import init_to_value
 from scipy.optimize import minimize
 
 import numpyro_fedvi as nfv
+from numpyro_fedvi import vi_solvers as vs
 from numpyro_fedvi.federated import ClientData
 from numpyro_fedvi.fedlocalvi import METHODS, FedLocalVI
 from numpyro_fedvi.prox import l1_prox
@@ -261,6 +262,18 @@ def test_bad_inputs():
         FedLocalVI(model, GUIDE, cd, method="lippax", inner_steps=0, **ok)
     with pytest.raises(ValueError, match="inner_steps"):
         FedLocalVI(model, GUIDE, cd, method="local_sgd", inner_steps=3, **ok)
+    # options another method would silently ignore are refused (they ran as if not given)
+    for method, extra in (("local_sgd", {"L": 3.0}), ("lesgd", {"inner_eps": 0.5})):
+        with pytest.raises(ValueError, match=rf"L= and inner_eps= are \(S\)LIPPAX options; method='{method}'"):
+            FedLocalVI(model, GUIDE, cd, method=method, **extra, **ok)
+    with pytest.raises(ValueError, match=r"inner_eps sets inner_steps='auto'; give one of them \(got inner_steps=3"):
+        FedLocalVI(model, GUIDE, cd, method="lippax", inner_steps=3, inner_eps=0.1, **ok)
+    with pytest.raises(ValueError, match="control_step is the drift correction's α; drift_correction=None takes"):
+        FedLocalVI(model, GUIDE, cd, drift_correction=None, control_step=0.5, **ok)
+    lippax = FedLocalVI(model, GUIDE, cd, method="lippax", L=3.0, inner_eps=0.1, **ok)
+    assert (lippax.L, lippax.inner_steps) == (3.0, vs.inner_steps_for(0.01, 3.0, 0.1))
+    assert FedLocalVI(model, GUIDE, cd, method="lippax", **ok).inner_steps == vs.inner_steps_for(0.01, 100.0, 1e-3)
+    assert FedLocalVI(model, GUIDE, cd, **ok).control_step == 0.2
     with pytest.raises(ValueError, match="prox= is a local dual averaging option"):
         FedLocalVI(model, GUIDE, cd, method="lesgd", prox=l1_prox(1.0), **ok)
     with pytest.raises(ValueError, match="prox= is a local dual averaging option"):  # named before the step size

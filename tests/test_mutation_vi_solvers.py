@@ -357,6 +357,17 @@ def test_argument_checks():
     raises(ValueError, "eta must be finite and > 0, got 0.0.", vs.drift_corrected, base, 0.0)
     assert vs.drift_corrected(base, 0.1, 1.0).name == "local_sgd+scaffnew"  # α = 1 allowed
     assert vs.drift_corrected(base, 0.1).name == "local_sgd+scaffnew"  # default α = 1 (ProxSkip's step)
+    # η is the solver's (the control step α/(Kη) is in its units): given, it must agree; left out, it is the solver's
+    raises(ValueError, "drift_corrected's eta=0.01 is not the solver's local step η = 0.1: the control step is "
+           "α/(Kη) in the solver's units, so another η scales α (and diverged at 10× smaller); leave eta out (it "
+           "defaults to the solver's).", vs.drift_corrected, base, 0.01)
+    for make in (lambda e: vs.local_sgd(e, 3), lambda e: vs.lesgd(e, 3), lambda e: vs.lippax(e, 3, 1.0, 2),
+                 lambda e: vs.slippax(e, 3, 1.0, 2, 0.1), lambda e: vs.local_dual_averaging(e, 3)):
+        assert make(0.07).step_size == 0.07 and vs.drift_corrected(make(0.07)).step_size == 0.07
+    raises(ValueError, "delta must be finite and >= 0, got -1.0.", vs.slippax, 0.1, 3, 1.0, 2, 0.0, delta=-1.0)
+    # keys: a typed key or a legacy PRNGKey; an int is refused at init (it failed inside the first round)
+    raises(TypeError, "key must be a PRNG key (jax.random.key(seed)), got int 0.", base.init, jnp.zeros(2), 2, 0)
+    assert base.init(jnp.zeros(2), 2, random.PRNGKey(0)).key.dtype == random.key(0).dtype
     raises(ValueError, "num_rounds must be a positive int, got 0.", vs.run_rounds, base, None, None, 0)
 
 
@@ -448,9 +459,9 @@ def test_theory_step_size_checks():
         with pytest.raises(ValueError, match="^" + re.escape(msg) + "$"):
             vs.theory_step_size(*a, **kw)
 
-    raises("need L > 0, D > 0, sigma >= 0; got L=0.0, D=1.0, sigma=0.1.", "lesgd", 0, 1, 0.1, 2, 2, 2)
-    raises("need L > 0, D > 0, sigma >= 0; got L=1.0, D=0.0, sigma=0.1.", "lesgd", 1, 0, 0.1, 2, 2, 2)
-    raises("need L > 0, D > 0, sigma >= 0; got L=1.0, D=1.0, sigma=-0.1.", "lesgd", 1, 1, -0.1, 2, 2, 2)
+    raises("need finite L > 0, D > 0, sigma >= 0; got L=0.0, D=1.0, sigma=0.1.", "lesgd", 0, 1, 0.1, 2, 2, 2)
+    raises("need finite L > 0, D > 0, sigma >= 0; got L=1.0, D=0.0, sigma=0.1.", "lesgd", 1, 0, 0.1, 2, 2, 2)
+    raises("need finite L > 0, D > 0, sigma >= 0; got L=1.0, D=1.0, sigma=-0.1.", "lesgd", 1, 1, -0.1, 2, 2, 2)
     raises("K must be a positive int, got 0.", "lesgd", 1, 1, 0.1, 0, 2, 2)
     raises("R must be a positive int, got 0.", "lesgd", 1, 1, 0.1, 2, 0, 2)
     raises("M must be a positive int, got 0.", "lesgd", 1, 1, 0.1, 2, 2, 0)
@@ -459,6 +470,9 @@ def test_theory_step_size_checks():
            1, 1, 0.0, 2, 2, 2)
     raises("unknown method 'adam'; use 'lesgd', 'lippax', 'slippax', 'local_sgd' or 'local_dual_averaging'.",
            "adam", 1, 1, 0.1, 2, 2, 2)
+    raises("need finite L > 0, D > 0, sigma >= 0; got L=inf, D=1.0, sigma=0.1.", "lesgd", np.inf, 1, 0.1, 2, 2, 2)
+    raises("G must be a finite float > 0, got 0.0.", "local_dual_averaging", 1, 1, 0.0, 2, 2, 2, G=0.0)
+    raises("d must be a finite float > 0, got 0.", "slippax", 1, 1, 0.1, 2, 2, 2, d=0)
     assert vs.theory_step_size("lesgd", 1, 1, 0.1, 1, 1, 1) > 0  # K = R = M = 1 allowed
     assert isinstance(vs.theory_step_size("lippax", 2, 1, 0.0, 3, 3, 3), float)
 

@@ -167,6 +167,20 @@ def test_bernoulli_one_is_full_participation():
         FedMM(GMM, cv_step=0.0, participation=FixedSize(2)).init(random.key(0), GMM_CLIENTS, S0)
 
 
+def test_step_sizes_take_numpy_and_jax_scalars_and_sassmm_refuses_client_data():
+    """γ and α as NumPy / 0-d JAX reals (np.float32 was refused as "not a float"), stored as Python floats; a
+    ClientData given to SASSMM names FedMM (it failed inside JAX's array conversion)."""
+    for value in (np.float32(0.5), jnp.asarray(0.5), np.float64(0.5), 0.5):
+        engine = FedMM(GMM, step_size=value, cv_step=np.float32(0.5))
+        assert type(engine.step_size) is float and engine.step_size == 0.5 and engine.cv_step == 0.5
+        assert type(SASSMM(GMM, step_size=value).step_size) is float
+    for bad in (jnp.asarray([0.5]), np.float32(1.5), True, "0.5"):
+        with pytest.raises(ValueError, match=r"step_size must be a float in \(0, 1\] or a schedule"):
+            FedMM(GMM, step_size=bad)
+    with pytest.raises(TypeError, match="SASSMM takes the rows as one pytree of arrays .*a ClientData is FedMM's"):
+        SASSMM(GMM).init(random.key(0), GMM_CLIENTS, S0)
+
+
 def test_participation_and_compressor_of_the_wrong_type_are_refused_with_their_choices():
     with pytest.raises(TypeError, match=r"participation must be Full\(\), Bernoulli\(p\) or FixedSize\(m\) .*got 0.5 "
                                         r"\(for p = 0.5 use Bernoulli\(0.5\)\)"):

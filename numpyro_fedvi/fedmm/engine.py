@@ -19,7 +19,7 @@ from jax import random
 
 from .. import sharding as _sharding
 from ..federated import Bernoulli, ClientData, Compressor, check_client_data, FixedSize, Full, Identity, Participation
-from ..inputs import InputJit, check_state_like, prepare_inputs, prepare_value, state_template
+from ..inputs import InputJit, check_state_like, is_real_number, prepare_inputs, prepare_value, state_template
 from ..runner import EarlyStopping, RunResult, revert_non_finite, run_loop, tree_all_finite
 from .core import (
     FedMMState,
@@ -37,10 +37,15 @@ __all__ = ["SASSMM", "FedMM", "strong_types", "with_projection"]
 
 
 def _check_step_size(step_size):
+    """A schedule as given, or γ as a Python float (NumPy and 0-d JAX reals too) checked in (0, 1]."""
     if callable(step_size):
-        return
-    if isinstance(step_size, bool) or not isinstance(step_size, (int, float)) or not 0 < step_size <= 1:
+        return step_size
+    real = is_real_number(step_size) or (isinstance(step_size, jax.Array) and step_size.ndim == 0
+                                         and not isinstance(step_size, jax.core.Tracer)
+                                         and jnp.issubdtype(step_size.dtype, jnp.floating))
+    if not real or not 0 < float(step_size) <= 1:
         raise ValueError(f"step_size must be a float in (0, 1] or a schedule t -> γ_t, got {step_size!r}.")
+    return float(step_size)
 
 
 def check_schedule(step_size, start: int, num_steps: int) -> None:
@@ -139,7 +144,7 @@ class _Engine:
 
     def __init__(self, family: SurrogateFamily, step_size, batch_size, to_params: Callable | None,
                  projection: Callable | None = None):
-        _check_step_size(step_size)
+        step_size = _check_step_size(step_size)
         _check_batch_size(batch_size)
         if to_params is not None and not callable(to_params):
             raise TypeError(f"to_params must be callable (θ -> NumPyro params), got {to_params!r}.")
@@ -170,6 +175,9 @@ class _Engine:
         return cache[name]
 
     def _prepare(self, data):
+        if isinstance(data, ClientData) and not isinstance(self, FedMM):  # (a ClientData failed in JAX's conversion)
+            raise TypeError("SASSMM takes the rows as one pytree of arrays (leading axis = rows); a ClientData is "
+                            "FedMM's input: run FedMM on it, or SASSMM on the rows of all clients.")
         (data,), _ = prepare_inputs((data,), {})
         return data
 
@@ -374,8 +382,7 @@ class FedMM(_Engine):
             raise TypeError(f"compressor must be Identity(), StochasticQuantizer(bits) or RandK(k) "
                             f"(numpyro_fedvi.federated), got {compressor!r}.")
         self.auto_cv_step = isinstance(cv_step, str) and cv_step == "auto"
-        if not self.auto_cv_step and not (isinstance(cv_step, (int, float)) and not isinstance(cv_step, bool)
-                                          and math.isfinite(cv_step) and cv_step >= 0):
+        if not self.auto_cv_step and not (is_real_number(cv_step) and math.isfinite(cv_step) and cv_step >= 0):
             raise ValueError(f"cv_step (α) must be 'auto' or a finite float >= 0, got {cv_step!r}.")
         # FixedSize(m) is full participation when m is the number of clients: decided at init (check_settings)
         full = isinstance(self.participation, (Full, FixedSize)) or (isinstance(self.participation, Bernoulli)
