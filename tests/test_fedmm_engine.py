@@ -132,7 +132,8 @@ def test_defaults_with_partial_participation_and_compression_reach_the_em_fixed_
 
 def test_auto_step_is_one_for_exact_rounds_and_alphas_bound_with_coarse_messages(gmm):
     """``step_size="auto"`` (default): γ = 1 with every client and exact messages (EM-style rounds, bitwise the
-    explicit 1), else γ = α = 1/(1+ω_p) at init; with RandK(1) messages the default reaches EM's fixed point where
+    explicit 1), else α = 1/(1+ω_p) and γ = α·min(1, √(n_eff/ω)) at init; with RandK(1) messages the default reaches
+    EM's fixed point where
     γ = 1 runs away (non-finite, or the objective far above EM's)."""
     fam, cd, _, s0 = gmm
     exact = FedMM(fam).run(random.key(0), 20, cd, s0, progress_bar=False)
@@ -141,7 +142,9 @@ def test_auto_step_is_one_for_exact_rounds_and_alphas_bound_with_coarse_messages
     em = FedMM(fam).run(random.key(0), 300, cd, s0, progress_bar=False)
     engine = FedMM(fam, compressor=RandK(1))
     auto = engine.run(random.key(0), 300, cd, s0, progress_bar=False)
-    assert engine.step_size == pytest.approx(engine.cv_step) and engine.step_size < 0.5
+    mu = np.asarray(cd.counts) / np.sum(cd.counts)
+    assert engine.step_size == pytest.approx(engine.cv_step * np.sqrt(1 / np.sum(mu**2) / 5))  # ω = 5
+    assert engine.step_size < 0.5
     order = lambda t: np.asarray(t, np.float64)[np.lexsort(np.asarray(t, np.float64).T)]
     np.testing.assert_allclose(order(auto.params), order(em.params), atol=1e-3)
     with warnings.catch_warnings():
@@ -173,6 +176,28 @@ def test_auto_steps_shrink_with_the_spread_of_the_client_weights():
     equal = FedMM(fam, participation=FixedSize(1))
     equal.init(random.key(0), ClientData.from_list([big[:100], big[100:]]), s0)
     assert equal.step_size == equal.cv_step == 0.5   # 1/(1 + ω_p), ω_p = 1
+
+
+def test_auto_step_with_compression_is_at_most_alpha_sqrt_n_eff_over_omega():
+    """γ = α·min(1, √(n_eff/ω)) (Theorem 1's √n/√ω): ONE client with RandK(1) (ω = 5 on s1's 6 coordinates) takes
+    γ = α/√5 and ends at EM's objective for keys 0-3; at γ = α (the rule before) it ended at 1e13-1e15.  Three equal
+    clients take α·√(3/5); the README's 8-bit messages keep γ = α."""
+    rng = np.random.default_rng(0)
+    x = (MEANS[rng.integers(0, K, 600)] + rng.normal(size=(600, D))).astype(np.float32)
+    s0 = {"s1": rng.normal(size=(K, D)).astype(np.float32), "s2": np.full(K, 1 / K, np.float32)}
+    fam = gmm_map_em(K=3, d=2, lam=1e-3)
+    em = FedMM(fam).run(random.key(0), 300, ClientData.from_list([x]), s0, progress_bar=False)
+    one = FedMM(fam, compressor=RandK(1))
+    for k in range(4):
+        run = one.run(random.key(k), 300, ClientData.from_list([x]), s0, progress_bar=False)
+        np.testing.assert_allclose(run.losses[-1], em.losses[-1], rtol=1e-5)
+    assert one.cv_step == pytest.approx(1 / 6) and one.step_size == pytest.approx(one.cv_step / np.sqrt(5))
+    three = FedMM(fam, compressor=RandK(1))
+    three.init(random.key(0), ClientData.from_list(np.array_split(x, 3)), s0)
+    assert three.cv_step == pytest.approx(1 / 6) and three.step_size == pytest.approx(three.cv_step * np.sqrt(3 / 5))
+    fine = FedMM(fam, compressor=StochasticQuantizer(8))
+    fine.init(random.key(0), ClientData.from_list(np.array_split(x, 3)), s0)
+    assert fine.step_size == fine.cv_step
 
 
 def test_auto_step_with_minibatches_is_a_robbins_monro_schedule():
