@@ -148,7 +148,8 @@ class FedSVI(FedMM):
     :param data_plate: name of the data plate (default: the only subsampled plate, else the only plate around
         every observation).
     :param step_size: FedMM's γ with ``rho=``: ``"auto"`` (default, as FedMM's) is 1 with every client and exact
-        messages (θ_{t+1} = θ_t − ρ·(aggregated gradient)), else 1/(1 + ω_p·n·Σμ_i²) (measured: a 4-client linear
+        messages (θ_{t+1} = θ_t − ρ·(aggregated gradient)), else 1/(1 + ω_p·n·Σμ_i²), at most that times
+        √(n_eff/ω) under compression (:meth:`FedMM.check_settings`; measured: a 4-client linear
         regression, ρ = 3e-4, RandK(1) with one client per round, 1,500 rounds: 0.002 posterior sd from the exact
         means against 1.65 with γ = 1).  Without ``rho`` the server's optimizer takes γ's place.
     :param batch_size: rows per client per round; ``None`` = all rows (exact oracle).  Drawn with replacement
