@@ -478,6 +478,20 @@ class EllipticLocationScale(Distribution):
 # ----------------------------------------------------------------------------------------------------------
 # the guide
 # ----------------------------------------------------------------------------------------------------------
+def _setup_hint(message: str) -> str | None:
+    """What to do about NumPyro's AutoContinuous set-up errors, for :class:`AutoLocationScale` (``None``: none)."""
+    if "does not support local latent variables" in message:
+        return ("AutoLocationScale is one joint q over every latent: a latent inside a subsampled plate (one per "
+                "datum, seen a minibatch at a time) cannot be one of its coordinates. Drop the plate's subsample_size "
+                "(MPSGD then fits those latents jointly), or fit the local latents with PDVI and AutoNormal (local "
+                "params per block).")
+    if "cannot handle discrete sample site" in message:
+        return ("A discrete latent must be summed out: mark it infer={'enumerate': 'parallel'} in the model (MPSGD "
+                "sums enumerated latents out of its potential) and build the guide on the model without it, "
+                "AutoLocationScale(handlers.block(model, hide=[name])).")
+    return None
+
+
 class AutoLocationScale(AutoContinuous):
     """Elliptic location-scale guide over the model's whole unconstrained latent vector (specs/mpsgd.md).
 
@@ -535,7 +549,13 @@ class AutoLocationScale(AutoContinuous):
         return f"{self.prefix}_scale"
 
     def _setup_prototype(self, *args, **kwargs):
-        super()._setup_prototype(*args, **kwargs)
+        try:
+            super()._setup_prototype(*args, **kwargs)
+        except ValueError as err:  # NumPyro's AutoContinuous messages, with what to do here
+            hint = _setup_hint(str(err))
+            if hint is None:
+                raise
+            raise ValueError(f"{err} {hint}") from err
         self.latent_dim = int(self.latent_dim)
         self.base = make_base(self.base_name, self.latent_dim, self.df)
 

@@ -446,3 +446,31 @@ def test_adaptive_init_params_start_q_where_given(scale_type):
     engine = MPSGD(model, AutoLocationScale(model, scale=scale_type), init_scale=0.3)
     scale = np.asarray(engine.get_params(engine.init(random.key(0), A, Y))["auto_scale"])
     np.testing.assert_allclose(scale, 0.3 * (np.ones(D) if scale_type == "diag" else np.eye(D)), atol=1e-6)
+
+
+def test_numpyro_set_up_errors_say_what_to_do():
+    """AutoLocationScale's set-up errors from NumPyro (a local latent in a subsampled plate, a discrete latent
+    not enumerated) keep NumPyro's message and add the fix in this package's terms."""
+
+    def local(y, batch=None):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+        with numpyro.plate("data", y.shape[0], subsample_size=batch) as idx:
+            z = numpyro.sample("z", dist.Normal(mu, 1.0))
+            numpyro.sample("y", dist.Normal(z, 1.0), obs=y[idx])
+
+    def discrete(y):
+        k = numpyro.sample("k", dist.Bernoulli(0.5))
+        with numpyro.plate("data", y.shape[0]):
+            numpyro.sample("y", dist.Normal(k, 1.0), obs=y)
+
+    y = jnp.linspace(-1.0, 1.0, 20)
+    with pytest.raises(ValueError, match=r"does not support local latent variables\. AutoLocationScale is one joint q "
+                                         r"over every latent: .*Drop the plate's subsample_size .*or fit the local "
+                                         r"latents with PDVI"):
+        MPSGD(local, AutoLocationScale(local)).init(random.key(0), y, batch=5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # NumPyro's note on unmarked discrete sites
+        with pytest.raises(ValueError, match=r"cannot handle discrete sample site 'k'\. A discrete latent must be "
+                                             r"summed out: mark it infer=\{'enumerate': 'parallel'\} .*"
+                                             r"AutoLocationScale\(handlers\.block\(model, hide=\[name\]\)\)"):
+            MPSGD(discrete, AutoLocationScale(discrete)).init(random.key(0), y)
