@@ -308,18 +308,16 @@ class FedMM(_Engine):
         with full participation and no compression (EM-style rounds), else 1/(1 + ω_p·n·Σμ_i²) — α's bound
         1/(1+ω_p) for equal client weights μ_i, shorter for unequal ones, and at most that times √(n_eff/ω) under
         compression (n_eff = 1/Σμ_i²; :meth:`check_settings`) — set at init.  The theory's γ (Theorem 1) shrinks as
-        α√n/√ω_p times constants of the problem no engine knows; measured on the
-        README's 3-client mixture, γ = 1 with coarse messages (2-bit quantizer, RandK(1), RandK(2) with one client
-        per round) diverged — non-finite, or a 10⁷-fold objective with no warning — and γ = 1/(1+ω_p) reached EM's
-        fixed point in all six settings tried (the 8-bit, 2-of-3-clients run of the README in 500 rounds).  With
-        ``batch_size`` that constant opens a Robbins–Monro schedule, :class:`MinibatchStep`.
+        α√n/√ω_p times constants of the problem no engine knows; measured on the README's 3-client mixture, γ = 1
+        with coarse messages (2-bit quantizer, RandK(1), RandK(2) with one client per round) diverged — non-finite,
+        or a 10⁷-fold objective with no warning — and γ = 1/(1+ω_p) reached EM's fixed point in all six settings
+        tried (the 8-bit, 2-of-3-clients run of the README in 500 rounds).  With ``batch_size`` that constant opens a
+        Robbins–Monro schedule, :class:`MinibatchStep`.
     :param cv_step: the control-variate step α ≥ 0, or ``"auto"`` (default): 0 with full participation and no
         compression (the control variates then change nothing), else 1/(1 + ω_p·n·Σμ_i²) (γ's auto value before its
-        cap), the
-        theory's largest α = 1/(1+ω_p) for equal clients (ω: the compressor's variance factor, p: the inclusion
-        probability; computed at init).  α = 0 is allowed only with
-        full participation and no compression (otherwise the method plateaus); α ≤ 1/(1+ω_p) (refused when
-        exceeded, at init).
+        cap), the theory's largest α = 1/(1+ω_p) for equal clients (ω: the compressor's variance factor, p: the
+        inclusion probability; computed at init).  α = 0 is allowed only with full participation and no compression
+        (otherwise the method plateaus); α ≤ 1/(1+ω_p) (refused when exceeded, at init).
     :param participation: ``Full()``, ``Bernoulli(p)`` or ``FixedSize(m)`` (numpyro_fedvi.federated).
     :param compressor: ``Identity()``, ``StochasticQuantizer(bits=8)`` or ``RandK(k)``.
     :param batch_size: rows per client per round, ``None`` = all rows (exact oracle).

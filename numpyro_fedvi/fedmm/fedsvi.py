@@ -149,9 +149,9 @@ class FedSVI(FedMM):
         every observation).
     :param step_size: FedMM's γ with ``rho=``: ``"auto"`` (default, as FedMM's) is 1 with every client and exact
         messages (θ_{t+1} = θ_t − ρ·(aggregated gradient)), else 1/(1 + ω_p·n·Σμ_i²), at most that times
-        √(n_eff/ω) under compression (:meth:`FedMM.check_settings`; measured: a 4-client linear
-        regression, ρ = 3e-4, RandK(1) with one client per round, 1,500 rounds: 0.002 posterior sd from the exact
-        means against 1.65 with γ = 1).  Without ``rho`` the server's optimizer takes γ's place.
+        √(n_eff/ω) under compression (:meth:`FedMM.check_settings`; measured: a 4-client linear regression,
+        ρ = 3e-4, RandK(1) with one client per round, 1,500 rounds: 0.002 posterior sd from the exact means against
+        1.65 with γ = 1).  Without ``rho`` the server's optimizer takes γ's place.
     :param batch_size: rows per client per round; ``None`` = all rows (exact oracle).  Drawn with replacement
         (O(batch)) from a subsampled data plate or a ClientData; without replacement under an unsubsampled plate
         (a mask cannot count a row twice); a client of at most ``batch_size`` rows gives all of them.  The server's
