@@ -124,8 +124,8 @@ def _jsonable(x):
         return [_jsonable(v) for v in x]
     if isinstance(x, (np.ndarray, jax.Array)):
         return _jsonable(np.asarray(x).tolist())
-    if isinstance(x, (np.floating, float)):
-        return None if not np.isfinite(x) else float(x)
+    if isinstance(x, (np.floating, float)):  # a non-finite value as its name: a diverged run shows (JSON has no NaN)
+        return float(x) if np.isfinite(x) else str(float(x))
     if isinstance(x, (np.integer,)):
         return int(x)
     if isinstance(x, (np.bool_,)):
