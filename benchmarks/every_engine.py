@@ -199,7 +199,7 @@ def plot(results: dict, out):
     ax.set_yscale("log")
     ax.set_xticks(np.arange(len(names)) + 0.4 - width / 2, names)
     ax.set_ylabel("max |mean − NUTS mean| / NUTS sd")
-    ax.legend(fontsize=7, ncol=2)
+    ax.legend(fontsize=7, ncol=3, loc="lower center", bbox_to_anchor=(0.5, 1.0), frameon=False)  # above the bars
     fig.tight_layout()
     return save_figure(fig, NAME, out)
 

@@ -272,6 +272,7 @@ def main(argv=None):
     axes[2].axhline(gap_tol, color="k", ls=":", label="gap tolerance")
     axes[2].set(xlabel="iteration", ylabel="profile neg. ELBO − optimum (floor 1e-2)", yscale="log")
     axes[0].legend(fontsize=7)
+    axes[2].legend(fontsize=7)
     fig.suptitle(f"biased-batch GMM, n={cfg['n']}, {cfg['num_blocks']} blocks of {cfg['block']}")
     fig.tight_layout()
     save_figure(fig, "gmm_biased", args.out)

@@ -268,6 +268,8 @@ def plot(all_results, out):
         ax.axhline(TARGETS[all_results[name]["kind"]]["mean_err"], color="k", lw=0.8, ls=":")
         ax.set_title(name)
         ax.set_xlabel("wall time (s, compile excluded)")
+        for axis in (ax.xaxis, ax.yaxis):  # a log axis spanning < 1 decade labels its minor ticks on top of each other
+            axis.set_minor_formatter(plt.NullFormatter())
     axes[0][0].set_ylabel("max |mean error| (posterior sd)")
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
