@@ -175,9 +175,6 @@ class _Engine:
         return cache[name]
 
     def _prepare(self, data):
-        if isinstance(data, ClientData) and not isinstance(self, FedMM):  # (a ClientData failed in JAX's conversion)
-            raise TypeError("SASSMM takes the rows as one pytree of arrays (leading axis = rows); a ClientData is "
-                            "FedMM's input: run FedMM on it, or SASSMM on the rows of all clients.")
         (data,), _ = prepare_inputs((data,), {})
         return data
 
@@ -270,6 +267,12 @@ class SASSMM(_Engine):
         n = _num_rows(data)
         init_stat = check_init_stat(self.family, init_stat, data, jnp.ones((n,), bool), "the data rows")
         return sassmm_init(self.family, strong_types(init_stat), rng_key)
+
+    def _prepare(self, data):
+        if isinstance(data, ClientData):  # (it failed inside JAX's array conversion)
+            raise TypeError("SASSMM takes the rows as one pytree of arrays (leading axis = rows); a ClientData is "
+                            "FedMM's input: run FedMM on it, or SASSMM on the rows of all clients.")
+        return super()._prepare(data)
 
     def _batch_fn(self, data):
         n = _num_rows(data)
