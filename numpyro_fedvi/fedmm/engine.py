@@ -19,7 +19,8 @@ from jax import random
 
 from .. import sharding as _sharding
 from ..federated import Bernoulli, ClientData, Compressor, check_client_data, FixedSize, Full, Identity, Participation
-from ..inputs import InputJit, check_state_like, is_real_number, prepare_inputs, prepare_value, state_template
+from ..inputs import (InputJit, check_positive, check_state_like, is_real_number, prepare_inputs, prepare_value,
+                      state_template)
 from ..runner import EarlyStopping, RunResult, revert_non_finite, run_loop, tree_all_finite
 from .core import (
     FedMMState,
@@ -40,12 +41,13 @@ def _check_step_size(step_size):
     """A schedule as given, or γ as a Python float (NumPy and 0-d JAX reals too) checked in (0, 1]."""
     if callable(step_size):
         return step_size
-    real = is_real_number(step_size) or (isinstance(step_size, jax.Array) and step_size.ndim == 0
-                                         and not isinstance(step_size, jax.core.Tracer)
-                                         and jnp.issubdtype(step_size.dtype, jnp.floating))
-    if not real or not 0 < float(step_size) <= 1:
+    try:
+        gamma = check_positive(step_size, "step_size")
+    except (TypeError, ValueError):
+        gamma = math.inf
+    if gamma > 1:
         raise ValueError(f"step_size must be a float in (0, 1] or a schedule t -> γ_t, got {step_size!r}.")
-    return float(step_size)
+    return gamma
 
 
 def check_schedule(step_size, start: int, num_steps: int) -> None:
