@@ -419,10 +419,16 @@ class MPSGD:
         local = sum(int(np.prod(s["fn"].shape())) for s in tr.values() if s["type"] == "sample"
                     and not s["is_observed"] and data_plates & {f.name for f in s["cond_indep_stack"]})
         if local >= PER_DATUM_WARN_DIM:
+            cost = ("a random d×d rotation, O(d³): 0.02 / 0.09 / 0.8 s per step at d = 500 / 1,000 / 2,000 on one "
+                    "core, whatever the scale type" if self.adaptive and self.draws == "spherical" else "")
+            n = self.num_particles
+            draws = (n if isinstance(n, (int, np.integer)) else "N_k") if n else (
+                2 * max(self.dim, MIN_RADII) if self.adaptive else 1)
             warn(f"MPSGD: {local} of the d = {self.dim} latent coordinates are per-datum (sites in the plate "
-                 f"{sorted(data_plates)} of the observations); MPSGD optimises them in one vector (cost per "
-                 f"step O(d{'²' if self.scale_type != 'diag' else ''}) and growing with N). PDVI is made for "
-                 "per-datum latents.", UserWarning)
+                 f"{sorted(data_plates)} of the observations); MPSGD optimises them in one vector, so d and the "
+                 f"cost of a step grow with N: {draws} gradient evaluations of the whole model per step"
+                 f"{', ' + cost if cost else ''}{', and a d×d scale' if self.scale_type != 'diag' else ''}. "
+                 "PDVI is made for per-datum latents.", UserWarning)
 
     def _setup(self, rng_key, args, kwargs):
         self._input_arrays = array_arguments(args, kwargs, self.model)  # for check_inputs_like

@@ -474,3 +474,23 @@ def test_numpyro_set_up_errors_say_what_to_do():
                                              r"summed out: mark it infer=\{'enumerate': 'parallel'\} .*"
                                              r"AutoLocationScale\(handlers\.block\(model, hide=\[name\]\)\)"):
             MPSGD(discrete, AutoLocationScale(discrete)).init(random.key(0), y)
+
+
+def test_per_datum_latents_warn_with_the_cost_of_a_step():
+    """Per-datum latents in MPSGD's one vector: the warning states the step's real cost — 2d gradient evaluations
+    and, with the adaptive schedule's spherical draws, an O(d³) rotation whatever the scale type (it read "O(d)"
+    for a diagonal scale, where d = 2,001 measured 0.8 s per step in the rotation)."""
+    def random_effects(y):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+        with numpyro.plate("data", y.shape[0]):
+            b = numpyro.sample("b", dist.Normal(mu, 1.0))
+            numpyro.sample("y", dist.Normal(b, 1.0), obs=y)
+
+    y = np.linspace(-1.0, 1.0, 200).astype(np.float32)
+    for draws, rotation in (("spherical", True), ("iid", False)):
+        engine = MPSGD(random_effects, AutoLocationScale(random_effects, scale="diag"), draws=draws)
+        with pytest.warns(UserWarning, match="per-datum") as record:
+            engine._setup(random.key(0), (y,), {})
+        message = next(str(w.message) for w in record if "per-datum" in str(w.message))
+        assert "402 gradient evaluations" in message and ("O(d³)" in message) == rotation
+        assert "d×d scale" not in message
