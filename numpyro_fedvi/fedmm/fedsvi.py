@@ -135,7 +135,9 @@ class FedSVI(FedMM):
     The guide must have GLOBAL params only (no per-datum params; use PDVI for local latents).  ``get_params``
     returns the constrained guide params (``Predictive(model, guide=guide, params=...)`` on the model's arguments).
     The loss is the full-data negative ELBO at θ_t (a fixed Monte-Carlo key: comparable across rounds) plus the
-    prox's penalty when it knows one, evaluated every ``log_every`` rounds (the last value in between).
+    prox's penalty when it knows one, evaluated every ``log_every`` rounds (the last value in between): an O(N)
+    pass, most of a round's cost at large N with ``batch_size`` (N = 10⁶, 20 clients × 50 rows: 9 ms per round
+    against 0.2 ms with ``log_every=10**6``; README, "We lose per round at large N").
 
     :param loss: a NumPyro ELBO (default ``Trace_ELBO()``).
     :param rho: ``None`` (default: Adam on the server, see ``server_optimizer``) or the SGD step of the quadratic
