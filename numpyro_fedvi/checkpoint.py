@@ -20,9 +20,12 @@ after the new one is in place, and ``load`` falls back to it if a crash struck b
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import glob
 import importlib
 import json
+import logging
 import os
 import shutil
 import uuid
@@ -62,6 +65,29 @@ def _checkpointer():
     """A synchronous orbax checkpointer of composite items (``structure`` JSON, ``arrays`` pytree)."""
     ocp = _orbax()
     return ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+
+
+class _WorkerFailures(logging.Filter):
+    """Drops orbax's ERROR log of a failed writer thread (a ~100-line traceback on ``absl``): the same error reaches
+    the caller of :func:`save` as its exception."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno >= logging.ERROR and "raised an exception" in record.getMessage())
+
+
+@contextlib.contextmanager
+def _quiet_worker_failures():
+    logger, only = logging.getLogger("absl"), _WorkerFailures()
+    logger.addFilter(only)
+    try:
+        yield
+    finally:
+        logger.removeFilter(only)
+
+
+def _out_of_space(err: BaseException) -> bool:
+    """Orbax/tensorstore report a full disk as a ``ValueError`` ("RESOURCE_EXHAUSTED ... No space left on device")."""
+    return isinstance(err, ValueError) and "No space left on device" in str(err)
 
 
 # --- tree <-> (structure, flat arrays) ------------------------------------------------------------------------------
@@ -220,6 +246,9 @@ def save(path: str | os.PathLike, obj: Any) -> str:
     An existing checkpoint at ``path`` is replaced only once the new one is complete (a failing or interrupted save
     leaves it intact); anything at ``path`` that is not a checkpoint is never overwritten (``FileExistsError``).
     Single-process JAX: arrays are gathered to the host.
+
+    :raises OSError: ``errno.ENOSPC`` when the disk fills up during the write (orbax's error chained; the previous
+        checkpoint stays).
     """
     from . import __version__
 
@@ -240,16 +269,20 @@ def save(path: str | os.PathLike, obj: Any) -> str:
     if arrays:
         items["arrays"] = ocp.args.PyTreeSave(arrays)
     try:
-        with _checkpointer() as ck:
+        with _checkpointer() as ck, _quiet_worker_failures():
             ck.save(tmp, ocp.args.Composite(**items))
         if os.path.lexists(path):
             os.rename(path, old)   # from here until the next rename, load() reads `old`
         os.rename(tmp, path)
-    except BaseException:
+    except BaseException as err:
         if os.path.lexists(old) and not os.path.lexists(path):
             os.rename(old, path)   # put the previous checkpoint back
         for leftover in glob.glob(glob.escape(tmp) + "*"):
             shutil.rmtree(leftover, ignore_errors=True)
+        if _out_of_space(err):
+            raise OSError(errno.ENOSPC, f"No space left on device: the checkpoint {path} was not written "
+                          f"({'the previous one is intact' if os.path.lexists(path) else 'nothing was left behind'})"
+                          ) from err
         raise
     for stale in _siblings(path, "old") + _siblings(path, "tmp"):
         shutil.rmtree(stale, ignore_errors=True)

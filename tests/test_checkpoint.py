@@ -327,6 +327,44 @@ def _no_leftovers(directory):
     return sorted(n for n in os.listdir(directory) if ".tmp-" in n or ".old-" in n)
 
 
+def test_full_disk_is_an_enospc_oserror_without_the_writer_threads_traceback(tmp_path, monkeypatch, caplog):
+    """Orbax reports a full disk as a ValueError ("RESOURCE_EXHAUSTED ... No space left on device") after its writer
+    thread logged the same error with a ~100-line traceback on ``absl`` (measured on a 64 kB tmpfs): ``save`` raises
+    ``OSError(ENOSPC)`` naming the checkpoint (the orbax error chained), keeps the previous checkpoint, and the
+    thread's log is dropped (other ``absl`` errors still pass)."""
+    import errno
+    import logging
+    import threading
+
+    import orbax.checkpoint as ocp
+
+    path = tmp_path / "run.ckpt"
+    good = {"x": jnp.arange(4.0)}
+    nfv.save(path, good)
+    message = ('RESOURCE_EXHAUSTED: Error writing "0/0.0" in OCDBT database: Failed to write 107124 bytes to file 7: '
+               "No space left on device [os_error_code='28']")
+
+    def full_disk_save(self, *args, **kwargs):
+        def writer():   # as orbax's _SignalingThread logs its failure, from another thread
+            logging.getLogger("absl").error("[thread=array_type_handler] _SignalingThread.run() raised an exception: "
+                                            "%s", message)
+        thread = threading.Thread(target=writer)
+        thread.start()
+        thread.join()
+        logging.getLogger("absl").error("another absl error")
+        raise ValueError(message)
+
+    monkeypatch.setattr(ocp.Checkpointer, "save", full_disk_save)
+    with caplog.at_level(logging.ERROR, logger="absl"), pytest.raises(OSError, match="No space left") as raised:
+        nfv.save(path, {"x": jnp.ones(4)})
+    assert raised.value.errno == errno.ENOSPC and str(path) in str(raised.value)
+    assert "previous one is intact" in str(raised.value) and isinstance(raised.value.__cause__, ValueError)
+    assert [r.getMessage() for r in caplog.records] == ["another absl error"]
+    assert not any(isinstance(f, ckpt_mod._WorkerFailures) for f in logging.getLogger("absl").filters)  # only during
+    assert_identical(nfv.load(path), good)
+    assert _no_leftovers(tmp_path) == []
+
+
 def test_failed_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
     path = tmp_path / "run.ckpt"
     good = {"x": jnp.arange(4.0), "key": random.key(1)}
