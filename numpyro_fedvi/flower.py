@@ -513,10 +513,10 @@ class _PDVIClient:
 
 
 def _eta_template(engine, init_global):
-    """The shapes of η over the wire: the checked fixed η, or one scalar per site for ``eta="auto"``."""
+    """The shapes of η over the wire: the checked fixed η, or ``eta="auto"``'s (:meth:`PDVI.eta_template`)."""
     spec = engine.eta_spec
     if spec == "auto":
-        return {k: jnp.zeros((), jnp.result_type(float)) for k in init_global}
+        return engine.eta_template(init_global)
     return _check_eta(spec, init_global)
 
 
@@ -1307,7 +1307,7 @@ class PDVIStrategy(_EngineStrategy):
     def _auto_eta(self, grid, timeout):
         eta = self._curvature_eta(grid, self._eta_key, timeout)
         if eta is None:
-            units = self.engine.curvature_units(self.num_clients)
+            units = self.engine.eta_units(self.num_clients)
             raise RuntimeError(f"eta='auto' needs the curvature of clients {units}.")
         return _check_eta(eta, self.structure.init_global)
 
@@ -1315,8 +1315,8 @@ class PDVIStrategy(_EngineStrategy):
         """``η̂ = c / L̂`` from the curvature of up to 8 evenly spaced clients at λ_0 and their committed rows
         (``PDVI._eta_hat`` at ``key``), or None when one did not answer."""
         e = self.engine
-        units = e.curvature_units(self.num_clients)
-        template = {k: jnp.zeros((), jnp.result_type(float)) for k in self.state.lam0}
+        units = e.eta_units(self.num_clients)
+        template = e.eta_template(self.structure.init_global)
         curv = self._query(grid, units, {**self._broadcast(), "rng_key": key}, template, timeout,
                            lambda i: {"query": "curvature", "accepted-round": int(self.accepted[i])})
         if sorted(curv) != units:

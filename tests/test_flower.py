@@ -7,6 +7,8 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpyro
+import numpyro.distributions as dist
 import optax
 import pytest
 from jax import random
@@ -593,6 +595,40 @@ def test_pdvi_dropped_reply_is_a_unit_not_selected():
     for k in strategy.state.lam0:
         np.testing.assert_allclose(strategy.state.h[k], strategy.state.eta[k] * np.mean([m[k] for m in mus], 0),
                                    rtol=1e-4, atol=1e-6)
+
+
+def _three_groups(group, y=None):
+    b = numpyro.sample("b", dist.Normal(0.0, 2.0).expand([3]).to_event(1))   # one effect per group: a global VECTOR
+    with numpyro.plate("data", group.shape[0]):
+        numpyro.sample("y", dist.Normal(b[group], 0.5), obs=y)
+
+
+def test_pdvi_per_coordinate_eta_over_flower_equals_the_in_process_engine():
+    """``eta_curvature="coordinate"`` over Flower: the clients' curvatures and η travel per coordinate (a global
+    vector site), and the server's η and two iterations equal the in-process engine's."""
+    rng = np.random.default_rng(1)
+    group = np.repeat(np.arange(3), [2, 6, 12])
+    y = (np.array([-1.0, 0.5, 2.0])[group] + 0.5 * rng.normal(size=group.size)).astype(np.float32)
+
+    def make():
+        return nfv.PDVI(_three_groups, AutoNormal(_three_groups), partitions=group, partitions_per_step=2,
+                        eta_curvature="coordinate", eta_refresh=False)
+
+    expected = make()
+    state = expected.init(random.key(2), group, y)
+    for _ in range(2):
+        state, _ = expected.update(state, group, y)
+    engine = make()
+    strategy = flower.PDVIStrategy(engine, random.key(2), group[:1], y[:1], num_clients=3)
+    grid = _Grid(flower.make_client_app(engine, lambda ctx: (group[group == ctx.node_config["partition-id"]],
+                                                             y[group == ctx.node_config["partition-id"]])), 3)
+    strategy.handshake(grid)
+    for r in (1, 2):
+        strategy.aggregate_train(r, grid.send_and_receive(strategy.configure_train(r, None, None, grid)))
+    assert strategy.dropped == [] and strategy.state.eta["b_auto_loc"].shape == (3,)
+    for k in state.lam0:
+        np.testing.assert_allclose(strategy.state.eta[k], state.eta[k], rtol=2e-5)
+        np.testing.assert_allclose(strategy.state.lam0[k], state.lam0[k], rtol=2e-5, atol=2e-6)
 
 
 def test_pdvi_strategy_refuses_what_it_cannot_run():

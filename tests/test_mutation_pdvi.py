@@ -902,7 +902,8 @@ def test_constructor_checks():
                                                "a dict {site: array shaped like the site})."),
              ({"eta_scale": 0.0}, ValueError, "eta_scale must be positive, got 0.0."),
              ({"eta_scale": -1.0}, ValueError, "eta_scale must be positive, got -1.0."),
-             ({"eta_curvature": "mean"}, ValueError, "eta_curvature must be 'median' or 'max', got 'mean'."),
+             ({"eta_curvature": "mean"}, ValueError,
+              "eta_curvature must be 'median', 'max' or 'coordinate', got 'mean'."),
              ({"oracle_draws": "x"}, ValueError, "oracle_draws must be None or one of ('iid', 'antithetic', "
                                                  "'moment_matched', 'orthogonal'), got 'x'."),
              ({"eta_refresh": [0]}, ValueError,
