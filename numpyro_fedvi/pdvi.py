@@ -950,7 +950,7 @@ class PDVI:
             return
         far = []
         for k, v in eta.items():
-            ref, high = float(auto[k]), float(jnp.max(v))
+            ref, high = float(jnp.max(auto[k])), float(jnp.max(v))   # (per coordinate: the largest auto η)
             if math.isfinite(ref) and ref > 0 and high > ETA_WARN_RATIO * ref:
                 far.append(f"{k!r}: {high:.3g} = {high / ref:.3g} x {ref:.3g}")
         if far and len(far) == len(eta):

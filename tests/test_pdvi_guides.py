@@ -306,6 +306,9 @@ def test_eta_curvature_coordinate_is_one_eta_per_coordinate_from_every_block():
     assert np.all(3 * curvature[read][:, coords].max(0) < curvature[:, coords].max(0))   # read alone: η 3–14× too big
     assert state.eta["b_auto_loc"].shape == (12,)               # the state carries it; a resume checks the shapes
     engine.run(random.key(1), 3, group, y, progress_bar=False, init_state=state)
+    with pytest.warns(UserWarning, match="eta is far above"):   # a fixed η is compared with the largest auto η_i
+        nfv.PDVI(_grouped, AutoNormal(_grouped), partitions=group, eta=1e4, eta_curvature="coordinate").init(
+            random.key(0), group, y)
     with pytest.raises(ValueError, match="eta_curvature must be 'median', 'max' or 'coordinate'"):
         nfv.PDVI(_grouped, AutoNormal(_grouped), eta_curvature="site")
 
