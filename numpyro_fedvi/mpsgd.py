@@ -197,6 +197,15 @@ def _unit_pair(value) -> bool:
         return False
 
 
+def _unconstrained_size(site) -> int:
+    """A latent site's coordinates in MPSGD's vector: its unconstrained size (a Dirichlet of K entries has K − 1;
+    an enumerated discrete site, summed out, has none)."""
+    fn = site["fn"]
+    if fn.support.is_discrete:
+        return 0
+    return int(np.prod(biject_to(fn.support).inverse_shape(fn.shape())))
+
+
 class MPSGD:
     """Minibatch projected SGD for VI with an :class:`~numpyro_fedvi.guides.AutoLocationScale` guide.
 
@@ -416,8 +425,8 @@ class MPSGD:
         data_plates = set(observation_plates(tr))
         if not data_plates:
             return
-        local = sum(int(np.prod(s["fn"].shape())) for s in tr.values() if s["type"] == "sample"
-                    and not s["is_observed"] and data_plates & {f.name for f in s["cond_indep_stack"]})
+        local = sum(_unconstrained_size(s) for s in tr.values() if s["type"] == "sample" and not s["is_observed"]
+                    and data_plates & {f.name for f in s["cond_indep_stack"]})
         if local >= PER_DATUM_WARN_DIM:
             cost = ("a random d×d rotation, O(d³): 0.02 / 0.09 / 0.8 s per step at d = 500 / 1,000 / 2,000 on one "
                     "core, whatever the scale type" if self.adaptive and self.draws == "spherical" else "")

@@ -494,3 +494,22 @@ def test_per_datum_latents_warn_with_the_cost_of_a_step():
         message = next(str(w.message) for w in record if "per-datum" in str(w.message))
         assert "402 gradient evaluations" in message and ("O(d³)" in message) == rotation
         assert "d×d scale" not in message
+
+
+def test_per_datum_warning_counts_unconstrained_coordinates():
+    """A per-row Dirichlet of 5 entries is 4 coordinates of MPSGD's vector: 45 rows (180 coordinates, 225 constrained
+    entries) stay under the 200-coordinate threshold, 60 rows say "240 of the d = 240" (it said 300 of 240)."""
+    def simplex_rows(counts):
+        with numpyro.plate("data", counts.shape[0]):
+            theta = numpyro.sample("theta", dist.Dirichlet(jnp.ones(5)))
+            numpyro.sample("counts", dist.Multinomial(20, theta), obs=counts)
+
+    rng = np.random.default_rng(0)
+    for rows, expected in ((45, None), (60, "240 of the d = 240 latent coordinates")):
+        counts = rng.multinomial(20, np.ones(5) / 5, size=rows).astype(np.float32)
+        engine = MPSGD(simplex_rows, AutoLocationScale(simplex_rows, scale="diag"))
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            engine._setup(random.key(0), (counts,), {})
+        messages = [str(w.message) for w in record if "per-datum" in str(w.message)]
+        assert messages == [] if expected is None else expected in messages[0], messages
