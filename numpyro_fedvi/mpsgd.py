@@ -49,7 +49,7 @@ from .inputs import (
 from .objectives import without_imputed_entries
 from .runner import EarlyStopping, RunResult, revert_non_finite, run_loop, tree_all_finite
 from .schedules import batch_growth, constant, dynamic_batching, theorem4
-from .structure import imputation_sites, observation_plates
+from .structure import imputation_sites, observation_plates, warn_dependent_supports
 from .user_warnings import warn
 from .whitening import WhitenedState, make_whitened_step, project_scale, whitened_init, whitened_params
 
@@ -448,6 +448,9 @@ class MPSGD:
         self.kurtosis = float(self.base.kurtosis)
         self._init_loc = tr[guide.loc_name]["value"]
         self._warn_per_datum_latents()
+        prototype = getattr(guide, "prototype_trace", None)
+        if prototype is not None:
+            warn_dependent_supports(self.model, prototype, args, {**kwargs, **self.static_kwargs}, "MPSGD", rng_key)
         self._enum = self._enum_info(args, kwargs)
         self.default_num_steps = None
         if self.adaptive:
