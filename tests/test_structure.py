@@ -736,4 +736,13 @@ def test_a_support_that_moves_with_another_latent_is_warned_about_by_every_engin
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*support of the latent")
         inspect_model(_fixed_supports, AutoNormal(_fixed_supports), random.key(0), (y, x), engine="PDVI")
-        nfv.MPSGD(_fixed_supports, nfv.AutoLocationScale(_fixed_supports))._setup(random.key(0), (y, x), {})
+        for model in (_fixed_supports, _random_bound):   # (MPSGD's prototype trace had another key than the check)
+            nfv.MPSGD(model, nfv.AutoLocationScale(model))._setup(random.key(0), (y, x), {})
+
+
+def _random_bound(y, x):
+    noise = random.uniform(numpyro.prng_key(), ())                    # the model's own randomness, no latent
+    a = numpyro.sample("a", dist.Normal(0.0, 1.0))
+    u = numpyro.sample("u", dist.Uniform(0.0, 1.0 + noise))
+    with numpyro.plate("data", y.shape[0]):
+        numpyro.sample("y", dist.Normal(a + u, 1.0), obs=y)
