@@ -291,7 +291,7 @@ def test_eta_curvature_coordinate_is_one_eta_per_coordinate_from_every_block():
     curvature = []
     for u in range(12):
         f, _ = engine._unit_objective(u, state.local, key, inputs)
-        curvature.append(np.abs(np.diag(np.asarray(jax.hessian(lambda v: f(unravel(v)))(flat)))))
+        curvature.append(np.abs(np.diag(np.asarray(jax.hessian(lambda v, f=f: f(unravel(v)))(flat)))))
     curvature = np.stack(curvature)
     expected = unravel(jnp.asarray(0.3 / curvature.max(0)))
     eta = engine._eta_hat((lam0, state.local, key), inputs)
