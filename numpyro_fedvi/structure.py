@@ -368,15 +368,17 @@ def _support_bounds(support) -> list:
             and not isinstance(v, bool)]
 
 
-def warn_dependent_supports(model, model_trace, args, kwargs, engine: str, rng_key=None) -> None:
+def warn_dependent_supports(model, model_trace, args, kwargs, engine: str, rng_key=None, *,
+                            traced_with_key: bool = False) -> None:
     """Warn about latent sites whose support depends on other latents (``u ~ Uniform(0, b)``, ``b`` latent): an
     AutoGuide (and ``AutoLocationScale``) maps each site through ``biject_to(support)`` fixed at set-up, so q puts
     mass outside the moving support and the fit is wrong without any error, under NumPyro SVI too (measured: NUTS u =
     4.17 ± 0.16; SVI, FedSVI and FedLocalVI 1.19, PD-VI 0.16, MPSGD 4.88 ± 0.56).  Found by tracing the model again
     with every latent moved in its unconstrained space and comparing the supports' bounds with those of a trace at
-    the latents' own values (same key); advisory (a model that cannot be traced so is not checked).  Not seen: a
-    bound that steps (``jnp.where``) beyond the move, one that moves with an enumerated discrete latent, and a
-    ``TransformedDistribution`` whose transform reports a real domain (NumPyro then gives the support as ℝ)."""
+    the latents' own values with the same key (``model_trace`` itself when ``traced_with_key``: it was traced with
+    ``rng_key``, as :func:`inspect_model`'s is); advisory (a model that cannot be traced so is not checked).  Not
+    seen: a bound that steps (``jnp.where``) beyond the move, one that moves with an enumerated discrete latent, and
+    a ``TransformedDistribution`` whose transform reports a real domain (NumPyro then gives the support as ℝ)."""
     latent = {n: s for n, s in model_trace.items() if s["type"] == "sample" and not s["is_observed"]
               and not s["fn"].support.is_discrete}
     bounded = [n for n, s in latent.items() if _support_bounds(s["fn"].support)]
@@ -395,7 +397,8 @@ def warn_dependent_supports(model, model_trace, args, kwargs, engine: str, rng_k
         for n, s in latent.items():
             to_support = biject_to(s["fn"].support)
             moved[n] = to_support(to_support.inv(s["value"]) + 0.5)
-        before, after = traced({n: s["value"] for n, s in latent.items()}), traced(moved)
+        before = model_trace if traced_with_key else traced({n: s["value"] for n, s in latent.items()})
+        after = traced(moved)
         dependent = sorted(n for n in bounded if n in before and n in after and any(
             a.shape != b.shape or not np.allclose(a, b, equal_nan=True) for a, b in
             zip(_support_bounds(before[n]["fn"].support), _support_bounds(after[n]["fn"].support))))
@@ -560,7 +563,7 @@ def inspect_model(
             raise
 
     warn_discrete_latents(model_trace, loss, engine)
-    warn_dependent_supports(model, model_trace, args, kwargs, engine, model_key)
+    warn_dependent_supports(model, model_trace, args, kwargs, engine, model_key, traced_with_key=True)
     check_guide_sites_in_model(guide_trace, model_trace, engine)
     if block_oracle:
         warn_score_function_sites(guide_trace, engine)

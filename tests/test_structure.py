@@ -735,8 +735,8 @@ def test_a_support_that_moves_with_another_latent_is_warned_about_by_every_engin
         nfv.MPSGD(_moving_support, nfv.AutoLocationScale(_moving_support))._setup(random.key(0), (y,), {})
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*support of the latent")
-        inspect_model(_fixed_supports, AutoNormal(_fixed_supports), random.key(0), (y, x), engine="PDVI")
         for model in (_fixed_supports, _random_bound):   # (MPSGD's prototype trace had another key than the check)
+            inspect_model(model, AutoNormal(model), random.key(0), (y, x), engine="PDVI")
             nfv.MPSGD(model, nfv.AutoLocationScale(model))._setup(random.key(0), (y, x), {})
 
 
