@@ -1263,10 +1263,10 @@ class PDVIStrategy(_EngineStrategy):
     :func:`~numpyro_fedvi.pdvi.consensus_update` (``h ← h + Σ δ_i/n``, ``λ_0 ← mean λ_i + h``, and the engine's
     trust region, which with ``eta="auto"`` also shrinks η: the next round sends the new η), the in-process step's
     own code.  A dropped reply counts as a unit the round did not select (its client does not commit its
-    step).  ``eta="auto"`` is estimated before round 1 from up to 8 evenly spaced clients (their curvature at the
-    initial λ_0 and rows, as ``PDVI.init``) and refreshed at the engine's ``eta_refresh`` iterations (:meth:`_refresh`:
-    the curvature again, then every client's dual).  Losses: ``(n/|S_t|) Σ f_i`` of the answering units, as
-    ``PDVI.run``'s.
+    step).  ``eta="auto"`` is estimated before round 1 from up to 8 evenly spaced clients (every client with
+    ``eta_curvature="coordinate"``; their curvature at the initial λ_0 and rows, as ``PDVI.init``) and refreshed at
+    the engine's ``eta_refresh`` iterations (:meth:`_refresh`: the curvature again, then every client's dual).
+    Losses: ``(n/|S_t|) Σ f_i`` of the answering units, as ``PDVI.run``'s.
 
     :param engine: a ``PDVI`` (model, guide, ELBO and settings; ``partitions`` / ``num_partitions`` are ignored:
         the blocks are the clients).
@@ -1299,7 +1299,7 @@ class PDVIStrategy(_EngineStrategy):
         self._consensus = jax.jit(partial(consensus_update, num_units=self.num_clients, **engine._consensus_options))
 
     def handshake(self, grid, timeout: float | None = None) -> None:
-        """The set-up handshake, then (``eta="auto"``) η from the curvature of up to 8 evenly spaced clients."""
+        """The set-up handshake, then (``eta="auto"``) η from the curvature of the clients ``eta_units`` names."""
         super().handshake(grid, timeout)
         if self.engine.eta_spec == "auto":
             self.state = self.state._replace(eta=self._auto_eta(grid, self.timeout if timeout is None else timeout))
@@ -1312,7 +1312,8 @@ class PDVIStrategy(_EngineStrategy):
         return _check_eta(eta, self.structure.init_global)
 
     def _curvature_eta(self, grid, key, timeout):
-        """``η̂ = c / L̂`` from the curvature of up to 8 evenly spaced clients at λ_0 and their committed rows
+        """``η̂ = c / L̂`` from the curvature of the clients :meth:`PDVI.eta_units` names (up to 8 evenly spaced;
+        every client with ``eta_curvature="coordinate"``) at λ_0 and their committed rows
         (``PDVI._eta_hat`` at ``key``), or None when one did not answer."""
         e = self.engine
         units = e.eta_units(self.num_clients)

@@ -822,8 +822,8 @@ class PDVI:
         return {k: self.eta_scale / jnp.maximum(across(c, axis=0), 1e-8) for k, c in curvatures.items()}
 
     def _eta_hat(self, point, inputs):
-        """``η_j = c / L̂_j`` at ``point = (λ_0, local, key)``, ``L̂_j`` from up to 8 evenly spaced units (see
-        ``eta_curvature``)."""
+        """``η_j = c / L̂_j`` at ``point = (λ_0, local, key)``, ``L̂_j`` from the units :meth:`eta_units` names (up to
+        8 evenly spaced; every unit with ``eta_curvature="coordinate"``)."""
         lam0, local, key = point
         units = jnp.asarray(self.eta_units(self.num_units))
         return self.eta_from_curvatures(self._curvatures((lam0, local, key, units), inputs))
