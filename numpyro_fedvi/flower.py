@@ -68,7 +68,7 @@ from .fedmm.fedsvi import FedSVI
 from .pdvi import PDVI, _accum, _check_eta, consensus_update, dual_step, pdvi_init, refreshed_eta
 from .robust import RobustFedVI, dro_objective, dro_weights
 from .structure import inspect_model, private_guide
-from .inputs import InputJit, prepare_inputs, split_inputs
+from .inputs import InputJit, is_inexact_dtype, prepare_inputs, split_inputs
 from .objectives import block_loss_fn
 from .curvature import diag_hessian
 from .runner import RunResult
@@ -157,7 +157,7 @@ def from_record(record, template, *, check_finite: bool = False):
         if data.shape != shape or data.dtype != dtype:
             raise ValueError(f"malformed record: {name!r} is {data.dtype}{list(data.shape)}, expected "
                              f"{dtype}{list(shape)}.")
-        if check_finite and data.dtype.kind in "fc" and not np.all(np.isfinite(data)):
+        if check_finite and is_inexact_dtype(data.dtype) and not np.all(np.isfinite(data)):
             raise NonFiniteRecord(f"malformed record: {name!r} holds NaN or inf.")
         values.append(jnp.asarray(data) if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)) else data)
     return jax.tree_util.tree_unflatten(treedef, values)

@@ -26,10 +26,21 @@ import numpy as np
 from .user_warnings import warn
 
 __all__ = ["InputJit", "array_arguments", "check_inputs_like", "check_positive", "check_state_like",
-           "check_static_kwargs", "is_real_number", "prepare_inputs", "prepare_value", "split_inputs",
-           "state_template"]
+           "check_static_kwargs", "is_inexact_dtype", "is_numeric_dtype", "is_real_number", "prepare_inputs",
+           "prepare_value", "split_inputs", "state_template"]
 
 _STATIC_TYPES = (bool, int, float, complex, str, bytes, type(None))
+
+
+def is_numeric_dtype(dtype) -> bool:
+    """Numbers or booleans, NumPy's kinds and JAX's extended floats (``ml_dtypes``' bfloat16 and float8, kind
+    ``"V"`` to NumPy)."""
+    return np.dtype(dtype).kind in "biufc" or jnp.issubdtype(dtype, jnp.number)
+
+
+def is_inexact_dtype(dtype) -> bool:
+    """Floating or complex, bfloat16 and float8 included (the dtypes that can hold NaN or inf)."""
+    return jnp.issubdtype(dtype, jnp.inexact)
 
 
 def is_pandas(x) -> bool:
@@ -49,12 +60,12 @@ def _convert(value, where: str):
         except ValueError as err:  # ragged lists
             raise TypeError(f"{where} is a ragged Python list; pass a rectangular array (np.asarray) or a "
                             "pytree of arrays.") from err
-        if arr.dtype.kind in "biufc":
+        if is_numeric_dtype(arr.dtype):
             value = arr
         elif arr.dtype.kind in "US":  # as a NumPy array of strings would be: refused, not passed to the model
             value = arr
     if isinstance(value, (np.ndarray, np.generic)):
-        if value.dtype.kind not in "biufc":
+        if not is_numeric_dtype(value.dtype):
             raise TypeError(f"{where} has dtype {value.dtype}; NumPyro models need numeric arrays: convert it "
                             "(e.g. categories -> integer codes with np.unique(x, return_inverse=True)[1]).")
         return jnp.asarray(value)
@@ -70,11 +81,11 @@ def _convert(value, where: str):
 def _check_finite(tree, where: str) -> None:
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         if isinstance(leaf, (jax.Array, np.ndarray, np.generic)) and not isinstance(leaf, jax.core.Tracer) \
-                and jnp.issubdtype(leaf.dtype, jnp.inexact) and not np.all(np.isfinite(np.asarray(leaf))):
+                and is_inexact_dtype(leaf.dtype) and not np.all(np.isfinite(np.asarray(leaf))):
             raise ValueError(f"{where}{jax.tree_util.keystr(path)} holds NaN or inf values; remove or impute them "
-                             "before inference. Missing observations under numpyro's obs_mask= need no NaN: fill "
-                             "the masked-out entries with any finite value (e.g. np.where(mask, y, 0.0)) and keep "
-                             "obs_mask=mask.")
+                             "before inference. Missing observations under numpyro's obs_mask= or handlers.mask need no "
+                             "NaN: fill the masked-out entries with any finite value (e.g. np.where(mask, y, 0.0)) "
+                             "and keep the mask (obs_mask=mask, handlers.mask(mask=mask)).")
 
 
 def prepare_value(value, where: str):

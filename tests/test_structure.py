@@ -15,6 +15,7 @@ from jax import random
 from numpyro.distributions import constraints
 from numpyro.infer.autoguide import AutoNormal
 
+from numpyro_fedvi.federated import ClientData
 from numpyro_fedvi.inputs import prepare_inputs
 from numpyro_fedvi.structure import inspect_model, make_partitions
 
@@ -446,6 +447,19 @@ def test_non_finite_data_refused_naming_the_argument():
         prepare_inputs(([[1.0], [2.0, 3.0]],), {})
     (lst,), _ = prepare_inputs(([1, 2, 3],), {})
     assert isinstance(lst, jax.Array) and lst.shape == (3,)
+    # NumPy's bfloat16 / float8 (ml_dtypes, kind "V" to NumPy; np.asarray of a JAX bfloat16 array) are numbers,
+    # and their NaN is refused as any float's
+    import ml_dtypes
+
+    for low in (ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn):
+        (arr,), _ = prepare_inputs((np.array([1.0, 2.0], low),), {})
+        assert isinstance(arr, jax.Array) and arr.dtype == low
+        with pytest.raises(ValueError, match="positional argument 0 holds NaN"):
+            prepare_inputs((np.array([1.0, np.nan], low),), {})
+    with pytest.raises(ValueError, match="holds NaN"):
+        ClientData.from_ids({"y": np.array([1.0, np.nan], ml_dtypes.bfloat16)}, np.array([0, 1]))
+    assert ClientData.from_ids({"y": np.array([1.0, 2.0], ml_dtypes.bfloat16)}, np.array([0, 1])).data[
+        "y"].dtype == ml_dtypes.bfloat16
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -24,6 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import random
 
+from ..inputs import is_inexact_dtype, is_numeric_dtype
+
 __all__ = ["ClientData", "check_client_data", "check_clients", "client_minibatch", "sample_rows", "take_rows"]
 
 
@@ -42,7 +44,7 @@ def _host_leaves(tree, where: str):
             raise TypeError(f"{where}, {_leaf_name(path)} is a traced value: build ClientData on the host, outside "
                             "jit/vmap.")
         arr = np.asarray(leaf)
-        if arr.dtype.kind not in "biufc":
+        if not is_numeric_dtype(arr.dtype):
             raise TypeError(f"{where}, {_leaf_name(path)} has non-numeric dtype {arr.dtype}; convert it to a "
                             "numeric array.")
         if arr.ndim == 0:
@@ -64,7 +66,7 @@ def _check_rows(paths, leaves, where: str) -> int:
 
 def _check_finite(paths, leaves, where: str) -> None:
     for path, arr in zip(paths, leaves):
-        if arr.dtype.kind in "fc" and not np.all(np.isfinite(arr)):
+        if is_inexact_dtype(arr.dtype) and not np.all(np.isfinite(arr)):
             raise ValueError(f"{where}, {_leaf_name(path)} holds NaN or inf values; remove or impute them before "
                              "building ClientData.")
 
