@@ -10,7 +10,9 @@ import optax
 from jax import lax, random
 from jax.flatten_util import ravel_pytree
 
-__all__ = ["diag_hessian", "hvp", "lbfgs_minimize"]
+__all__ = ["EXACT_DIAGONAL_MAX_SIZE", "diag_hessian", "hvp", "lbfgs_minimize"]
+
+EXACT_DIAGONAL_MAX_SIZE = 512   # diag_hessian: exact up to this many entries (a leaf above it: Hutchinson's estimate)
 
 
 def hvp(f: Callable, x, v):
@@ -18,7 +20,7 @@ def hvp(f: Callable, x, v):
     return jax.jvp(jax.grad(f), (x,), (v,))[1]
 
 
-def diag_hessian(f: Callable, x, *, key=None, exact_max_size: int = 512, num_probes: int = 64):
+def diag_hessian(f: Callable, x, *, key=None, exact_max_size: int = EXACT_DIAGONAL_MAX_SIZE, num_probes: int = 64):
     """Diagonal of ``∇²f(x)`` as a pytree like ``x``.
 
     When ``x`` has at most ``exact_max_size`` entries in all: the exact diagonal, one HVP per coordinate in ONE

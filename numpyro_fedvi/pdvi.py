@@ -29,11 +29,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import random
+from jax.flatten_util import ravel_pytree
 from numpyro.infer import Trace_ELBO
 
 from . import host_table as _host
 from . import sharding as _sharding
-from .curvature import diag_hessian
+from .curvature import EXACT_DIAGONAL_MAX_SIZE, diag_hessian, hvp
 from .federated.participation import sample_without_replacement
 from .inputs import (
     InputJit,
@@ -56,6 +57,9 @@ from .user_warnings import warn
 
 __all__ = ["Block", "NEWTON_MAX_HVPS", "PDVI", "PDVIState", "consensus_update", "dual_step", "pdvi_init", "pdvi_step",
            "prox_solve", "refreshed_eta"]
+
+ETA_CURVATURES = ("median", "max", "coordinate", "informed")   # PDVI(eta_curvature=...)
+_TOUCH_PROBE_FOLD = 0x70C4   # fold of a unit's key for the probe that finds the coordinates its data terms touch
 
 # local_optimizer=None picks Newton when a Newton step needs at most this many Hessian-vector products (one per global
 # coordinate plus one per local coordinate of a datum); measured: 4 on random effects (epoch 6x cheaper than L-BFGS),
@@ -296,6 +300,15 @@ _ETA_EXPECTED = ("'auto', a positive float (one η for every coordinate), or a d
 ETA_WARN_RATIO = 1e3
 
 
+def informed_median(curvatures, axis: int = 0):
+    """Per coordinate, the median of the POSITIVE entries along ``axis`` (the units whose data touch it, as
+    :meth:`PDVI._curvatures` signs them under ``eta_curvature="informed"``); where none is positive, the median of
+    the magnitudes (prior and entropy alone)."""
+    informed = curvatures > 0
+    median = jnp.nanmedian(jnp.where(informed, curvatures, jnp.nan), axis=axis)
+    return jnp.where(jnp.any(informed, axis=axis), median, jnp.median(jnp.abs(curvatures), axis=axis))
+
+
 def _check_eta_spec(eta):
     """Construction-time check of ``eta``: its type and values (positive, finite); shapes are checked against the
     sites at ``init``."""
@@ -413,20 +426,24 @@ class PDVI:
         0–4, 4, 6 or 10 oracle particles) it persisted at the bound for tens of iterations and diverged in 5 of 15
         runs, none with η and h shrunk with the move (see the README).
     :param eta_curvature: how ``eta="auto"`` combines the blocks' curvatures: ``"median"`` (default) or ``"max"``
-        (the theory's L = max_b L_b).  The estimate is a second derivative of a Monte-Carlo objective, so the max
-        over blocks picks the noisiest draw and the smallest η: on non-centred eight schools (8 one-school blocks,
-        300 iterations, every other default), before the consensus trust region, ``"max"`` set η of q(tau)'s params
-        to ~1e-4 and ended with q(mu)'s mean at −121 (NUTS: 4.4) where ``"median"`` gave 4.7; with the trust region
-        (which shrinks η only where a move is clipped) both end near the posterior (2026-11-29, seeds 0–7: q(mu)'s
-        mean 4.48–4.53 with ``"max"``).  On random effects (equal blocks) the two agree.  ``"coordinate"``: one η
-        per COORDINATE (P²D-VI's block metric with singleton blocks), ``η_i = c / max`` over EVERY block of the
-        curvature at coordinate i: for vector sites whose coordinates see different data (group effects outside
-        the data plate, rows sorted by group), where the per-site η follows the stiffest coordinate.  Costs a
-        curvature pass over every block at each refresh (d_global Hessian-vector products per block).  Measured on
-        a centred radon-style model (20 counties of 1–112 rows, 10 blocks, README): worst mean error 0.18 NUTS sd
-        after 300 iterations against 3.3 with ``"median"``; but slower where blocks differ in stiffness (the max over
-        every block: q(mu)'s mean 0.02 against 0.92, truth 1.0, after ``examples/random_effects_workflow.py``'s 200
-        iterations), hence not the default.
+        (the theory's L = max_b L_b), per site over up to 8 evenly spaced blocks of their largest diagonal second
+        derivative at the site.  The estimate is a second derivative of a Monte-Carlo objective, so the max picks
+        the noisiest draw: on non-centred eight schools (8 one-school blocks, 300 iterations), before the consensus
+        trust region, ``"max"`` set η of q(tau)'s params to ~1e-4 and ended with q(mu)'s mean at −121 (NUTS: 4.4)
+        where ``"median"`` gave 4.7; with it, seeds 0–7 end at 4.48–4.53 with ``"max"``.  Per COORDINATE (P²D-VI's
+        block metric with singleton blocks; every block read at each refresh, d_global Hessian-vector products per
+        block), for vector sites whose coordinates see different data (group effects outside the data plate, rows
+        sorted by group), where the per-site η follows the stiffest coordinate: ``"coordinate"``, ``η_i = c /`` the
+        max over every block of the curvature at coordinate i; ``"informed"``, ``c /`` its median over the blocks
+        whose DATA terms touch coordinate i (over every block where none does: prior and entropy alone; with
+        ``dual_granularity="datum"``, ``"median"``).  Measured (README, "We lose on CENTRED group effects"): on a
+        centred radon-style model (20 counties of 1–112 rows, 10 blocks) the worst mean error after 300 iterations
+        is 0.09 NUTS sd with ``"informed"``, 0.18 with ``"coordinate"``, 3.3 with ``"median"``; but on UCB admissions
+        (6 departments × 2 rows, 10 blocks) both per-coordinate rules end 300 iterations at a full-data −ELBO of 95.7
+        against the default's 79.1 (SVI: 71.2), and ``"coordinate"`` is slow where blocks differ in stiffness
+        (q(mu)'s mean 0.02 against 0.92, truth 1.0, after ``examples/random_effects_workflow.py``'s 200
+        iterations; ``"informed"`` 0.88).  Hence not the default.  Per coordinate, a site of more than 512 entries
+        (whose curvature is Hutchinson's estimate, noisy per entry) gets one η, from its largest entry.
     :param local_optimizer: the oracle's solver: ``"newton"`` (damped Newton on the exact arrow-shaped Hessian of
         the block objective, :mod:`~numpyro_fedvi.newton`: ``d_loc + d_g`` Hessian-vector products per step, no
         data-dependent loop), an optax optimizer (re-initialised on every oracle call, e.g. ``optax.lbfgs()``, the
@@ -530,8 +547,9 @@ class PDVI:
             warn(f"eta_scale={eta_scale} puts η above 1/L̂ (the theory needs η ≲ 1/(22 L)); with an accurate "
                  "oracle the consensus step can swing and diverge (measured: eta_scale=10 diverged at "
                  "iteration 8 on examples/random_effects_workflow.py). The default is 0.3.")
-        if eta_curvature not in ("median", "max", "coordinate"):
-            raise ValueError(f"eta_curvature must be 'median', 'max' or 'coordinate', got {eta_curvature!r}.")
+        if eta_curvature not in ETA_CURVATURES:
+            raise ValueError(f"eta_curvature must be 'median', 'max', 'coordinate' or 'informed', got "
+                             f"{eta_curvature!r}.")
         self.eta_curvature = eta_curvature
         self.model, self.guide = model, guide
         check_elbo(loss, "PDVI")
@@ -769,45 +787,75 @@ class PDVI:
         return state if self.mesh is None else _sharding.constrain_pdvi_state(state, self.mesh)
 
     def _unit_objective(self, unit, local, key, inputs):
-        """``(λ ↦ f_unit(λ, φ_unit), unit key)``: a unit's block loss at its stored local rows, with the Monte-Carlo
-        key ``fold_in(key, unit)`` (shared by the curvature estimate and the dual table)."""
+        """``(f, unit key)``, ``f(λ) = f_unit(λ, φ_unit)``: a unit's block loss at its stored local rows, with the
+        Monte-Carlo key ``fold_in(key, unit)`` (shared by the curvature estimate and the dual table);
+        ``f(λ, 0.0)``: its data terms alone (the global latents' prior and entropy weighted 0)."""
         blocks, args, kwargs = inputs
         idx, mask, weight = self._unit_data(unit, blocks)
         rows = self._rows_of(local, idx)
         unit_key = random.fold_in(key, unit)
-        return (lambda lam: self._block_loss(unit_key, lam, rows, idx, mask, weight, args, kwargs)), unit_key
+
+        def f(lam, global_weight=None):
+            return self._block_loss(unit_key, lam, rows, idx, mask, weight if global_weight is None else global_weight,
+                                    args, kwargs)
+
+        return f, unit_key
 
     def _curvatures(self, point, inputs):
         """Per unit (stacked over ``units``), the max |diagonal Hessian| of each global site at
-        ``point = (λ_0, local, key, units)`` (``eta_curvature="coordinate"``: the |diagonal Hessian| itself)."""
+        ``point = (λ_0, local, key, units)`` (``eta_curvature="coordinate"``: the |diagonal Hessian| itself;
+        ``"informed"``: that too, negated at the coordinates the unit's data terms do not touch, so that the median
+        skips them, :meth:`eta_from_curvatures`: the rows of their Hessian that are exactly 0, seen as the zeros of
+        one Hessian-vector product with a Gaussian probe — 0 with probability 0 elsewhere)."""
         lam0, local, key, units = point
-        reduce = (lambda v: v) if self._per_coordinate else jnp.max
+
+        def magnitude(v):
+            if not self._per_coordinate:
+                return jnp.max(jnp.abs(v))
+            if v.size > EXACT_DIAGONAL_MAX_SIZE:   # Hutchinson's estimate: an entry can be ~0 (η ~ c / 1e-8)
+                return jnp.broadcast_to(jnp.max(jnp.abs(v)), v.shape)
+            return jnp.abs(v)
+
+        flat, unravel = ravel_pytree(lam0)
 
         def one(unit):
             f, unit_key = self._unit_objective(unit, local, key, inputs)
-            return {k: reduce(jnp.abs(v)) for k, v in diag_hessian(f, lam0, key=unit_key).items()}
+            full = {k: magnitude(v) for k, v in diag_hessian(f, lam0, key=unit_key).items()}
+            if self._curvature_rule != "informed":
+                return full
+            probe = unravel(random.normal(random.fold_in(unit_key, _TOUCH_PROBE_FOLD), flat.shape, flat.dtype))
+            touched = hvp(lambda lam: f(lam, 0.0), lam0, probe)
+            return {k: jnp.where(touched[k] != 0, full[k], -full[k]) for k in full}
 
         return jax.lax.map(one, units)
 
     @staticmethod
     def curvature_units(num_units: int) -> list[int]:
-        """The units whose curvature ``eta="auto"`` uses: up to 8, evenly spaced (``eta_curvature="coordinate"``:
-        every unit, :meth:`eta_units`)."""
+        """The units whose curvature a per-site ``eta="auto"`` (``eta_curvature="median"`` or ``"max"``) uses: up to
+        8, evenly spaced (per coordinate: every unit, :meth:`eta_units`)."""
         return evenly_spaced(num_units)
 
     @property
+    def _curvature_rule(self) -> str:
+        """``eta_curvature`` as applied: ``"informed"`` reads every unit, so with one unit per datum
+        (``dual_granularity="datum"``) it is ``"median"`` (8 evenly spaced data points)."""
+        if self.eta_curvature == "informed" and self.dual_granularity == "datum":
+            return "median"
+        return self.eta_curvature
+
+    @property
     def _per_coordinate(self) -> bool:
-        return self.eta_curvature == "coordinate"
+        return self._curvature_rule in ("coordinate", "informed")
 
     def eta_units(self, num_units: int) -> list[int]:
-        """The units whose curvature this engine's ``eta="auto"`` reads: :meth:`curvature_units`, or every unit
-        with ``eta_curvature="coordinate"`` (a coordinate whose rows lie in an unread unit would get a prior-only
-        curvature and a huge η)."""
+        """The units whose curvature this engine's ``eta="auto"`` reads: every unit with one η per coordinate
+        (``eta_curvature="informed"`` or ``"coordinate"``: a coordinate whose rows lie in an unread unit would get a
+        prior-only curvature and a huge η), else :meth:`curvature_units`."""
         return list(range(num_units)) if self._per_coordinate else self.curvature_units(num_units)
 
     def eta_template(self, init_global: dict) -> dict:
-        """Zeros shaped like ``eta="auto"``'s η (and each unit's curvature): one scalar per global site, or one
-        entry per coordinate with ``eta_curvature="coordinate"``."""
+        """Zeros shaped like ``eta="auto"``'s η (and each unit's curvature): one entry per coordinate
+        (``eta_curvature="informed"`` or ``"coordinate"``), or one scalar per global site."""
         ftype = jnp.result_type(float)
         return {k: jnp.zeros(jnp.shape(v) if self._per_coordinate else (), ftype) for k, v in init_global.items()}
 
@@ -818,14 +866,15 @@ class PDVI:
     def eta_from_curvatures(self, curvatures: dict) -> dict:
         """``η_j = c / L̂_j`` with ``L̂_j`` the max (``eta_curvature="max"``) or median (``"median"``) over the units
         of their curvatures (``{site: (units,)}``, from :meth:`_curvatures`; a federated server gathers them);
-        ``"coordinate"``: ``η_i = c / L̂_i`` per coordinate, ``L̂_i`` the max over every unit (``{site: (units,
-        *site shape)}``)."""
-        across = jnp.max if self.eta_curvature in ("max", "coordinate") else jnp.median
+        per coordinate (``{site: (units, *site shape)}``): ``"coordinate"``, the max over every unit;
+        ``"informed"``, :func:`informed_median` of the signed curvatures."""
+        rule = self._curvature_rule
+        across = {"max": jnp.max, "coordinate": jnp.max, "median": jnp.median, "informed": informed_median}[rule]
         return {k: self.eta_scale / jnp.maximum(across(c, axis=0), 1e-8) for k, c in curvatures.items()}
 
     def _eta_hat(self, point, inputs):
-        """``η_j = c / L̂_j`` at ``point = (λ_0, local, key)``, ``L̂_j`` from the units :meth:`eta_units` names (up to
-        8 evenly spaced; every unit with ``eta_curvature="coordinate"``)."""
+        """``η_j = c / L̂_j`` at ``point = (λ_0, local, key)``, ``L̂_j`` from the units :meth:`eta_units` names (every
+        unit per coordinate; else up to 8 evenly spaced)."""
         lam0, local, key = point
         units = jnp.asarray(self.eta_units(self.num_units))
         return self.eta_from_curvatures(self._curvatures((lam0, local, key, units), inputs))

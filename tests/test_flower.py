@@ -603,16 +603,18 @@ def _three_groups(group, y=None):
         numpyro.sample("y", dist.Normal(b[group], 0.5), obs=y)
 
 
-def test_pdvi_per_coordinate_eta_over_flower_equals_the_in_process_engine():
-    """``eta_curvature="coordinate"`` over Flower: the clients' curvatures and η travel per coordinate (a global
-    vector site), and the server's η and two iterations equal the in-process engine's."""
+@pytest.mark.parametrize("curvature", ["coordinate", "informed"])
+def test_pdvi_per_coordinate_eta_over_flower_equals_the_in_process_engine(curvature):
+    """``eta_curvature="coordinate"`` / ``"informed"`` over Flower: the clients' curvatures (signed by whether
+    their data touch the coordinate) and η travel per coordinate (a global vector site), and the server's η and
+    two iterations equal the in-process engine's."""
     rng = np.random.default_rng(1)
     group = np.repeat(np.arange(3), [2, 6, 12])
     y = (np.array([-1.0, 0.5, 2.0])[group] + 0.5 * rng.normal(size=group.size)).astype(np.float32)
 
     def make():
         return nfv.PDVI(_three_groups, AutoNormal(_three_groups), partitions=group, partitions_per_step=2,
-                        eta_curvature="coordinate", eta_refresh=False)
+                        eta_curvature=curvature, eta_refresh=False)
 
     expected = make()
     state = expected.init(random.key(2), group, y)

@@ -79,10 +79,10 @@ def test_host_table_equals_device_table(runs):
 
 def test_host_table_moves_only_the_selected_rows(runs):
     """Per iteration: M blocks of N/B rows to the device and back; the refresh at iteration 4 reads every block once
-    (the dual table) and the curvature units once more."""
+    (the dual table) and the curvature units (``eta_units``) once more."""
     moved, rows = runs["moved"], M * (N // B)
     assert moved["scatters"] == STEPS and moved["rows_to_host"] == STEPS * rows
-    refresh_reads = B + len(engine().curvature_units(B))  # one gather per unit of each lax.map
+    refresh_reads = B + len(engine().eta_units(B))  # one gather per unit of each lax.map
     assert moved["gathers"] == STEPS + refresh_reads
     assert moved["rows_to_device"] == STEPS * rows + refresh_reads * (N // B)
     row_bytes = runs["host"].state.local.row_bytes

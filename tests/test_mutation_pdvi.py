@@ -903,7 +903,7 @@ def test_constructor_checks():
              ({"eta_scale": 0.0}, ValueError, "eta_scale must be positive, got 0.0."),
              ({"eta_scale": -1.0}, ValueError, "eta_scale must be positive, got -1.0."),
              ({"eta_curvature": "mean"}, ValueError,
-              "eta_curvature must be 'median', 'max' or 'coordinate', got 'mean'."),
+              "eta_curvature must be 'median', 'max', 'coordinate' or 'informed', got 'mean'."),
              ({"oracle_draws": "x"}, ValueError, "oracle_draws must be None or one of ('iid', 'antithetic', "
                                                  "'moment_matched', 'orthogonal'), got 'x'."),
              ({"eta_refresh": [0]}, ValueError,
@@ -1172,6 +1172,12 @@ def test_refresh_vector_site_and_bad_estimates():
     assert r.mu["m"].shape == (4, 2) and r.h["m"].shape == (2,)
     _close(r.mu["m"], mu, 1e-5)
     _close(r.h["m"], float(r.eta["m"]) * mu.mean(0), 1e-5)
+    per_coordinate = P.PDVI(model_vec, guide_vec, Trace_ELBO(), partitions=BLOCKS, oracle_draws=None, eta_refresh=[1],
+                            eta_curvature="informed")
+    rc = per_coordinate.refresh_eta(per_coordinate.init(random.key(14), x, 2)._replace(local=s.local), x, 2)
+    assert rc.eta["m"].shape == (2,) and not np.allclose(rc.eta["m"][0], rc.eta["m"][1])
+    _close(rc.mu["m"], mu, 1e-5)
+    _close(rc.h["m"], np.asarray(rc.eta["m"]) * mu.mean(0), 1e-5)   # h = D_η mean(μ), coordinate by coordinate
     one = {"m": jnp.asarray(1.0, jnp.float32)}
     for new, want in ((np.inf, 1.0), (-1.0, 1.0), (0.0, 1.0), (np.nan, 1.0), (1e6, 100.0), (1e-6, 0.01), (3.0, 3.0)):
         _close(P.refreshed_eta({"m": jnp.asarray(new, jnp.float32)}, one)["m"], want, 1e-6)
@@ -1378,6 +1384,13 @@ def test_auto_eta_probes_follow_the_key():
     e0 = float(pd.init(random.key(0), x, 2).eta["b"])
     e1 = float(pd.init(random.key(1), x, 2).eta["b"])
     assert np.isfinite(e0) and e0 > 0 and e0 != e1
+    # per coordinate, a site estimated by Hutchinson gets one η from its largest |estimate| (an entry's own
+    # estimate can be ~0: η ~ c / 1e-8)
+    for curvature in ("coordinate", "informed"):
+        pc = P.PDVI(model_wide, guide_wide, Trace_ELBO(), partitions=BLOCKS, eta="auto", oracle_draws=None,
+                    block_solver=lambda lam0, mu, eta, rows, block, x, batch: (lam0, rows), eta_curvature=curvature)
+        ec = np.asarray(pc.init(random.key(0), x, 2).eta["b"])
+        assert ec.size > 512 and np.all(ec == ec.flat[0]) and np.isfinite(ec.flat[0]) and ec.flat[0] > 0
 
 
 def test_nan_lambda_of_an_unused_site_is_a_failed_answer():

@@ -309,15 +309,58 @@ def test_eta_curvature_coordinate_is_one_eta_per_coordinate_from_every_block():
     with pytest.warns(UserWarning, match="eta is far above"):   # a fixed η is compared with the largest auto η_i
         nfv.PDVI(_grouped, AutoNormal(_grouped), partitions=group, eta=1e4, eta_curvature="coordinate").init(
             random.key(0), group, y)
-    with pytest.raises(ValueError, match="eta_curvature must be 'median', 'max' or 'coordinate'"):
+    with pytest.raises(ValueError, match="eta_curvature must be 'median', 'max', 'coordinate' or 'informed'"):
         nfv.PDVI(_grouped, AutoNormal(_grouped), eta_curvature="site")
+
+
+@pytest.mark.parametrize("centred", [True, False])
+def test_eta_curvature_informed_is_the_median_over_the_blocks_whose_data_touch_the_coordinate(centred):
+    """``eta_curvature="informed"``: η_i = c / the median of |∂²f_u/∂λ_i²| over the blocks u whose DATA terms
+    depend on λ_i (here: their second derivative there is not 0), or over every block where none does (prior and
+    entropy alone).  12 groups in 6 blocks of two: a group effect b_j is touched by one block, the non-centred
+    model's mu and tau by all 6, the centred model's by none (they sit in the groups' prior, a global term)."""
+    from functools import partial
+
+    from jax.flatten_util import ravel_pytree
+
+    group, y = _grouped_data()
+    model = partial(_grouped, centred=centred)
+    engine = nfv.PDVI(model, AutoNormal(model), partitions=group // 2, eta_curvature="informed", eta_scale=0.3)
+    state = engine.init(random.key(0), group, y)
+    inputs = engine._inputs((group, y), {})
+    lam0, key = state.lam0, random.key(7)
+    flat, unravel = ravel_pytree(lam0)
+
+    def diag(f):
+        return np.diag(np.asarray(jax.hessian(lambda v: f(unravel(v)))(flat)))
+
+    full = np.stack([np.abs(diag(engine._unit_objective(u, state.local, key, inputs)[0])) for u in range(6)])
+    data = np.stack([diag(partial(engine._unit_objective(u, state.local, key, inputs)[0], global_weight=0.0))
+                     for u in range(6)])
+    touched = data != 0
+    where = {k: ravel_pytree({j: jnp.full(np.shape(v), float(j == k)) for j, v in lam0.items()})[0] > 0
+             for k in lam0}
+    b_coords = np.flatnonzero(np.asarray(where["b_auto_loc"]))
+    assert np.array_equal(touched[:, b_coords], np.arange(6)[:, None] == np.arange(12)[None, :] // 2)
+    for k in ("mu_auto_loc", "tau_auto_loc"):
+        assert touched[:, np.asarray(where[k])].all() != centred and touched[:, np.asarray(where[k])].any() != centred
+    median = [np.median(full[touched[:, i], i]) if touched[:, i].any() else np.median(full[:, i])
+              for i in range(flat.size)]
+    expected = unravel(jnp.asarray(0.3 / np.asarray(median)))
+    eta = engine._eta_hat((lam0, state.local, key), inputs)
+    for k in lam0:
+        np.testing.assert_allclose(eta[k], expected[k], rtol=2e-4)
+    # one unit per datum: every data point would be read at each refresh, so "informed" is the per-site median there
+    datum = nfv.PDVI(model, AutoNormal(model), partitions=group // 2, eta_curvature="informed",
+                     dual_granularity="datum").init(random.key(0), group, y)
+    assert all(np.shape(v) == () for v in datum.eta.values())
 
 
 @pytest.mark.slow   # two engines to convergence
 def test_eta_curvature_coordinate_converges_on_centred_group_effects():
     """Centred group effects in 12 one-group blocks of 1–34 rows: the per-site η (the default) is set by the largest
-    group's curvature and the small groups crawl; one η per coordinate reaches the fixed point of a long run in 300
-    iterations."""
+    group's curvature and the small groups crawl; one η per coordinate (``"coordinate"``, ``"informed"``) reaches the
+    fixed point of a long run in 300 iterations."""
     group, y = _grouped_data()
 
     def fit(curvature, steps):
@@ -328,5 +371,5 @@ def test_eta_curvature_coordinate_converges_on_centred_group_effects():
     target = fit("coordinate", 3000)
     sd = np.asarray(target["b_auto_scale"])
     off = {c: np.max(np.abs(np.asarray(fit(c, 300)["b_auto_loc"]) - np.asarray(target["b_auto_loc"])) / sd)
-           for c in ("coordinate", "median")}
-    assert off["coordinate"] < 0.1 < 5 * 0.1 < off["median"], off
+           for c in ("coordinate", "informed", "median")}
+    assert max(off["coordinate"], off["informed"]) < 0.1 < 5 * 0.1 < off["median"], off
