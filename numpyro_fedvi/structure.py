@@ -453,6 +453,20 @@ def check_blocks_separate(model, model_trace, args, kwargs, plate_name: str, eng
                          "the data (a random walk, a smoothness penalty) with MPSGD or numpyro.infer.SVI.")
 
 
+def _observed_sites(model_trace) -> list[dict]:
+    return [s for s in model_trace.values() if s["type"] == "sample" and s["is_observed"]]
+
+
+def _frame_names(site) -> list[str]:
+    return [f.name for f in site["cond_indep_stack"]]
+
+
+def _where_observed(model_trace) -> str:
+    """``'y' in plates ['data']; 'z' in no plate`` for the messages."""
+    return "; ".join(f"{s['name']!r} in " + (f"plates {_frame_names(s)}" if _frame_names(s) else "no plate")
+                     for s in _observed_sites(model_trace))
+
+
 def _no_observation(model_trace) -> bool:
     return not any(s["type"] == "sample" and s["is_observed"] for s in model_trace.values())
 
@@ -575,6 +589,11 @@ def inspect_model(
         if data_plate not in plates:
             raise ValueError(f"data_plate={data_plate!r} is not a plate of the model/guide; plates found: "
                              f"{sorted(plates) or 'none'}.")
+        if not _no_observation(model_trace) and not any(
+                data_plate in _frame_names(s) for s in _observed_sites(model_trace)):
+            raise ValueError(f"data_plate={data_plate!r} holds no observed site ({_where_observed(model_trace)}): "
+                             "the data plate is the plate of the conditionally independent observations, e.g. "
+                             "`with numpyro.plate('data', N): numpyro.sample('y', ..., obs=y)`.")
         plate_name = data_plate
     elif len(subsampled) == 1:
         plate_name = subsampled[0]
@@ -590,17 +609,22 @@ def inspect_model(
         if plate_name is None and require_data_plate and _no_observation(model_trace):
             raise ValueError("The model observes nothing (no sample site with obs=... and no numpyro.factor): pass "
                              "the observations as for SVI, e.g. run(key, num_steps, x, y=y) for model(x, y=None).")
-        if plate_name is None and require_data_plate and not plates:
+        unplated = [s["name"] for s in _observed_sites(model_trace) if not _frame_names(s)]
+        if plate_name is None and require_data_plate and (not plates or unplated):
+            what = ("The model has no plate" if not plates else
+                    f"The observed site{'s' * (len(unplated) > 1)} {', '.join(map(repr, unplated))} "
+                    f"{'are' if len(unplated) > 1 else 'is'} in no plate")
             raise ValueError(
-                "The model has no plate: the engines take the data as a plate of conditionally independent "
-                "observations. Declare it as for SVI with data subsampling, e.g. `with numpyro.plate('data', N): "
-                "numpyro.sample('y', ..., obs=y)` around the likelihood of the N data points (with "
-                "`subsample_size=...` and the observations sliced by the plate's indices the engines touch only a "
-                "block's rows).")
+                f"{what}: {engine} takes the data as a plate of conditionally independent observations. Declare it "
+                "as for SVI with data subsampling, e.g. `with numpyro.plate('data', N): numpyro.sample('y', ..., "
+                "obs=y)` around the likelihood of the N data points (with `subsample_size=...` and the observations "
+                "sliced by the plate's indices the engines touch only a block's rows). A model whose likelihood does "
+                "not split over data points (a time series, a Gaussian process) runs as written in "
+                "numpyro_fedvi.MPSGD or NumPyro's SVI.")
         if plate_name is None and require_data_plate:
             found = (f"plates holding every observation: {candidates}, sizes "
                      f"{[int(plates[c][0]) for c in candidates]}, none alone the leading size of an array argument"
-                     if candidates else "no plate holds every observed site")
+                     if candidates else f"no plate holds every observed site: {_where_observed(model_trace)}")
             raise ValueError(
                 f"The data plate is ambiguous ({found}). Name it with data_plate='...': the plate whose "
                 "size is the number of data points, e.g. `with numpyro.plate('data', N): numpyro.sample('y', ..., "

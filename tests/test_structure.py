@@ -224,18 +224,33 @@ def test_error_no_plate_around_every_observation():
         mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
         numpyro.sample("y", dist.Normal(mu, 1.0).expand([N]).to_event(1), obs=x)
 
-    with pytest.raises(ValueError, match="has no plate.*numpyro.plate") as e:   # NumPyro's horseshoe example
+    with pytest.raises(ValueError, match="has no plate.*numpyro.plate.*MPSGD") as e:   # NumPyro's horseshoe example
         inspect_model(no_plate, _global_guide, random.key(0), (X,))
     assert "ambiguous" not in str(e.value)   # nothing to name: the plate is to be declared
 
-    def other_plate(x):   # a plate, but not around the observation
+    def other_plate(x):   # a plate, but not around the observation (NumPyro's UCB admissions example)
         mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
         with numpyro.plate("groups", 3):
             numpyro.sample("a", dist.Normal(mu, 1.0))
         numpyro.sample("y", dist.Normal(mu, 1.0).expand([N]).to_event(1), obs=x)
 
-    with pytest.raises(ValueError, match="no plate holds every observed site"):
-        inspect_model(other_plate, _global_guide, random.key(0), (X,))
+    with pytest.raises(ValueError, match="observed site 'y' is in no plate: PDVI takes.*numpyro.plate") as e:
+        inspect_model(other_plate, _global_guide, random.key(0), (X,), engine="PDVI")
+    assert "ambiguous" not in str(e.value)   # it said "ambiguous" and to name a plate, which took 'groups'
+    with pytest.raises(ValueError, match=r"data_plate='groups' holds no observed site \('y' in no plate\)"):
+        inspect_model(other_plate, _global_guide, random.key(0), (X,), data_plate="groups")
+
+    def two_plates(x):   # observations in two plates, none around both: ambiguous, each named with its plates
+        mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+        with numpyro.plate("a", N):
+            numpyro.sample("y", dist.Normal(mu, 1.0), obs=x)
+        with numpyro.plate("b", 3):
+            numpyro.sample("z", dist.Normal(mu, 1.0), obs=jnp.zeros(3))
+
+    with pytest.raises(ValueError, match=r"ambiguous \(no plate holds every observed site: 'y' in plates \['a'\]; "
+                                         r"'z' in plates \['b'\]\)"):
+        inspect_model(two_plates, _global_guide, random.key(0), (X,))
+    assert inspect_model(two_plates, _global_guide, random.key(0), (X,), data_plate="a").data_plate.name == "a"
 
 
 def test_factor_likelihood_in_the_plate_with_a_global_penalty_factor():
