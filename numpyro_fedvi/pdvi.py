@@ -34,7 +34,7 @@ from numpyro.infer import Trace_ELBO
 
 from . import host_table as _host
 from . import sharding as _sharding
-from .curvature import EXACT_DIAGONAL_MAX_SIZE, diag_hessian, hvp
+from .curvature import diag_hessian, exact_leaves, hvp
 from .federated.participation import sample_without_replacement
 from .inputs import (
     InputJit,
@@ -442,8 +442,9 @@ class PDVI:
         (6 departments × 2 rows, 10 blocks) both per-coordinate rules end 300 iterations at a full-data −ELBO of 95.7
         against the default's 79.1 (SVI: 71.2), and ``"coordinate"`` is slow where blocks differ in stiffness
         (q(mu)'s mean 0.02 against 0.92, truth 1.0, after ``examples/random_effects_workflow.py``'s 200
-        iterations; ``"informed"`` 0.88).  Hence not the default.  Per coordinate, a site of more than 512 entries
-        (whose curvature is Hutchinson's estimate, noisy per entry) gets one η, from its largest entry.
+        iterations; ``"informed"`` 0.88).  Hence not the default.  Per coordinate, a site whose curvature is
+        Hutchinson's estimate (noisy per entry, :func:`~numpyro_fedvi.curvature.exact_leaves`) gets one η, from its
+        largest entry.
     :param local_optimizer: the oracle's solver: ``"newton"`` (damped Newton on the exact arrow-shaped Hessian of
         the block objective, :mod:`~numpyro_fedvi.newton`: ``d_loc + d_g`` Hessian-vector products per step, no
         data-dependent loop), an optax optimizer (re-initialised on every oracle call, e.g. ``optax.lbfgs()``, the
@@ -809,10 +810,12 @@ class PDVI:
         one Hessian-vector product with a Gaussian probe — 0 with probability 0 elsewhere)."""
         lam0, local, key, units = point
 
-        def magnitude(v):
+        exact = exact_leaves(lam0)
+
+        def magnitude(v, is_exact):
             if not self._per_coordinate:
                 return jnp.max(jnp.abs(v))
-            if v.size > EXACT_DIAGONAL_MAX_SIZE:   # Hutchinson's estimate: an entry can be ~0 (η ~ c / 1e-8)
+            if not is_exact:   # Hutchinson's estimate: an entry can be ~0 (η ~ c / 1e-8)
                 return jnp.broadcast_to(jnp.max(jnp.abs(v)), v.shape)
             return jnp.abs(v)
 
@@ -820,7 +823,7 @@ class PDVI:
 
         def one(unit):
             f, unit_key = self._unit_objective(unit, local, key, inputs)
-            full = {k: magnitude(v) for k, v in diag_hessian(f, lam0, key=unit_key).items()}
+            full = {k: magnitude(v, exact[k]) for k, v in diag_hessian(f, lam0, key=unit_key).items()}
             if self._curvature_rule != "informed":
                 return full
             probe = unravel(random.normal(random.fold_in(unit_key, _TOUCH_PROBE_FOLD), flat.shape, flat.dtype))
