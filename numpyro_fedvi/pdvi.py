@@ -819,13 +819,12 @@ class PDVI:
                 return jnp.broadcast_to(jnp.max(jnp.abs(v)), v.shape)
             return jnp.abs(v)
 
-        flat, unravel = ravel_pytree(lam0)
-
         def one(unit):
             f, unit_key = self._unit_objective(unit, local, key, inputs)
             full = {k: magnitude(v, exact[k]) for k, v in diag_hessian(f, lam0, key=unit_key).items()}
             if self._curvature_rule != "informed":
                 return full
+            flat, unravel = ravel_pytree(lam0)
             probe = unravel(random.normal(random.fold_in(unit_key, _TOUCH_PROBE_FOLD), flat.shape, flat.dtype))
             touched = hvp(lambda lam: f(lam, 0.0), lam0, probe)
             return {k: jnp.where(touched[k] != 0, full[k], -full[k]) for k in full}
