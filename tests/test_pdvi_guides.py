@@ -317,7 +317,8 @@ def test_eta_curvature_coordinate_is_one_eta_per_coordinate_from_every_block():
 def test_eta_curvature_informed_is_the_median_over_the_blocks_whose_data_touch_the_coordinate(centred):
     """``eta_curvature="informed"``: η_i = c / the median of |∂²f_u/∂λ_i²| over the blocks u whose DATA terms
     depend on λ_i (here: their second derivative there is not 0), or over every block where none does (prior and
-    entropy alone).  12 groups in 6 blocks of two: a group effect b_j is touched by one block, the non-centred
+    entropy alone), capped by its site's median over the blocks of their largest |∂²f_u/∂λ_j²| at
+    the site.  12 groups in 6 blocks of two: a group effect b_j is touched by one block, the non-centred
     model's mu and tau by all 6, the centred model's by none (they sit in the groups' prior, a global term)."""
     from functools import partial
 
@@ -344,9 +345,13 @@ def test_eta_curvature_informed_is_the_median_over_the_blocks_whose_data_touch_t
     assert np.array_equal(touched[:, b_coords], np.arange(6)[:, None] == np.arange(12)[None, :] // 2)
     for k in ("mu_auto_loc", "tau_auto_loc"):
         assert touched[:, np.asarray(where[k])].all() != centred and touched[:, np.asarray(where[k])].any() != centred
-    median = [np.median(full[touched[:, i], i]) if touched[:, i].any() else np.median(full[:, i])
-              for i in range(flat.size)]
-    expected = unravel(jnp.asarray(0.3 / np.asarray(median)))
+    own = np.array([np.median(full[touched[:, i], i]) if touched[:, i].any() else np.median(full[:, i])
+                    for i in range(flat.size)])
+    cap = np.zeros(flat.size)
+    for k in lam0:
+        cap[np.asarray(where[k])] = np.median(full[:, np.asarray(where[k])].max(1))
+    assert np.any(own > 1.5 * cap) and np.any(own < cap / 1.5)   # the cap binds at the stiffest coordinates only
+    expected = unravel(jnp.asarray(0.3 / np.minimum(own, cap)))
     eta = engine._eta_hat((lam0, state.local, key), inputs)
     for k in lam0:
         np.testing.assert_allclose(eta[k], expected[k], rtol=2e-4)
