@@ -306,13 +306,13 @@ def observation_plates(model_trace) -> list[str]:
     an observed site outside every plate counts only when no observation sits in a plate (a global term: a latent
     fixed by ``handlers.condition``, a prior penalty), and ``numpyro.factor`` terms only when there is no other
     observation, those inside a plate (a factor likelihood) first."""
-    observed = [s for s in model_trace.values() if s["type"] == "sample" and s.get("is_observed")]
+    observed = _observed_sites(model_trace)
     data = [s for s in observed if not is_factor(s)]
     observed = ([s for s in data if s["cond_indep_stack"]] or data or [s for s in observed if s["cond_indep_stack"]]
                 or observed)
     if not observed:
         return []
-    common = set.intersection(*[{f.name for f in s["cond_indep_stack"]} for s in observed])
+    common = set.intersection(*[set(_frame_names(s)) for s in observed])
     return sorted(common)
 
 
@@ -454,7 +454,7 @@ def check_blocks_separate(model, model_trace, args, kwargs, plate_name: str, eng
 
 
 def _observed_sites(model_trace) -> list[dict]:
-    return [s for s in model_trace.values() if s["type"] == "sample" and s["is_observed"]]
+    return [s for s in model_trace.values() if s["type"] == "sample" and s.get("is_observed")]
 
 
 def _frame_names(site) -> list[str]:
@@ -468,7 +468,7 @@ def _where_observed(model_trace) -> str:
 
 
 def _no_observation(model_trace) -> bool:
-    return not any(s["type"] == "sample" and s["is_observed"] for s in model_trace.values())
+    return not _observed_sites(model_trace)
 
 
 def _rows_of_data(args, kwargs) -> set[int]:
