@@ -29,12 +29,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import random
-from jax.flatten_util import ravel_pytree
 from numpyro.infer import Trace_ELBO
 
 from . import host_table as _host
 from . import sharding as _sharding
-from .curvature import diag_hessian, exact_leaves, hvp
+from .curvature import diag_hessian, exact_leaves
 from .federated.participation import sample_without_replacement
 from .inputs import (
     InputJit,
@@ -59,7 +58,6 @@ __all__ = ["Block", "NEWTON_MAX_HVPS", "PDVI", "PDVIState", "consensus_update", 
            "prox_solve", "refreshed_eta"]
 
 ETA_CURVATURES = ("median", "max", "coordinate", "informed")   # PDVI(eta_curvature=...)
-_TOUCH_PROBE_FOLD = 0x70C4   # fold of a unit's key for the probe that finds the coordinates its data terms touch
 
 # local_optimizer=None picks Newton when a Newton step needs at most this many Hessian-vector products (one per global
 # coordinate plus one per local coordinate of a datum); measured: 4 on random effects (epoch 6x cheaper than L-BFGS),
@@ -409,8 +407,8 @@ class PDVI:
     :param partitions: or give the blocks: a list of index arrays or a length-N array of block ids.
     :param partitions_per_step: blocks visited per iteration (``|S_t|``; oracles run in parallel).
     :param eta: ``"auto"`` (default, P²D-VI): ``η_j = eta_scale / L̂_j`` with ``L̂_j`` the largest diagonal
-        second derivative of block ``j`` of a block loss at the initial state (over up to 8 evenly spaced
-        blocks, see ``eta_curvature``; specs/pdvi.md §4 suggests c ∈ [0.3, 10]); a float (PD-VI, Oracle I: one
+        second derivative of block ``j`` of a block loss at the initial state (per coordinate, see
+        ``eta_curvature``; specs/pdvi.md §4 suggests c ∈ [0.3, 10]); a float (PD-VI, Oracle I: one
         η for every coordinate — the theory needs η ≲ 1/(22 L), and a block of |b| data has L ∝ |b|), or a dict
         ``{site: η_j}`` (a float or an array shaped like the site's unconstrained value).  A list or a wrongly shaped
         array is refused before anything compiles; a float η more than ``ETA_WARN_RATIO = 1000`` times the value
@@ -430,29 +428,29 @@ class PDVI:
         bound alone slows such a drift but does not end it: on ``examples/random_effects_workflow.py`` (data seeds
         0–4, 4, 6 or 10 oracle particles) it persisted at the bound for tens of iterations and diverged in 5 of 15
         runs, none with η and h shrunk with the move (see the README).
-    :param eta_curvature: how ``eta="auto"`` combines the blocks' curvatures: ``"median"`` (default) or ``"max"``
-        (the theory's L = max_b L_b), per site over up to 8 evenly spaced blocks of their largest diagonal second
-        derivative at the site.  The estimate is a second derivative of a Monte-Carlo objective, so the max picks
-        the noisiest draw: on non-centred eight schools (8 one-school blocks, 300 iterations), before the consensus
-        trust region, ``"max"`` set η of q(tau)'s params to ~1e-4 and ended with q(mu)'s mean at −121 (NUTS: 4.4)
-        where ``"median"`` gave 4.7; with it, seeds 0–7 end at 4.48–4.53 with ``"max"``.  Per COORDINATE (P²D-VI's
-        block metric with singleton blocks; every block read at each refresh, d_global Hessian-vector products per
-        block), for vector sites whose coordinates see different data (group effects outside the data plate, rows
-        sorted by group), where the per-site η follows the stiffest coordinate: ``"coordinate"``, ``η_i = c /`` the
-        max over every block of the curvature at coordinate i; ``"informed"``, ``c /`` its median over the blocks
-        whose DATA terms touch coordinate i (over every block where none does: prior and entropy alone), capped by
-        the site's median over the blocks of their largest curvature at the site, so that no coordinate gets a
-        smaller η than ``"median"`` gives its site (:func:`informed_median`; with ``dual_granularity="datum"``,
-        ``"median"``).  Measured (README, "We lose on CENTRED group effects"): on a centred radon-style model (20
-        counties of 1–112 rows, 10 blocks) the worst mean error after 300 iterations is 0.09 NUTS sd with
-        ``"informed"``, 0.18 with ``"coordinate"``, 3.3 with ``"median"``; on UCB admissions (6 departments × 2
-        rows, 10 blocks) the full-data −ELBO after 300 iterations is 78.7 with ``"informed"``, 95.9 with
-        ``"coordinate"`` (95.7 with ``"informed"`` uncapped), 79.1 with ``"median"`` (SVI: 71.2); ``"coordinate"``
-        is slow where blocks differ in stiffness (q(mu)'s mean 0.02 against 0.92, truth 1.0, after
-        ``examples/random_effects_workflow.py``'s 200 iterations; ``"informed"`` 0.88).  ``"informed"`` is not the
-        default yet: the benchmarks have not been rerun with it.  Per coordinate, a site whose curvature is
-        Hutchinson's estimate (noisy per entry, :func:`~numpyro_fedvi.curvature.exact_leaves`) gets one η, from its
-        largest entry.
+    :param eta_curvature: how ``eta="auto"`` combines the blocks' curvatures.  ``"informed"`` (default): one η
+        per COORDINATE (P²D-VI's block metric with singleton blocks), ``η_i = c /`` the median of the curvature at
+        coordinate i over the blocks whose DATA terms touch it (over every block where none does: prior and entropy
+        alone), capped by the site's median over the blocks of their largest curvature at the site, so that no
+        coordinate gets a smaller η than ``"median"`` gives its site (:func:`informed_median`).  Every block is read
+        at each refresh (a coordinate whose rows lie in an unread block would get a prior-only curvature and a huge
+        η); with ``dual_granularity="datum"`` (one unit per data point) it is ``"median"``.  Per site, over up to 8
+        evenly spaced blocks of their largest diagonal second derivative at the site: ``"median"`` or ``"max"``
+        (the theory's L = max_b L_b; the estimate is a second derivative of a Monte-Carlo objective, so the max
+        picks the noisiest draw: on non-centred eight schools, 8 one-school blocks, 300 iterations, before the
+        consensus trust region, ``"max"`` set η of q(tau)'s params to ~1e-4 and ended with q(mu)'s mean at −121,
+        NUTS 4.4, where ``"median"`` gave 4.7; with it, seeds 0–7 end at 4.48–4.53 with ``"max"``).
+        ``"coordinate"``: ``η_i = c /`` the max over every block of the curvature at coordinate i.  Why per
+        coordinate: for vector sites whose coordinates see different data (group effects outside the data plate,
+        rows sorted by group) the per-site η follows the stiffest coordinate.  Measured (README, "Centred group
+        effects"): on a centred radon-style model (20 counties of 1–112 rows, 10 blocks) the worst mean error after
+        300 iterations is 0.09 NUTS sd with ``"informed"``, 0.18 with ``"coordinate"``, 3.3 with ``"median"``; on
+        UCB admissions (6 departments × 2 rows, 10 blocks) the full-data −ELBO after 300 iterations is 78.7 with
+        ``"informed"``, 95.9 with ``"coordinate"`` (95.7 with ``"informed"`` uncapped), 79.1 with ``"median"``
+        (SVI: 71.2); ``"coordinate"`` is slow where blocks differ in stiffness (q(mu)'s mean 0.02 against 0.92,
+        truth 1.0, after ``examples/random_effects_workflow.py``'s 200 iterations; ``"informed"`` 0.88).  Per
+        coordinate, a site whose curvature is Hutchinson's estimate (noisy per entry,
+        :func:`~numpyro_fedvi.curvature.exact_leaves`) gets one η, from its largest entry.
     :param local_optimizer: the oracle's solver: ``"newton"`` (damped Newton on the exact arrow-shaped Hessian of
         the block objective, :mod:`~numpyro_fedvi.newton`: ``d_loc + d_g`` Hessian-vector products per step, no
         data-dependent loop), an optax optimizer (re-initialised on every oracle call, e.g. ``optax.lbfgs()``, the
@@ -537,7 +535,7 @@ class PDVI:
 
     def __init__(self, model, guide, loss=None, *, num_partitions: int | None = None, partitions=None,
                  partitions_per_step: int = 1, eta: float | dict | str = "auto", eta_scale: float = 0.3,
-                 eta_curvature: str = "median",
+                 eta_curvature: str = "informed",
                  local_optimizer: optax.GradientTransformation | str | None = None, local_steps: int | None = None,
                  dual_granularity: str = "partition", selection: str = "random", alternating: bool | None = None,
                  crn: str = "oracle", block_solver: Callable | None = None, oracle_draws: str | None = "orthogonal",
@@ -814,8 +812,8 @@ class PDVI:
         """Per unit (stacked over ``units``), the max |diagonal Hessian| of each global site at
         ``point = (λ_0, local, key, units)`` (``eta_curvature="coordinate"``: the |diagonal Hessian| itself;
         ``"informed"``: that too, negated at the coordinates the unit's data terms do not touch, so that the median
-        skips them, :meth:`eta_from_curvatures`: the rows of their Hessian that are exactly 0, seen as the zeros of
-        one Hessian-vector product with a Gaussian probe — 0 with probability 0 elsewhere)."""
+        skips them, :meth:`eta_from_curvatures`: the exact zeros of the gradient of its data terms, which do not
+        depend on them; elsewhere an exact 0 needs a coincidence, and costs only that unit's vote in the median)."""
         lam0, local, key, units = point
 
         exact = exact_leaves(lam0)
@@ -832,9 +830,7 @@ class PDVI:
             full = {k: magnitude(v, exact[k]) for k, v in diag_hessian(f, lam0, key=unit_key).items()}
             if self._curvature_rule != "informed":
                 return full
-            flat, unravel = ravel_pytree(lam0)
-            probe = unravel(random.normal(random.fold_in(unit_key, _TOUCH_PROBE_FOLD), flat.shape, flat.dtype))
-            touched = hvp(lambda lam: f(lam, 0.0), lam0, probe)
+            touched = jax.grad(lambda lam: f(lam, 0.0))(lam0)
             return {k: jnp.where(touched[k] != 0, full[k], -full[k]) for k in full}
 
         return jax.lax.map(one, units)
@@ -1040,12 +1036,23 @@ class PDVI:
         engine keeps it: its local table moved to host memory or to the device as ``local_table`` says, and on
         the engine's mesh (a loaded state sits on one device: the compiled step refused its layout).  A state of
         another engine, blocks or rows is refused (:func:`~numpyro_fedvi.inputs.check_state_like`)."""
+        state = self._widened_eta(state)
         self._check_state(state)
         if isinstance(state.local, _host.HostTable) and self.local_table != "host":
             state = state._replace(local={k: jnp.asarray(v) for k, v in state.local.arrays.items()})
         elif not isinstance(state.local, _host.HostTable) and self.local_table == "host":
             state = state._replace(local=_host.HostTable.create({k: np.asarray(v) for k, v in state.local.items()}))
         return state if self.mesh is None else _sharding.shard_pdvi_state(state, self.mesh)
+
+    def _widened_eta(self, state):
+        """A state with one ``eta="auto"`` η per SITE (``eta_curvature="median"`` or ``"max"``, the default before
+        2026-11-30) given to an engine with one per coordinate: each site's η on every coordinate of the site (the
+        same steps; the next refresh estimates η per coordinate)."""
+        if not (isinstance(state, PDVIState) and self.eta_spec == "auto" and self._per_coordinate
+                and isinstance(state.eta, dict) and isinstance(state.lam0, dict) and set(state.eta) == set(state.lam0)):
+            return state
+        return state._replace(eta={k: jnp.broadcast_to(v, jnp.shape(state.lam0[k])) if jnp.ndim(v) == 0 else v
+                                   for k, v in state.eta.items()})
 
     def _check_state(self, state) -> None:
         """``state`` has this engine's entries and shapes: those of ``init`` (its duals one row per unit, its local

@@ -949,7 +949,7 @@ def test_constructor_checks():
     anti = P.PDVI(model, guide, TraceMeanField_ELBO(), oracle_draws="antithetic", oracle_particles=6, **ok)
     assert anti.oracle_loss.scheme == "antithetic" and anti.oracle_loss.num_particles == 6
     assert isinstance(anti.loss, TraceMeanField_ELBO) and isinstance(anti.oracle_loss.elbo, TraceMeanField_ELBO)
-    assert pd.partitions_per_step == 1 and pd.eta_scale == 0.3 and pd.eta_curvature == "median"
+    assert pd.partitions_per_step == 1 and pd.eta_scale == 0.3 and pd.eta_curvature == "informed"
     assert pd.local_optimizer is None and pd.local_steps is None and pd.alternating is None and pd.crn == "oracle"
     assert pd.dual_granularity == "partition" and pd.selection == "random" and pd.eta_refresh is True
     assert pd.block_solver is None and pd.mesh is None and pd.local_table == "device" and pd.structure is None
@@ -1159,7 +1159,7 @@ def test_refresh_vector_site_and_bad_estimates():
     is not finite and positive keeps the old η, one refresh moves η by at most 100x."""
     x = _x()
     pd = P.PDVI(model_vec, guide_vec, Trace_ELBO(), partitions=BLOCKS, eta="auto", oracle_draws=None,
-                eta_refresh=[1])
+                eta_refresh=[1], eta_curvature="median")
     s = pd.init(random.key(14), x, 2)
     s = s._replace(local={"a": jnp.asarray(np.linspace(-1, 1, NX), jnp.float32)})
     r = pd.refresh_eta(s, x, 2)
@@ -1172,8 +1172,8 @@ def test_refresh_vector_site_and_bad_estimates():
     assert r.mu["m"].shape == (4, 2) and r.h["m"].shape == (2,)
     _close(r.mu["m"], mu, 1e-5)
     _close(r.h["m"], float(r.eta["m"]) * mu.mean(0), 1e-5)
-    per_coordinate = P.PDVI(model_vec, guide_vec, Trace_ELBO(), partitions=BLOCKS, oracle_draws=None, eta_refresh=[1],
-                            eta_curvature="informed")
+    per_coordinate = P.PDVI(model_vec, guide_vec, Trace_ELBO(), partitions=BLOCKS, oracle_draws=None,
+                            eta_refresh=[1])   # the default eta_curvature, "informed"
     rc = per_coordinate.refresh_eta(per_coordinate.init(random.key(14), x, 2)._replace(local=s.local), x, 2)
     assert rc.eta["m"].shape == (2,) and not np.allclose(rc.eta["m"][0], rc.eta["m"][1])
     _close(rc.mu["m"], mu, 1e-5)
@@ -1192,6 +1192,26 @@ def test_refresh_vector_site_and_bad_estimates():
     out = pd.refresh_eta(st, x, 2)
     _close(out.mu["m"], np.full((4, 2), 0.25), 0)
     _close(out.h["m"], [0.25, 0.25], 1e-7)
+
+
+def test_a_per_site_eta_state_resumes_on_a_per_coordinate_engine():
+    """A state of ``eta_curvature="median"`` (one η per site: the default before 2026-11-30, e.g. a checkpoint)
+    given to the default engine (one η per coordinate): each site's η on its coordinates, the same step as the
+    state with that η written out; the other way is refused (a per-site engine cannot pick one of several η)."""
+    x = _x()
+    old = P.PDVI(model_vec, guide_vec, Trace_ELBO(), partitions=BLOCKS, oracle_draws=None, eta_curvature="median")
+    s = old.init(random.key(3), x, 2)
+    new = P.PDVI(model_vec, guide_vec, Trace_ELBO(), partitions=BLOCKS, oracle_draws=None)
+    new.init(random.key(3), x, 2)
+    assert np.shape(s.eta["m"]) == ()
+    wide = s._replace(eta={"m": jnp.full((2,), s.eta["m"])})
+    (a, la), (b, lb) = new.update(s, x, 2), new.update(wide, x, 2)
+    assert a.eta["m"].shape == (2,)
+    for k in ("lam0", "h", "mu", "eta"):
+        _close(getattr(a, k)["m"], getattr(b, k)["m"], 0)
+    _close(la, lb, 0)
+    with pytest.raises(ValueError, match=r"state\.eta\['m'\] has shape \(2,\), where this engine's has \(\)"):
+        old.update(wide, x, 2)
 
 
 def guide_mc(x, batch=None):
@@ -1380,7 +1400,7 @@ def test_auto_eta_probes_follow_the_key():
     non-diagonal Hessian (the data see Σβ) another init key gives another η."""
     x = _x()
     pd = P.PDVI(model_wide, guide_wide, Trace_ELBO(), partitions=BLOCKS, eta="auto", oracle_draws=None,
-                block_solver=lambda lam0, mu, eta, rows, block, x, batch: (lam0, rows))
+                block_solver=lambda lam0, mu, eta, rows, block, x, batch: (lam0, rows), eta_curvature="median")
     e0 = float(pd.init(random.key(0), x, 2).eta["b"])
     e1 = float(pd.init(random.key(1), x, 2).eta["b"])
     assert np.isfinite(e0) and e0 > 0 and e0 != e1

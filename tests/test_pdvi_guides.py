@@ -316,7 +316,7 @@ def test_eta_curvature_coordinate_is_one_eta_per_coordinate_from_every_block():
 @pytest.mark.parametrize("centred", [True, False])
 def test_eta_curvature_informed_is_the_median_over_the_blocks_whose_data_touch_the_coordinate(centred):
     """``eta_curvature="informed"``: η_i = c / the median of |∂²f_u/∂λ_i²| over the blocks u whose DATA terms
-    depend on λ_i (here: their second derivative there is not 0), or over every block where none does (prior and
+    depend on λ_i (their derivative there is not 0), or over every block where none does (prior and
     entropy alone), capped by its site's median over the blocks of their largest |∂²f_u/∂λ_j²| at
     the site.  12 groups in 6 blocks of two: a group effect b_j is touched by one block, the non-centred
     model's mu and tau by all 6, the centred model's by none (they sit in the groups' prior, a global term)."""
@@ -336,8 +336,8 @@ def test_eta_curvature_informed_is_the_median_over_the_blocks_whose_data_touch_t
         return np.diag(np.asarray(jax.hessian(lambda v: f(unravel(v)))(flat)))
 
     full = np.stack([np.abs(diag(engine._unit_objective(u, state.local, key, inputs)[0])) for u in range(6)])
-    data = np.stack([diag(partial(engine._unit_objective(u, state.local, key, inputs)[0], global_weight=0.0))
-                     for u in range(6)])
+    data = np.stack([np.asarray(jax.grad(lambda v, u=u: engine._unit_objective(u, state.local, key, inputs)[0](
+        unravel(v), global_weight=0.0))(flat)) for u in range(6)])
     touched = data != 0
     where = {k: ravel_pytree({j: jnp.full(np.shape(v), float(j == k)) for j, v in lam0.items()})[0] > 0
              for k in lam0}
