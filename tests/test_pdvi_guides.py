@@ -290,7 +290,7 @@ def test_eta_curvature_coordinate_is_one_eta_per_coordinate_from_every_block():
     flat, unravel = ravel_pytree(lam0)
     curvature = []
     for u in range(12):
-        f, _ = engine._unit_objective(u, state.local, key, inputs)
+        f, _ = engine._unit_objective(u, lam0, state.local, key, inputs)
         curvature.append(np.abs(np.diag(np.asarray(jax.hessian(lambda v, f=f: f(unravel(v)))(flat)))))
     curvature = np.stack(curvature)
     expected = unravel(jnp.asarray(0.3 / curvature.max(0)))
@@ -335,8 +335,8 @@ def test_eta_curvature_informed_is_the_median_over_the_blocks_whose_data_touch_t
     def diag(f):
         return np.diag(np.asarray(jax.hessian(lambda v: f(unravel(v)))(flat)))
 
-    full = np.stack([np.abs(diag(engine._unit_objective(u, state.local, key, inputs)[0])) for u in range(6)])
-    data = np.stack([np.asarray(jax.grad(lambda v, u=u: engine._unit_objective(u, state.local, key, inputs)[0](
+    full = np.stack([np.abs(diag(engine._unit_objective(u, lam0, state.local, key, inputs)[0])) for u in range(6)])
+    data = np.stack([np.asarray(jax.grad(lambda v, u=u: engine._unit_objective(u, lam0, state.local, key, inputs)[0](
         unravel(v), global_weight=0.0))(flat)) for u in range(6)])
     touched = data != 0
     where = {k: ravel_pytree({j: jnp.full(np.shape(v), float(j == k)) for j, v in lam0.items()})[0] > 0
