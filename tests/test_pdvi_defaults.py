@@ -83,9 +83,9 @@ def test_eta_refresh_keeps_invariant_and_resumes_bitwise(default_engine):
 def test_refresh_keeps_old_eta_when_the_estimate_is_degenerate():
     """A refresh at a point whose curvature estimate is 0 / inf / NaN keeps the old η; growth is capped at 100×."""
     x = data()
-    pd = nfv.PDVI(model, AutoNormal(model), num_partitions=20, partitions_per_step=2)  # own engine: _eta_hat patched
+    pd = nfv.PDVI(model, AutoNormal(model), num_partitions=20, partitions_per_step=2)  # own engine: estimate patched
     st = pd.init(random.key(0), x, N // 10)
-    pd._eta_hat = lambda *a: estimate  # read when the refresh program is traced again (cache entry dropped)
+    pd._curvature_summary = lambda *a: (estimate, None)  # read when the refresh program is traced again (cache dropped)
     for estimate, kept, grown in (({"beta_auto_loc": jnp.nan, "beta_auto_scale": jnp.inf}, 2, None),
                                   ({"beta_auto_loc": 0.0, "beta_auto_scale": 1e12}, 1, "beta_auto_scale")):
         pd._jit_cache.pop("refresh")
@@ -175,3 +175,52 @@ def test_small_data_particle_floor_reaches_the_mean_field_optimum():
         assert result.diagnostics["stop_reason"] == "completed"
         value = neg_elbo(guide, result.params)
         assert ok(value), (particles, value, best)
+
+
+def test_global_drift_is_the_move_of_block_means_in_curvature_units():
+    """``global_drift``: ``max_i √H_i |mean(newest K) − mean(K before)| / K`` over 2K snapshots (newest first), and
+    the site where it is largest; ``drift_epochs``: K = epochs // 4 in [1, 8], 0 under two epochs."""
+    from numpyro_fedvi.pdvi import global_drift, drift_epochs
+
+    snaps = [{"a": np.array([1.0, 2.0]), "b": np.array(0.5)}, {"a": np.array([0.0, 1.0]), "b": np.array(0.3)},
+             {"a": np.array([0.0, 0.0]), "b": np.array(0.2)}, {"a": np.array([0.0, 1.0]), "b": np.array(0.1)}]
+    curvature = {"a": np.array([4.0, 1.0]), "b": np.array(100.0)}
+    # K = 2: newest (1, 1.5) / 0.4, before (0, 0.5) / 0.15; a: 2·1/2 = 1, 1·1/2 = 0.5; b: 10·0.25/2 = 1.25
+    drift, site = global_drift(snaps, curvature)
+    assert site == "b" and np.isclose(drift, 1.25)
+    drift, site = global_drift(snaps[:2], {"a": curvature["a"], "b": np.array(1.0)})   # K = 1: a 2·1, b 1·0.2
+    assert site == "a" and np.isclose(drift, 2.0)
+    assert [drift_epochs(e) for e in (0, 1, 2, 7, 8, 12, 31, 32, 1000)] == [0, 0, 1, 1, 2, 3, 7, 8, 8]
+
+
+def test_run_tells_whether_pdvi_converged(default_engine):
+    """``run()``'s ``diagnostics["drift"]`` is :func:`global_drift` of λ_0 at the ends of the run's last 2K epochs
+    (here collected by a callback every epoch) with the curvature of the last η estimate; a run 2 epochs long from
+    the initial point warns that it has not converged, the 20 epochs after it do not; a run under 2 epochs, or
+    with a fixed η (no curvature measured), cannot tell (None)."""
+    import warnings
+
+    from numpyro_fedvi.pdvi import CONVERGED_DRIFT, global_drift
+
+    x = data()
+    pd = default_engine
+    with pytest.warns(RuntimeWarning, match=r"PDVI has not converged after 20 iterations: over the last 2 epochs"):
+        short = pd.run(random.key(0), 20, x, N // 10, progress_bar=False)
+    assert short.diagnostics["converged"] is False and short.diagnostics["drift"] > CONVERGED_DRIFT
+    seen = {}
+
+    def every_epoch(step, state, losses):
+        seen[step] = jax.device_get(state.lam0)
+    every_epoch.every = 10
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        res = pd.run(random.key(1), 200, x, N // 10, progress_bar=False, init_state=short.state,
+                     callbacks=[every_epoch])
+    drift, site = global_drift([seen[200 - 10 * j] for j in range(10)], pd._curvature_total)   # K = 20 // 4 = 5
+    assert res.diagnostics["converged"] is True and res.diagnostics["drift"] <= CONVERGED_DRIFT
+    assert res.diagnostics["drift"] == drift and res.diagnostics["drift_site"] == site
+    assert pd.run(random.key(2), 15, x, N // 10, progress_bar=False, init_state=res.state).diagnostics[
+        "converged"] is None
+    fixed = nfv.PDVI(model, AutoNormal(model), num_partitions=20, partitions_per_step=2, eta=0.05)
+    assert fixed.run(random.key(0), 30, x, N // 10, progress_bar=False).diagnostics["converged"] is None
