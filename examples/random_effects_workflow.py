@@ -42,7 +42,7 @@ from numpyro_fedvi.models.grouped_regression import TRUTH, make_data, noncentred
 OUT = Path(__file__).resolve().parent / "output"
 
 
-def main(G=2_000, n_max=12, block=100, num_steps=200, seed=0):
+def main(G=2_000, n_max=12, block=100, num_steps=600, seed=0):
     x, y, mask, alpha_true = make_data(G, n_max, seed)
     model_nc = noncentred_model
     guide = AutoNormal(model_nc, init_scale=0.1)
