@@ -150,7 +150,8 @@ def test_auto_number_of_particles():
     assert counted(hier_guide, num_particles="minimal", min_particles=12, max_particles=12) == 12
     assert counted(hier_guide, num_particles="minimal", min_particles=6) == 8
     assert counted(hier_guide, num_particles=6, min_particles=12, max_particles=12) == 6  # a number is kept as is
-    # a local vector's own coordinates per datum count too (whitened jointly, one dimension to spare), a global's not
+    # a local vector's own coordinates per datum count too (whitened jointly, one dimension to spare), a plated
+    # global's not
     assert counted(lambda: vec_guide(XS)) == 2 * (1 + D_VEC + 2)
     assert counted(lambda: vec_guide(XS), num_particles="minimal") == 2 * (1 + D_VEC + 1)
     assert counted(lambda: vec_guide(XS), num_particles="minimal", max_particles=6) == 6
@@ -163,6 +164,19 @@ def test_auto_number_of_particles():
     assert counted(components, num_particles="minimal", max_particles=64) == 2 * (10 + 1)   # every plated site
     assert counted(components, num_particles="minimal", max_particles=64, local_plate="data") == 4
     assert counted(lambda: vec_guide(XS), num_particles="minimal", local_plate="data") == 2 * (1 + D_VEC + 1)
+    # an unplated global vector's own coordinates count when they then fit under max_particles (whitened jointly
+    # with the earlier globals: all their second moments exact), not beyond it
+    def regression():
+        numpyro.sample("b0", dist.Normal(0.0, 1.0))
+        numpyro.sample("w", dist.Normal(jnp.zeros(5), 1.0).to_event(1))
+
+    assert counted(regression, num_particles="minimal", local_plate="data") == 2 * (1 + 5 + 1)
+    assert counted(regression, local_plate="data") == 2 * (1 + 5 + 2)
+    assert counted(regression, num_particles="minimal", max_particles=12) == 4   # 2·(1 + 5 + 1) > 12: not counted
+    S = counted(regression, num_particles="minimal")
+    v = particle_values(regression, S, "orthogonal", random.key(3))
+    z = np.concatenate([np.asarray(v["b0"], np.float64)[:, None], np.asarray(v["w"], np.float64)], 1)
+    np.testing.assert_allclose(z.T @ z / S, np.eye(6), atol=1e-5)
     with pytest.raises(ValueError, match="auto / minimal"):
         ControlledDraws(Trace_ELBO(), num_particles="few")
     for bad in (5, 2, 18):
