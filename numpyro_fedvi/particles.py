@@ -260,7 +260,10 @@ class ControlledDraws(ELBO):
         jointly, with one dimension to spare: with too few particles its coordinates are ± one vector and the SAA of
         a likelihood that couples them, ``Normal(w.sum(-1), σ)``, is off by ``±2 Σ b_j b_k`` per datum), so that
         each local coordinate keeps ≥ 2 antisymmetric dimensions: with one left, every datum gets ±the same vector
-        and the non-quadratic (4th-order) error is the same for all data instead of averaging out over them.
+        and the non-quadratic (4th-order) error is the same for all data instead of averaging out over them.  A
+        global vector outside every plate counts its own m coordinates too when the count then fits under
+        max_particles (they are whitened jointly with the earlier globals, whatever the order the guide samples them
+        in; rescaled per coordinate instead, their cross moments move q's scales at each block solve).
         ``"minimal"``: ``2(d + 1)`` in [min_particles, max_particles], the fewest that make every cross
         moment above exactly 0 (one antisymmetric dimension left per local coordinate); with fewer, a site is
         projected off only the top directions of the earlier ones, and equally whitened directions tie (PD-VI's

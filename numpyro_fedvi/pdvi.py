@@ -517,20 +517,22 @@ class PDVI:
         :class:`~numpyro_fedvi.particles.ControlledDraws`) makes that average exact for Gaussian-quadratic terms;
         ``None`` uses ``loss`` as given (the paper's generic oracle; ``crn`` then matters more).
     :param oracle_particles: particles of the controlled draws: an even number, or a rule of
-        :meth:`~numpyro_fedvi.particles.ControlledDraws.particles_for`: ``"minimal"`` (default) is the fewest that
-        make every global–local cross moment exactly 0, ``2(d + 1)`` (at least 4, at most 16) with ``d`` the global
-        noise coordinates: 4 for one scalar global (random effects), 6 for eight schools' two, 10 for the four globals
-        of ``examples/random_effects_workflow.py``.  With fewer (the previous default, 4), a local site is projected
-        off the top directions of the global draws only, and whitened global draws carry equal energy, so which
-        ones is a float tie: the draws of one key differed between two compiled programs (eager vs jit, by 1.41 on
-        eight schools), and non-centred eight schools ended with q(mu)'s mean anywhere in 4.05–4.61 over seeds
-        0–9 against 4.49–4.54 with 6.  ``loss``'s own ``num_particles`` (``Trace_ELBO(num_particles=32)``) is a floor
-        of a rule's count (made even).  On small data a rule's count is raised to ``SMALL_DATA_PARTICLE_BUDGET / D``
-        (1024 / D, at most 64; ``D``: the elements of the model's data arrays, :func:`data_elements`, at least N):
-        more particles cost little there and cut the sample-average bias of a likelihood that is not quadratic in
-        the globals (eight schools, D = 16: 64 particles, −ELBO 31.62–31.69 over seeds 0–9 against the mean-field
-        optimum's 31.61; 32.07–33.04 with the rule's 6, seeds 0–1).  The rules need antithetic pairs: with
-        ``"iid"`` or ``"moment_matched"`` draws a rule means 4 (or ``loss``'s ``num_particles`` when more).
+        :meth:`~numpyro_fedvi.particles.ControlledDraws.particles_for`: ``"minimal"`` (default) is the fewest that make
+        every global–local cross moment exactly 0, ``2(d + 1)`` (at least 4, at most 16) with ``d`` the global noise
+        coordinates: 4 for one scalar global (random effects), 6 for eight schools' two, 10 for the four globals of
+        ``examples/random_effects_workflow.py``, 14 for a Poisson regression's intercept and 5 weights (a global
+        vector's coordinates count when they fit: with 4, q's log-scales jittered with sd 0.10 by epoch). With fewer
+        (the previous default, 4), a local site is projected off the top directions of the global draws only, and
+        whitened global draws carry equal energy, so which ones is a float tie: the draws of one key differed between
+        two compiled programs (eager vs jit, by 1.41 on eight schools), and non-centred eight schools ended with q(mu)'s
+        mean anywhere in 4.05–4.61 over seeds 0–9 against 4.49–4.54 with 6.  ``loss``'s own ``num_particles``
+        (``Trace_ELBO(num_particles=32)``) is a floor of a rule's count (made even).  On small data a rule's count is
+        raised to ``SMALL_DATA_PARTICLE_BUDGET / D`` (1024 / D, at most 64; ``D``: the elements of the model's data
+        arrays, :func:`data_elements`, at least N): more particles cost little there and cut the sample-average bias of
+        a likelihood that is not quadratic in the globals (eight schools, D = 16: 64 particles, −ELBO 31.62–31.69 over
+        seeds 0–9 against the mean-field optimum's 31.61; 32.07–33.04 with the rule's 6, seeds 0–1).  The rules need
+        antithetic pairs: with ``"iid"`` or ``"moment_matched"`` draws a rule means 4 (or ``loss``'s ``num_particles``
+        when more).
     :param eta_refresh: with ``eta="auto"``, re-estimate η at the CURRENT λ_0 and local rows after these
         iterations (``True``: after epochs 1, 2, 4, 8, … — an epoch is ``ceil(B / partitions_per_step)``
         iterations; a list of iteration numbers; ``False``: the paper's fixed η).  A refresh also recomputes the
