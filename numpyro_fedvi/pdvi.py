@@ -654,6 +654,10 @@ class PDVI:
         if not structure.params:
             raise ValueError("the guide has no numpyro.param sites to optimise (a model without latent variables, or "
                              "a guide built for another model?).")
+        if not structure.init_global:
+            raise ValueError(f"every guide param sits in the data plate {structure.data_plate.name!r} (local): PD-VI "
+                             "has no global params to agree on, and its blocks would be separate problems. Fit such "
+                             "a model with numpyro.infer.SVI (or MPSGD).")
         if host:
             if not structure.data_plate.subsampled:
                 raise ValueError(f"local_table='host' needs a subsampled data plate (numpyro.plate("
@@ -921,8 +925,8 @@ class PDVI:
     def _curvature_summary(self, point, inputs):
         """``(η̂, H)``: :meth:`_eta_hat` and, from the same curvatures, the full objective's diagonal curvature
         ``H = Σ_u |∂²f_u/∂λ²|`` over every unit (the read units' sum times ``num_units / len(units)`` when a
-        per-site rule reads 8; per site, its largest entry): the scale of :meth:`drift` (1/√H is about q's posterior
-        sd for a guide's location params)."""
+        per-site rule reads 8; per site, its largest entry): the scale of :func:`global_drift` (1/√H is about q's
+        posterior sd for a guide's location params)."""
         lam0, local, key = point
         units = self.eta_units(self.num_units)
         curvatures = self._curvatures((lam0, local, key, jnp.asarray(units)), inputs)
@@ -1190,7 +1194,10 @@ class PDVI:
         snapshots = {}  # epochs before the end -> λ_0 there (host)
 
         def snapshot(j):
-            return lambda s: snapshots.setdefault(j, jax.device_get(s.lam0)) and s
+            def keep(s):
+                snapshots[j] = jax.device_get(s.lam0)
+                return s
+            return keep
 
         hooks = self._hooks(state, num_steps, inputs) + [(num_steps - j * epoch, snapshot(j))
                                                          for j in range(1, 2 * window)]
@@ -1206,10 +1213,10 @@ class PDVI:
     def _check_convergence(self, result, snapshots, epoch):
         """``result.diagnostics``: ``drift`` (:func:`global_drift` over the run's last ``2K`` epochs, in units of the
         objective's curvature at the last η estimate), ``drift_site`` and ``converged`` (drift at most
-        ``CONVERGED_DRIFT``; None when it cannot tell: a run under 2 epochs or stopped early, or a given η, whose
-        curvature is measured at most at the initial point); a completed run that has not converged is warned
-        about."""
-        known = (self.eta_spec == "auto" and self._curvature_total is not None and len(snapshots) >= 2
+        ``CONVERGED_DRIFT``; None when it cannot tell: a run under 2 epochs or stopped early, a given η, whose
+        curvature is measured at most at the initial point, or no global params); a completed run that has not
+        converged is warned about."""
+        known = (self.eta_spec == "auto" and bool(self._curvature_total) and len(snapshots) >= 2
                  and all(x is not None for x in snapshots) and result.diagnostics["stop_reason"] == "completed")
         drift, site = global_drift(snapshots, self._curvature_total) if known else (None, None)
         converged = None if drift is None else bool(drift <= CONVERGED_DRIFT)

@@ -378,3 +378,16 @@ def test_eta_curvature_coordinate_converges_on_centred_group_effects():
     off = {c: np.max(np.abs(np.asarray(fit(c, 300)["b_auto_loc"]) - np.asarray(target["b_auto_loc"])) / sd)
            for c in ("coordinate", "informed", "median")}
     assert max(off["coordinate"], off["informed"]) < 0.1 < 5 * 0.1 < off["median"], off
+
+
+def test_a_guide_without_global_params_is_refused_by_name():
+    """Every param in the data plate (no global latent): no consensus to form; refused at set-up with the plate's
+    name and what to use instead (it failed with an IndexError inside the first compiled step)."""
+    def local_only(x):
+        with numpyro.plate("data", x.shape[0]):
+            u = numpyro.sample("u", dist.Normal(0.0, 1.0))
+            numpyro.sample("x", dist.Normal(u, 0.5), obs=x)
+
+    x = np.linspace(-1.0, 1.0, 40).astype(np.float32)
+    with pytest.raises(ValueError, match="every guide param sits in the data plate 'data'.*numpyro.infer.SVI"):
+        nfv.PDVI(local_only, AutoNormal(local_only), num_partitions=4).run(random.key(0), 5, x, progress_bar=False)
