@@ -197,7 +197,7 @@ def test_run_tells_whether_pdvi_converged(default_engine):
     """``run()``'s ``diagnostics["drift"]`` is :func:`global_drift` of λ_0 at the ends of the run's last 2K epochs
     (here collected by a callback every epoch) with the curvature of the last η estimate; a run 2 epochs long from
     the initial point warns that it has not converged, the 20 epochs after it do not; a run under 2 epochs, or
-    with a fixed η (no curvature measured), cannot tell (None)."""
+    with a given η (its curvature is not measured along the run), cannot tell (None)."""
     import warnings
 
     from numpyro_fedvi.pdvi import CONVERGED_DRIFT, global_drift
