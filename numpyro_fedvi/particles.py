@@ -48,6 +48,11 @@ from .precise import matmul as _matmul
 __all__ = ["ControlledDraws", "FrozenDraws", "controlled_normals", "oracle_elbo", "SCHEMES"]
 
 SCHEMES = ("iid", "antithetic", "moment_matched", "orthogonal")
+# the engines' rules (oracle_elbo) let an unplated global vector raise the count up to this many particles so that its
+# coordinates are whitened jointly (ControlledDraws(max_whitened=)): rescaled per coordinate instead (16 particles
+# for 30 coefficients), a logistic regression's q(w) log-scales jittered with sd 0.137 from epoch to epoch under
+# PD-VI (569 rows), 0.006 with 64; 10 coefficients: 0.039 / 0.053 (2,000 / 20,000 rows), 0.000 with 24
+WHITENED_MAX_PARTICLES = 64
 AUTO_PARTICLES = ("auto", "minimal")  # ControlledDraws' rules for the number of particles (particles_for)
 
 
@@ -223,10 +228,14 @@ class ControlledDraws(ELBO):
         every oracle visit average its cross moments); ``None`` (default): of every plated site.  PD-VI passes its
         data plate (measured: a 5-component, 10-d mixture's oracle took 3.3× the time per iteration with its
         component means counted, for the same W2).
+    :param max_whitened: a rule may exceed ``max_particles`` up to this many particles to whiten the coordinates of a
+        global vector outside every plate jointly (``None``, default: ``max_particles``; the engines' rules,
+        :func:`oracle_elbo`, pass ``WHITENED_MAX_PARTICLES`` = 64).
     """
 
     def __init__(self, elbo: ELBO | None = None, num_particles: int | str = "auto", scheme: str = "orthogonal",
-                 max_particles: int = 16, min_particles: int = 4, local_plate: str | None = None):
+                 max_particles: int = 16, min_particles: int = 4, local_plate: str | None = None,
+                 max_whitened: int | None = None):
         from numpyro.infer import Trace_ELBO
 
         if scheme not in SCHEMES:
@@ -250,6 +259,7 @@ class ControlledDraws(ELBO):
             raise ValueError(f"min_particles must be an even integer in [4, max_particles={max_particles}], got "
                              f"{min_particles!r}.")
         self.scheme, self.max_particles, self.min_particles = scheme, int(max_particles), int(min_particles)
+        self.max_whitened = self.max_particles if max_whitened is None else max(int(max_whitened), self.max_particles)
         self.local_plate = local_plate
         super().__init__(num_particles=S)
 
@@ -262,8 +272,9 @@ class ControlledDraws(ELBO):
         each local coordinate keeps ≥ 2 antisymmetric dimensions: with one left, every datum gets ±the same vector
         and the non-quadratic (4th-order) error is the same for all data instead of averaging out over them.  A
         global vector outside every plate counts its own m coordinates too when the count then fits under
-        max_particles (they are whitened jointly with the earlier globals, whatever the order the guide samples them
-        in; rescaled per coordinate instead, their cross moments move q's scales at each block solve).
+        max_whitened, which then caps the count instead of max_particles (they are whitened jointly with the earlier
+        globals, whatever the order the guide samples them in; rescaled per coordinate instead, their cross moments
+        move q's scales at each block solve).
         ``"minimal"``: ``2(d + 1)`` in [min_particles, max_particles], the fewest that make every cross
         moment above exactly 0 (one antisymmetric dimension left per local coordinate); with fewer, a site is
         projected off only the top directions of the earlier ones, and equally whitened directions tie (PD-VI's
@@ -280,26 +291,28 @@ class ControlledDraws(ELBO):
         # antisymmetric dimensions after the k it is projected off, and one more: with exactly m left (the square
         # case) the m draws of a datum are nearly dependent about once in 10³ (float32), fall back to a rescaling
         # per coordinate and leave that datum's SAA off (measured: 3 of 600 rows' scales 1.8-3.8x the optimum).  An
-        # unplated global vector's own coordinates count when they then fit under max_particles: rescaled per
+        # unplated global vector's own coordinates count when they then fit under max_whitened: rescaled per
         # coordinate, their cross moments are not 0 and each block solve moves q's scales by them (every_engine's
         # Poisson regression, 50-row blocks: q(w)'s 5 log-scales jittered with sd 0.10 from epoch to epoch and ended
         # 4.5-15% off with 4 particles, sd 0.000 with 14).  Other global sites' are not counted (fresh draws at every
         # visit average their cross moments; a mixture's component means cost 3.3x the time for the same W2) nor a
-        # vector too long for the cap (a full-rank latent would take it, without whitening)
+        # vector too long for max_whitened (a full-rank latent would take the cap, without whitening)
         local = (lambda p: bool(p)) if self.local_plate is None else (lambda p: self.local_plate in p)
         spare = 2 if self.num_particles == "auto" else 1
 
         def own(p, m, size, before):
             if local(p):
                 return m // size if m > size else 0
-            return m if not p and m > 1 and 2 * (before + m + spare) <= self.max_particles else 0
+            return m if not p and m > 1 and 2 * (before + m + spare) <= self.max_whitened else 0
 
         def orthogonal_to(i, p):
             return sum(n if not q & p else n // size for q, n, size in sites[:i] if not q & p or (q == p and p))
 
-        d = max((orthogonal_to(i, p) + own(p, m, size, orthogonal_to(i, p)) for i, (p, m, size) in enumerate(sites)),
-                default=0)
-        return 2 * max(self.min_particles // 2, min(self.max_particles // 2, d + spare))
+        counts = [(orthogonal_to(i, p), own(p, m, size, orthogonal_to(i, p))) for i, (p, m, size) in enumerate(sites)]
+        d = max((before + m for before, m in counts), default=0)
+        cap = max([self.max_particles] + [2 * (before + m + spare) for (before, m), (p, _, _) in zip(counts, sites)
+                                          if m and not p])  # a whitened global vector may exceed max_particles
+        return 2 * max(self.min_particles // 2, min(cap // 2, d + spare))
 
     def freeze(self, rng_key, param_map, model, guide, *args, **kwargs) -> FrozenDraws:
         """The draws of ``rng_key`` for this guide, computed once (one pass of the guide; the draws depend on the key
@@ -345,4 +358,5 @@ def oracle_elbo(loss: ELBO | None, draws: str | None, particles: int | str, max_
     floor = max(4, asked + asked % 2)
     if isinstance(particles, str) and draws in ("iid", "moment_matched"):
         return ControlledDraws(loss, max(4, asked), draws)
-    return ControlledDraws(loss, particles, draws, max_particles=max(max_particles, floor), min_particles=floor)
+    return ControlledDraws(loss, particles, draws, max_particles=max(max_particles, floor), min_particles=floor,
+                           max_whitened=WHITENED_MAX_PARTICLES)

@@ -520,8 +520,10 @@ class PDVI:
         :meth:`~numpyro_fedvi.particles.ControlledDraws.particles_for`: ``"minimal"`` (default) is the fewest that make
         every global–local cross moment exactly 0, ``2(d + 1)`` (at least 4, at most 16) with ``d`` the global noise
         coordinates: 4 for one scalar global (random effects), 6 for eight schools' two, 10 for the four globals of
-        ``examples/random_effects_workflow.py``, 14 for a Poisson regression's intercept and 5 weights (a global
-        vector's coordinates count when they fit: with 4, q's log-scales jittered with sd 0.10 by epoch). With fewer
+        ``examples/random_effects_workflow.py``, 14 for a Poisson regression's intercept and 5 weights, 62 for 30
+        coefficients and an intercept (a global vector outside every plate is whitened whole when 2(d + 1) ≤ 64,
+        ``WHITENED_MAX_PARTICLES``: with 4, the Poisson q's log-scales jittered with sd 0.10 by epoch; with 16, the
+        30 coefficients' with sd 0.137, and runs took 2–3× less time). With fewer
         (the previous default, 4), a local site is projected off the top directions of the global draws only, and
         whitened global draws carry equal energy, so which ones is a float tie: the draws of one key differed between
         two compiled programs (eager vs jit, by 1.41 on eight schools), and non-centred eight schools ended with q(mu)'s
@@ -706,7 +708,7 @@ class PDVI:
         floor = max(loss.min_particles, 2 * min(SMALL_DATA_MAX_PARTICLES // 2,
                                                  SMALL_DATA_PARTICLE_BUDGET // (2 * elements)))
         return ControlledDraws(loss.elbo, loss.num_particles, loss.scheme, max(loss.max_particles, floor), floor,
-                               local_plate=structure.data_plate.name)
+                               local_plate=structure.data_plate.name, max_whitened=loss.max_whitened)
 
     def _resolve_solver(self, structure):
         """``(solver, steps)`` of the oracle: ``local_optimizer=None`` picks Newton for small global dimensions."""

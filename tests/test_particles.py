@@ -173,6 +173,8 @@ def test_auto_number_of_particles():
     assert counted(regression, num_particles="minimal", local_plate="data") == 2 * (1 + 5 + 1)
     assert counted(regression, local_plate="data") == 2 * (1 + 5 + 2)
     assert counted(regression, num_particles="minimal", max_particles=12) == 4   # 2·(1 + 5 + 1) > 12: not counted
+    assert counted(regression, num_particles="minimal", max_particles=12, max_whitened=14) == 14   # raised to whiten
+    assert counted(regression, num_particles="minimal", max_particles=12, max_whitened=13) == 4
     S = counted(regression, num_particles="minimal")
     v = particle_values(regression, S, "orthogonal", random.key(3))
     z = np.concatenate([np.asarray(v["b0"], np.float64)[:, None], np.asarray(v["w"], np.float64)], 1)
@@ -638,3 +640,25 @@ def test_a_draw_in_the_span_of_the_global_draws_gets_a_valid_direction():
     plain = np.asarray(_project_and_whiten(z.at[:, 2, 0].set(z[:, 3, 0]).at[:, 4, 1].set(z[:, 3, 1]),
                                            glob.repeat(5, 1), S // 2), np.float64)
     np.testing.assert_allclose(out[:, [0, 1, 3]], plain[:, [0, 1, 3]], atol=1e-6)   # the other rows untouched
+
+
+def test_engine_rules_whiten_a_global_vector_beyond_max_particles():
+    """The engines' rules (``oracle_elbo``) let an unplated global vector raise the count up to
+    ``WHITENED_MAX_PARTICLES`` = 64 so that it is whitened jointly (30 coefficients then an intercept: 2·(30 + 1) =
+    62; with 16 they were rescaled per coordinate and q's scales jittered); a longer one keeps the rule's cap."""
+    from numpyro_fedvi.particles import WHITENED_MAX_PARTICLES
+
+    def regression(p):
+        numpyro.sample("w", dist.Normal(jnp.zeros(p), 1.0).to_event(1))
+        numpyro.sample("b", dist.Normal(0.0, 1.0))
+
+    loss = oracle_elbo(Trace_ELBO(), "orthogonal", "minimal")
+    assert loss.max_whitened == WHITENED_MAX_PARTICLES == 64 and loss.max_particles == 16
+    S = loss.particles_for(regression, random.key(0), {}, 30)
+    assert S == 2 * (30 + 1)
+    assert oracle_elbo(Trace_ELBO(), "orthogonal", "auto").particles_for(regression, random.key(0), {}, 30) == 64
+    assert loss.particles_for(regression, random.key(0), {}, 40) == 16       # 2·(40 + 1) > 64: the rule's cap
+    assert ControlledDraws(Trace_ELBO(), "minimal").particles_for(regression, random.key(0), {}, 30) == 16
+    v = particle_values(regression, S, "orthogonal", random.key(5), 30)
+    z = np.concatenate([np.asarray(v["w"], np.float64), np.asarray(v["b"], np.float64)[:, None]], 1)
+    np.testing.assert_allclose(z.T @ z / S, np.eye(31), atol=1e-4)
