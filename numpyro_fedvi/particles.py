@@ -286,9 +286,7 @@ class ControlledDraws(ELBO):
         sites = [(frozenset(f.name for f in m["cond_indep_stack"]), int(np.prod(m["fn"].shape())),
                   max(int(np.prod(m["fn"].batch_shape)), 1) if m["cond_indep_stack"] else 1)
                  for m in tr.values() if m["type"] == "sample" and not m["is_observed"] and m["fn"].has_rsample
-                 and not m["infer"].get("enumerate") and _reparam(m["fn"], tuple(m["fn"].shape())) is not None]
-        # (only the sites that take controlled draws: an AutoContinuous guide's Delta sites, or a Gamma's own sampler,
-        # are made orthogonal to nothing; counted, eight schools' AutoMultivariateNormal took 42 particles, not 22)
+                 and not m["infer"].get("enumerate")]
         # a local site's m = n / size > 1 coordinates per datum are whitened jointly: they need m of the
         # antisymmetric dimensions after the k it is projected off, and one more: with exactly m left (the square
         # case) the m draws of a datum are nearly dependent about once in 10³ (float32), fall back to a rescaling

@@ -662,18 +662,3 @@ def test_engine_rules_whiten_a_global_vector_beyond_max_particles():
     v = particle_values(regression, S, "orthogonal", random.key(5), 30)
     z = np.concatenate([np.asarray(v["w"], np.float64), np.asarray(v["b"], np.float64)[:, None]], 1)
     np.testing.assert_allclose(z.T @ z / S, np.eye(31), atol=1e-4)
-
-
-def test_sites_without_controlled_draws_do_not_count():
-    """An ``AutoContinuous`` guide draws one latent vector and then Delta sites (reparameterised, but deterministic:
-    no controlled draws): only the latent counts.  Non-centred eight schools under ``AutoMultivariateNormal`` (a 10-d
-    latent): 2·(10 + 1) = 22 particles with the engines' rule (42 when the Delta sites counted)."""
-    from numpyro.infer.autoguide import AutoMultivariateNormal
-
-    from numpyro_fedvi.models.eight_schools import SIGMA, Y, noncentred
-
-    guide = AutoMultivariateNormal(noncentred)
-    tr = handlers.trace(handlers.seed(guide, 0)).get_trace(SIGMA, y=Y)
-    params = {k: v["value"] for k, v in tr.items() if v["type"] == "param"}
-    loss = oracle_elbo(Trace_ELBO(), "orthogonal", "minimal")
-    assert loss.particles_for(guide, random.key(0), params, SIGMA, y=Y) == 2 * (10 + 1)
