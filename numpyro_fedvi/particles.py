@@ -287,6 +287,9 @@ class ControlledDraws(ELBO):
                   max(int(np.prod(m["fn"].batch_shape)), 1) if m["cond_indep_stack"] else 1)
                  for m in tr.values() if m["type"] == "sample" and not m["is_observed"] and m["fn"].has_rsample
                  and not m["infer"].get("enumerate")]
+        # (an AutoContinuous guide's Delta sites, which take no controlled draws, count too: left out, eight schools
+        # under AutoMultivariateNormal got 22 particles instead of 42 and ended 0.022 nat above the optimum against
+        # 0.002 — a 10-d latent whitened with one spare dimension has poor higher moments; 2026-11-30)
         # a local site's m = n / size > 1 coordinates per datum are whitened jointly: they need m of the
         # antisymmetric dimensions after the k it is projected off, and one more: with exactly m left (the square
         # case) the m draws of a datum are nearly dependent about once in 10³ (float32), fall back to a rescaling
