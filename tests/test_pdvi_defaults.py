@@ -180,7 +180,7 @@ def test_small_data_particle_floor_reaches_the_mean_field_optimum():
 def test_global_drift_is_the_move_of_block_means_in_curvature_units():
     """``global_drift``: ``max_i √H_i |mean(newest K) − mean(K before)| / K`` over 2K snapshots (newest first), and
     the site where it is largest; ``drift_epochs``: K = epochs // 4 in [1, 8], 0 under two epochs."""
-    from numpyro_fedvi.pdvi import global_drift, drift_epochs
+    from numpyro_fedvi.pdvi import drift_epochs, global_drift
 
     snaps = [{"a": np.array([1.0, 2.0]), "b": np.array(0.5)}, {"a": np.array([0.0, 1.0]), "b": np.array(0.3)},
              {"a": np.array([0.0, 0.0]), "b": np.array(0.2)}, {"a": np.array([0.0, 1.0]), "b": np.array(0.1)}]
