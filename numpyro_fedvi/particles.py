@@ -311,7 +311,8 @@ class ControlledDraws(ELBO):
         def orthogonal_to(i, p):
             return sum(n if not q & p else n // size for q, n, size in sites[:i] if not q & p or (q == p and p))
 
-        counts = [(orthogonal_to(i, p), own(p, m, size, orthogonal_to(i, p))) for i, (p, m, size) in enumerate(sites)]
+        befores = [orthogonal_to(i, p) for i, (p, _, _) in enumerate(sites)]
+        counts = [(before, own(p, m, size, before)) for before, (p, m, size) in zip(befores, sites)]
         d = max((before + m for before, m in counts), default=0)
         cap = max([self.max_particles] + [2 * (before + m + spare) for (before, m), (p, _, _) in zip(counts, sites)
                                           if m and not p])  # a whitened global vector may exceed max_particles

@@ -973,14 +973,17 @@ class PDVI:
         self._require_init()
         return self.refresh_schedule(self.blocks.num_blocks)
 
+    def epoch_length(self, num_blocks: int) -> int:
+        """Iterations of one epoch over ``num_blocks`` blocks: ⌈blocks / partitions_per_step⌉."""
+        return -(-num_blocks // self.partitions_per_step)
+
     def refresh_schedule(self, num_blocks: int) -> list[int]:
-        """:meth:`refresh_steps` for ``num_blocks`` blocks: after epochs 1, 2, 4, 8, … (an epoch: ⌈blocks /
-        partitions_per_step⌉ iterations) with ``eta_refresh=True``, the given list, or none."""
+        """:meth:`refresh_steps` for ``num_blocks`` blocks: after epochs 1, 2, 4, 8, … (:meth:`epoch_length`) with
+        ``eta_refresh=True``, the given list, or none."""
         if self.eta_spec != "auto" or self.eta_refresh is False:
             return []
         if self.eta_refresh is True:
-            epoch = -(-num_blocks // self.partitions_per_step)
-            return [epoch * 2**k for k in range(40)]
+            return [self.epoch_length(num_blocks) * 2**k for k in range(40)]
         return sorted(int(k) for k in self.eta_refresh)
 
     @concrete_data_fallback
@@ -1191,7 +1194,7 @@ class PDVI:
                 self._setup(random.split(rng_key, 3)[1], args, kwargs, init_params)
             state = self._placed(init_state)
         inputs = self._inputs(args, kwargs)
-        epoch = -(-self.blocks.num_blocks // self.partitions_per_step)
+        epoch = self.epoch_length(self.blocks.num_blocks)
         window = drift_epochs(num_steps // epoch)
         snapshots = {}  # epochs before the end -> λ_0 there (host)
 
