@@ -1195,7 +1195,8 @@ class PDVI:
             state = self._placed(init_state)
         inputs = self._inputs(args, kwargs)
         epoch = self.epoch_length(self.blocks.num_blocks)
-        window = drift_epochs(num_steps // epoch)
+        # (a given η measures no curvature along the run: no snapshots, no chunk cuts for them)
+        window = drift_epochs(num_steps // epoch) if self.eta_spec == "auto" else 0
         snapshots = {}  # epochs before the end -> λ_0 there (host)
 
         def snapshot(j):
@@ -1221,8 +1222,8 @@ class PDVI:
         ``CONVERGED_DRIFT``; None when it cannot tell: a run under 2 epochs or stopped early, a given η, whose
         curvature is measured at most at the initial point, or no global params); a completed run that has not
         converged is warned about."""
-        known = (self.eta_spec == "auto" and bool(self._curvature_total) and len(snapshots) >= 2
-                 and all(x is not None for x in snapshots) and result.diagnostics["stop_reason"] == "completed")
+        known = (bool(self._curvature_total) and len(snapshots) >= 2 and all(x is not None for x in snapshots)
+                 and result.diagnostics["stop_reason"] == "completed")
         drift, site = global_drift(snapshots, self._curvature_total) if known else (None, None)
         converged = None if drift is None else bool(drift <= CONVERGED_DRIFT)
         result.diagnostics.update(drift=drift, drift_site=site, converged=converged)
