@@ -29,12 +29,11 @@ import jax
 import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
+from .linesearch import TRIAL_STEPS, best_trial_step
 from .precise import einsum as _einsum
 from .precise import matmul as _matmul
 
 __all__ = ["arrow_hessian", "newton_direction", "newton_solve", "schur_diagonal"]
-
-TRIAL_STEPS = (1.0, 0.5, 0.2, 0.05)
 
 
 def _ravel_rows(rows: dict):
@@ -168,7 +167,8 @@ def newton_direction(grad_g, grad_R, A, Bt, D):
 def newton_solve(fun: Callable, lam, rows: dict, num_steps: int, trial_steps=TRIAL_STEPS, max_move: float = 1.0):
     """Minimise ``fun(lam, rows)`` (``lam``: pytree of global params; ``rows``: ``{site: (P, *event)}``, separable per
     row) by ``num_steps`` damped Newton steps on the arrow Hessian.  Each step evaluates the objective at
-    ``trial_steps`` along the Newton direction in one ``vmap`` and moves to the best point if it improves (else stays).
+    ``trial_steps`` along the Newton direction in one ``vmap`` and moves to the best point if it improves (else
+    stays: :func:`~numpyro_fedvi.linesearch.best_trial_step`).
     ``num_steps ≥ 1``.  Returns ``(lam, rows, fun(lam, rows))``."""
     g0, unravel_g = ravel_pytree(lam)
     R0, unravel_R = _ravel_rows(rows)
@@ -178,8 +178,6 @@ def newton_solve(fun: Callable, lam, rows: dict, num_steps: int, trial_steps=TRI
     def flat(g, R):
         return fun(unravel_g(g), unravel_R(R))
 
-    trials = jnp.asarray(trial_steps, dtype)
-
     def step(carry, _):
         g, R, _ = carry
         value, (grad_g, grad_R), (A, Bt, D) = arrow_hessian(flat, g, R)
@@ -187,12 +185,8 @@ def newton_solve(fun: Callable, lam, rows: dict, num_steps: int, trial_steps=TRI
         longest = jnp.maximum(jnp.max(jnp.abs(dg), initial=0.0), jnp.max(jnp.abs(dR), initial=0.0))
         shrink = jnp.minimum(1.0, max_move / jnp.maximum(longest, 1e-30))  # trust region: ‖step‖_∞ ≤ max_move
         dg, dR = shrink * dg, shrink * dR
-        values = jax.vmap(lambda t: flat(g + t * dg, R + t * dR))(trials)
-        values = jnp.where(jnp.isfinite(values), values, jnp.inf)
-        best = jnp.argmin(values)
-        improved = values[best] < value
-        t = jnp.where(improved, trials[best], 0.0)
-        return (g + t * dg, R + t * dR, jnp.where(improved, values[best], value)), None
+        t, value = best_trial_step(lambda t: flat(g + t * dg, R + t * dR), value, trial_steps)
+        return (g + t * dg, R + t * dR, value), None
 
     (g, R, value), _ = jax.lax.scan(step, (g0, R0, jnp.zeros((), dtype)), None, length=num_steps)
     lam_out = jax.tree.map(lambda new, old: new.astype(old.dtype), unravel_g(g), lam)

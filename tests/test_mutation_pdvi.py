@@ -992,17 +992,17 @@ def test_setup_checks_and_solver_choice():
 
 
 def test_lbfgs_line_search_settings(monkeypatch):
-    """The default L-BFGS oracle's zoom line search: at most 10 steps, initial guess 1."""
+    """The default L-BFGS oracle: optax.lbfgs with the trial-step line search (linesearch.TRIAL_STEPS), 10 steps."""
     seen = []
-    real = P.optax.scale_by_zoom_linesearch
-    monkeypatch.setattr(P.optax, "scale_by_zoom_linesearch", lambda **kw: seen.append(kw) or real(**kw))
+    real = P.lbfgs_trial_steps
+    monkeypatch.setattr(P, "lbfgs_trial_steps", lambda *a, **kw: seen.append((a, kw)) or real(*a, **kw))
 
     class S:
         init_global = {"g": np.zeros(3)}
         init_local = {"l": np.zeros((7, 2, 7))}
 
     solver, steps = _engine(block_solver=None)._resolve_solver(S)
-    assert seen == [{"max_linesearch_steps": 10, "initial_guess_strategy": "one"}] and steps == 10
+    assert seen == [((), {})] and steps == 10
 
 
 def test_refresh_steps_are_whole_epochs():

