@@ -1333,7 +1333,7 @@ class PDVIStrategy(_EngineStrategy):
 
     def _refresh(self, grid, timeout):
         """``PDVI._refreshed`` over the clients after iteration ``t``: η̂ from the curvature clients at
-        ``fold_in(key, t)`` (``refreshed_eta`` guards it), then every client's fresh dual at ``fold_in(·, 1)``
+        ``fold_in(key, t)`` (``refreshed_eta`` guards it), then every client's fresh dual at that key
         (pending on the client as the step of a refresh round), ``h = η mean(μ)``, and the duals accepted.  A
         missing or non-finite reply keeps the old duals (``h = η · h_old/η_old``: Remark 3.1's mean(μ); in process
         only a site whose duals are non-finite keeps them) or, without the curvature, the old η (logged)."""
@@ -1347,7 +1347,7 @@ class PDVIStrategy(_EngineStrategy):
         eta = refreshed_eta(new, s.eta)
         refresh_round = -(t + 3)   # a round number no train round has (they are ≥ 0; -1, -2: none)
         everyone = list(range(self.num_clients))
-        duals = self._query(grid, everyone, {**self._broadcast(), "eta": eta, "rng_key": random.fold_in(key, 1)},
+        duals = self._query(grid, everyone, {**self._broadcast(), "eta": eta, "rng_key": key},
                             {"mu": s.lam0}, timeout, lambda i: {"query": "dual", "refresh-round": refresh_round,
                                                                 "accepted-round": int(self.accepted[i])})
         if sorted(duals) == everyone:

@@ -1182,11 +1182,11 @@ def test_refresh_vector_site_and_bad_estimates():
     for new, want in ((np.inf, 1.0), (-1.0, 1.0), (0.0, 1.0), (np.nan, 1.0), (1e6, 100.0), (1e-6, 0.01), (3.0, 3.0)):
         _close(P.refreshed_eta({"m": jnp.asarray(new, jnp.float32)}, one)["m"], want, 1e-6)
     # the refresh applies it to its estimate (the refresh program traced again with the estimate patched)
-    pd._curvature_summary = lambda *a: ({"m": jnp.asarray(1e6, jnp.float32)}, None)
+    pd._summary = lambda *a: ({"m": jnp.asarray(1e6, jnp.float32)}, None)
     pd._jit_cache.pop("refresh")
     _close(pd.refresh_eta(s._replace(eta=one), x, 2).eta["m"], 100.0, 1e-6)
     # a non-finite dual table keeps the old duals
-    pd._curvature_summary = lambda *a: (one, None)
+    pd._summary = lambda *a: (one, None)
     pd._jit_cache.pop("refresh")
     st = s._replace(local={"a": s.local["a"].at[0].set(jnp.nan)}, mu={"m": jnp.full((4, 2), 0.25, jnp.float32)})
     out = pd.refresh_eta(st, x, 2)

@@ -85,7 +85,7 @@ def test_refresh_keeps_old_eta_when_the_estimate_is_degenerate():
     x = data()
     pd = nfv.PDVI(model, AutoNormal(model), num_partitions=20, partitions_per_step=2)  # own engine: estimate patched
     st = pd.init(random.key(0), x, N // 10)
-    pd._curvature_summary = lambda *a: (estimate, None)  # read when the refresh program is traced again (cache dropped)
+    pd._summary = lambda *a: (estimate, None)  # read when the refresh program is traced again (cache dropped)
     for estimate, kept, grown in (({"beta_auto_loc": jnp.nan, "beta_auto_scale": jnp.inf}, 2, None),
                                   ({"beta_auto_loc": 0.0, "beta_auto_scale": 1e12}, 1, "beta_auto_scale")):
         pd._jit_cache.pop("refresh")
@@ -120,6 +120,30 @@ def test_refresh_recomputes_the_dual_table_at_the_current_point(default_engine):
         np.testing.assert_allclose(np.asarray(new.h[k]), np.asarray(new.eta[k] * jnp.mean(new.mu[k], 0)), rtol=1e-5,
                                    atol=1e-8)
     assert not np.allclose(np.asarray(new.mu["beta_auto_scale"]), np.asarray(st.mu["beta_auto_scale"]), rtol=1e-2)
+
+
+def test_the_refresh_reads_curvatures_and_duals_in_one_pass_at_one_key():
+    """With η per coordinate (the default) the refresh takes each block's curvature and dual from ONE pass over the
+    blocks, one set of draws per block: the same η̂, H and dual table as the curvature and dual programs apart at
+    the same key (eight schools: its block losses depend on the key, and another key gives other duals)."""
+    from numpyro_fedvi.inputs import prepare_inputs
+    from numpyro_fedvi.models.eight_schools import SIGMA, Y, noncentred
+
+    pd = nfv.PDVI(noncentred, AutoNormal(noncentred), num_partitions=8, partitions_per_step=2)
+    st = pd.run(random.key(0), 8, SIGMA, y=Y, progress_bar=False).state
+    inputs = pd._inputs(*prepare_inputs((SIGMA,), {"y": Y}, noncentred))
+    key = random.key(5)
+    (eta, total), new = pd._compiled("refresh", pd._refreshed)((st, key), inputs)
+    lam0 = pd._global_params(st)
+    want_eta, want_total = pd._compiled("eta", pd._curvature_summary)((lam0, st.local, key), inputs)
+    duals = pd._compiled("duals", pd._duals)
+    want_mu = duals((lam0, st.local, key), inputs)
+    for k in lam0:
+        np.testing.assert_allclose(eta[k], want_eta[k], rtol=1e-5)
+        np.testing.assert_allclose(total[k], want_total[k], rtol=1e-5)
+        np.testing.assert_allclose(new.mu[k], want_mu[k], rtol=1e-4, atol=1e-5)
+    other = duals((lam0, st.local, random.fold_in(key, 1)), inputs)
+    assert not all(np.allclose(other[k], want_mu[k], rtol=1e-3, atol=1e-3) for k in lam0)
 
 
 @pytest.mark.slow
