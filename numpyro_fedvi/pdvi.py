@@ -51,7 +51,7 @@ from .newton import newton_solve
 from .objectives import block_loss_fn, check_elbo, full_loss_fn
 from .particles import ControlledDraws, oracle_elbo
 from .preconditioning import evenly_spaced
-from .runner import EarlyStopping, RunResult, run_loop, tree_all_finite
+from .runner import EarlyStopping, RunResult, curvature_move, run_loop, tree_all_finite
 from .structure import ModelStructure, Partitions, inspect_model, make_partitions, warn_if_unsubsampled
 from .user_warnings import warn
 
@@ -214,14 +214,10 @@ def global_drift(snapshots: list, curvature: dict) -> tuple[float, str]:
     ``2K`` snapshots of λ_0 at the ends of the last epochs (newest first), in units of the full objective's curvature
     ``H`` (``{site: Σ_u |∂²f_u/∂λ²|}``, :meth:`PDVI._curvature_summary`; 1/√H is about q's posterior sd for a guide's
     location params, 1/√2 for a log-scale), and the site where it is largest.  Block means of K epochs average the
-    Monte-Carlo jitter of λ_0 and keep a drift."""
+    Monte-Carlo jitter of λ_0 and keep a drift (:func:`~numpyro_fedvi.runner.curvature_move`)."""
     K = len(snapshots) // 2
-    drift = {k: np.sqrt(np.abs(np.asarray(curvature[k], np.float64)))
-             * np.abs(np.mean([np.asarray(x[k], np.float64) for x in snapshots[:K]], 0)
-                      - np.mean([np.asarray(x[k], np.float64) for x in snapshots[K:2 * K]], 0)) / K
-             for k in sorted(curvature)}
-    site = max(drift, key=lambda k: np.max(drift[k], initial=0.0))
-    return float(np.max(drift[site], initial=0.0)), site
+    move, site = curvature_move(snapshots[:K], snapshots[K:2 * K], curvature)
+    return move / K, site
 
 
 def dual_step(delta, eta):

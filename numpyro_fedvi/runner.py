@@ -106,6 +106,19 @@ _CHUNK_BUFFER = 256  # compiled loss buffer: the most steps between two host syn
 DIVERGING_RISE = 10.0
 
 
+def curvature_move(newer: list, older: list, curvature: dict) -> tuple[float, str]:
+    """``(move, site)``: ``max_i √H_i |mean(newer) − mean(older)|`` over snapshots of a params dict (host arrays), in
+    units of a curvature ``H`` (``{site: array like the site}``: 1/√H is about q's posterior sd for a location
+    param), and the site where it is largest.  Means over several snapshots average an iterate's Monte-Carlo jitter
+    and keep a drift (the engines' convergence checks: PD-VI's per epoch, FedSVI's over a quarter of the run)."""
+    move = {k: np.sqrt(np.abs(np.asarray(curvature[k], np.float64)))
+            * np.abs(np.mean([np.asarray(x[k], np.float64) for x in newer], 0)
+                     - np.mean([np.asarray(x[k], np.float64) for x in older], 0))
+            for k in sorted(curvature)}
+    site = max(move, key=lambda k: np.max(move[k], initial=0.0))
+    return float(np.max(move[site], initial=0.0)), site
+
+
 def warn_if_diverging(losses: np.ndarray, remedy: str) -> None:
     """Warn when the median of the last tenth of ``losses`` (finite values; at least 10) lies more than
     ``DIVERGING_RISE · max(|first|, 1)`` above the first: the objective grew by an order of magnitude."""

@@ -183,6 +183,41 @@ def test_default_reaches_the_conjugate_posterior(clients):
     assert float(res.params["mu_auto_scale"]) == pytest.approx(POST_SD, rel=0.1)
 
 
+def test_run_tells_whether_fedsvi_converged(clients):
+    """``run()``'s ``diagnostics["drift"]``: how far the output iterate moved over the last quarter of the run — the
+    mean of its 4 snapshots at rounds T, T − T/16, T − 2T/16, T − 3T/16 against the mean of the 4 before (here
+    collected by a callback every round; 32 rounds: 2 apart) — in units of the guide's Fisher at the end (1/σ²
+    exactly for q's location); those 32 rounds from the init warn that the run has not converged, 600 more do not;
+    under 16 rounds, or a point-mass guide (AutoDelta), cannot tell (None)."""
+    import warnings
+
+    from numpyro_fedvi.fedmm.fedsvi import CONVERGED_MOVE
+    from numpyro_fedvi.runner import curvature_move
+
+    engine = FedSVI(model, AutoNormal(model))
+    seen = {}
+
+    def every_round(step, state, losses):
+        seen[step] = jax.device_get(engine.output_iterate(state))
+    every_round.every = 1
+
+    with pytest.warns(RuntimeWarning, match=r"FedSVI has not converged after 32 rounds: over the last quarter"):
+        short = engine.run(random.key(0), 32, clients, progress_bar=False, callbacks=[every_round])
+    fisher = engine._compiled("fisher", engine._fisher)(engine.output_iterate(short.state), (clients, (), {}))
+    np.testing.assert_allclose(fisher["mu_auto_loc"], float(short.params["mu_auto_scale"]) ** -2, rtol=1e-5)
+    drift, site = curvature_move([seen[32 - 2 * j] for j in range(4)], [seen[32 - 2 * j] for j in range(4, 8)],
+                                 jax.device_get(fisher))
+    assert short.diagnostics["converged"] is False and short.diagnostics["drift"] > CONVERGED_MOVE
+    assert short.diagnostics["drift"] == pytest.approx(drift, rel=1e-12) and short.diagnostics["drift_site"] == site
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        res = engine.run(random.key(1), 600, clients, progress_bar=False, init_state=short.state)
+    assert res.diagnostics["converged"] is True and res.diagnostics["drift"] <= CONVERGED_MOVE
+    assert engine.run(random.key(2), 15, clients, progress_bar=False).diagnostics["converged"] is None
+    assert FedSVI(model, AutoDelta(model), rho=1e-3).run(random.key(0), 32, clients, progress_bar=False).diagnostics[
+        "converged"] is None
+
+
 def test_server_optimizer_sgd_is_the_paper_step(clients):
     """``server_optimizer=optax.sgd(γ)`` is Algorithm 2's step γ: the same rounds as ``step_size=γ`` (FedOpt reduces
     to FedMM), and a server optimizer with a step size is refused."""

@@ -214,14 +214,14 @@ class _Engine:
         return self._compiled("evaluate", self._evaluate)(self._place_state(state), self._prepare(data))
 
     def _run(self, init_state, num_steps, inputs, *, progress_bar, stable_update, callbacks, early_stopping,
-             chunk_size) -> RunResult:
+             chunk_size, hooks=()) -> RunResult:
         check_schedule(self.step_size, int(init_state.step), num_steps)
         self._settle(init_state, inputs)
         return run_loop(self._step, init_state, num_steps, inputs=inputs, get_params=self.get_params,
                         progress_bar=progress_bar, callbacks=callbacks, early_stopping=early_stopping,
                         stable_update=stable_update, chunk_size=chunk_size, desc=type(self).__name__,
                         cache=self.__dict__.setdefault("_run_cache", {}), objective_losses=True,
-                        remedy=self._remedy())
+                        remedy=self._remedy(), hooks=hooks)
 
     def _remedy(self) -> str:
         """What the run's warnings (non-finite or diverging) advise."""
