@@ -1256,7 +1256,7 @@ def test_front_end_monte_carlo_keys():
         _check(s, ref)
     _close(pd.evaluate(s, x, 2), sum(float(val(ev_key, ref.m0, padded(ref.a, b), b)) for b in range(4)), 1e-5)
     r = pd.refresh_eta(s, x, 2)
-    dkey = random.fold_in(random.fold_in(base, 2), 1)
+    dkey = random.fold_in(base, 2)   # the refresh's key (its curvature's too): fold_in(rng_key, step)
     mu = [-float(jax.grad(lambda m: val(random.fold_in(dkey, b), m, padded(ref.a, b), b))(jnp.float32(ref.m0)))
           for b in range(4)]
     _close(r.mu["m"], mu, 1e-4)
