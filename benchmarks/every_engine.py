@@ -168,15 +168,18 @@ def run_model(name: str, cfg: dict) -> dict:
             continue
         t0 = time.perf_counter()
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)   # MPSGD's "not converged" on short budgets
+            warnings.simplefilter("ignore", RuntimeWarning)   # "not converged": recorded below instead
             result = engine.run(random.key(0), cfg["steps"][method], *args, progress_bar=False)
         block(result.params)
         wall = time.perf_counter() - t0
-        out[method] = {"steps": cfg["steps"][method], "wall_s": wall,
+        # each engine's own verdict (None: it cannot tell; NumPyro SVI has none)
+        converged = getattr(result, "diagnostics", {}).get("converged")
+        out[method] = {"steps": cfg["steps"][method], "wall_s": wall, "engine_says_converged": converged,
                        **accuracy(guide, result.params, args, ref, cfg["draws"])}
         r = out[method]
         print(f"{name:10s} {method:11s} {r['steps']:6d} steps {wall:6.1f} s  max mean err {r['mean_err']:.3f} "
-              f"({r['worst_site']})  sd ratio {r['sd_ratio_min']:.2f}-{r['sd_ratio_max']:.2f}", flush=True)
+              f"({r['worst_site']})  sd ratio {r['sd_ratio_min']:.2f}-{r['sd_ratio_max']:.2f}  converged "
+              f"{converged}", flush=True)
     return out
 
 

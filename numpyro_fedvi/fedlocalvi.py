@@ -52,7 +52,15 @@ from .inputs import (
 from .objectives import block_loss_fn, check_elbo, client_loss_fn, client_loss_from_blocks, full_loss_fn
 from .particles import oracle_elbo
 from .prox import as_prox, zero_prox
-from .runner import EarlyStopping, RunResult, revert_non_finite, run_loop, tree_all_finite
+from .runner import (
+    EarlyStopping,
+    RunResult,
+    check_quarter_move,
+    quarter_snapshots,
+    revert_non_finite,
+    run_loop,
+    tree_all_finite,
+)
 from .structure import ModelStructure, Partitions, inspect_global_model, warn_if_unsubsampled
 from .user_warnings import sentence, warn
 
@@ -758,7 +766,10 @@ class FedLocalVI:
             early_stopping: EarlyStopping | None = None, chunk_size: int | None = None, **kwargs) -> RunResult:
         """``num_steps`` communication rounds in the shared compiled loop: ``run(rng_key, num_rounds, *model_args)``
         (from ``init`` or ``init_state``: resuming gives bitwise the iterates of an uninterrupted run; a second run
-        on same-shaped inputs reuses the compiled loop).  ``result.diagnostics`` adds ``oracle_calls_per_client``."""
+        on same-shaped inputs reuses the compiled loop).  ``result.diagnostics`` adds ``oracle_calls_per_client`` and,
+        with ``step_size="auto"``, whether the output has converged (``drift``, ``drift_site``, ``converged``: its
+        move over the last quarter of the run in units of the ELBO's curvature, a warning when above 0.1;
+        :func:`~numpyro_fedvi.runner.check_quarter_move`)."""
         args, kwargs = prepare_inputs(args, kwargs, self.model)
         if init_state is None:
             init_state = self.init(rng_key, *args, init_params=init_params, **kwargs)
@@ -775,7 +786,8 @@ class FedLocalVI:
             eta_since[at] = state.precond["eta"]
             return state
 
-        hooks = [(k - r0, functools.partial(refresh, at=k)) for k in self.refresh_rounds(r0, end)]
+        snapshot_hooks, snapshots = quarter_snapshots(num_steps, lambda s: self._theta(self._iterate(s)))
+        hooks = [(k - r0, functools.partial(refresh, at=k)) for k in self.refresh_rounds(r0, end)] + snapshot_hooks
         result = run_loop(self._step, init_state, num_steps, inputs=inputs, hooks=hooks,
                           get_params=self.get_params, progress_bar=progress_bar, callbacks=callbacks,
                           early_stopping=early_stopping, stable_update=stable_update, chunk_size=chunk_size,
@@ -786,6 +798,10 @@ class FedLocalVI:
         result.diagnostics["oracle_calls_per_client"] = rounds * self.local_steps * self.solver.calls_per_step
         if self.auto_step:
             self._warn_if_stuck(np.asarray(result.losses), result.state, eta_since)
+        # units: H = |diag ∇²F̄| of step_size="auto"'s last refresh (1/√H about q's posterior sd, as PD-VI's check)
+        curvature = self._theta(result.state.precond["curvature"]) if self.auto_step else None
+        check_quarter_move(result, snapshots(result.state), lambda _: curvature, type(self).__name__,
+                           "the ELBO's curvature", rounds)
         return result
 
     def _warn_if_stuck(self, losses: np.ndarray, state: vs.VIState, eta_since: dict) -> None:

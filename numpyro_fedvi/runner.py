@@ -119,6 +119,59 @@ def curvature_move(newer: list, older: list, curvature: dict) -> tuple[float, st
     return float(np.max(move[site], initial=0.0)), site
 
 
+# the federated engines' run() calls a run converged when its output moved by at most CONVERGED_MOVE (in units of a
+# curvature: about q's posterior sd) between the means of CONVERGENCE_SNAPSHOTS snapshots in each of the run's last
+# two quarters (quarter_snapshots, check_quarter_move; calibrated in the README, "Has it converged?" under FedSVI)
+CONVERGED_MOVE = 0.1
+CONVERGENCE_SNAPSHOTS = 4
+
+
+def quarter_snapshots(num_steps: int, read: Callable):
+    """``(hooks, collect)``: :func:`run_loop` hooks that keep ``read(state)`` (on the host) at the last
+    ``2·CONVERGENCE_SNAPSHOTS − 1`` points a sixteenth of the run apart before its end, and ``collect(final_state)``:
+    the snapshots newest first, the final state's included (empty for a run under 16 steps)."""
+    spacing = num_steps // (4 * CONVERGENCE_SNAPSHOTS) if isinstance(num_steps, (int, np.integer)) else 0
+    seen = {}
+
+    def keep(j):
+        def hook(state):
+            seen[j] = jax.device_get(read(state))
+            return state
+        return hook
+
+    hooks = [(num_steps - j * spacing, keep(j)) for j in range(1, 2 * CONVERGENCE_SNAPSHOTS)] if spacing else []
+
+    def collect(state):
+        return [jax.device_get(read(state))] + [seen.get(j) for j in range(1, 2 * CONVERGENCE_SNAPSHOTS)] \
+            if spacing else []
+
+    return hooks, collect
+
+
+def check_quarter_move(result: RunResult, snapshots: list, curvature_of: Callable, engine: str, units: str,
+                       rounds: int) -> None:
+    """``result.diagnostics``: ``drift``, how far the output moved over the last quarter of the run
+    (:func:`curvature_move` of the means of the newest ``CONVERGENCE_SNAPSHOTS`` snapshots of
+    :func:`quarter_snapshots` and of the ones before, in units of ``curvature_of(newest snapshot)``, a dict like the
+    snapshots or None), ``drift_site`` and ``converged`` (drift at most ``CONVERGED_MOVE``; None for a run under 16
+    steps, one stopped early, or no curvature); a completed run that has not converged is warned about (``rounds``:
+    the state's round count, for the message)."""
+    known = (len(snapshots) == 2 * CONVERGENCE_SNAPSHOTS and all(x is not None for x in snapshots)
+             and result.diagnostics["stop_reason"] == "completed")
+    curvature = jax.device_get(curvature_of(snapshots[0])) if known else None
+    flat = np.concatenate([np.ravel(v) for v in jax.tree.leaves(curvature)] or [np.zeros(0)])
+    drift, site = None, None
+    if curvature is not None and np.all(np.isfinite(flat)) and np.any(flat > 0):
+        half = CONVERGENCE_SNAPSHOTS
+        drift, site = curvature_move(snapshots[:half], snapshots[half:], curvature)
+    converged = None if drift is None else bool(drift <= CONVERGED_MOVE)
+    result.diagnostics.update(drift=drift, drift_site=site, converged=converged)
+    if converged is False:
+        warn(f"{engine} has not converged after {rounds} rounds: over the last quarter of the run its output moved by "
+             f"{drift:.3g} posterior sd at {site!r} (in units of {units}); converged means <= {CONVERGED_MOVE}. "
+             "Continue with run(key, num_rounds, ..., init_state=result.state).", RuntimeWarning)
+
+
 def warn_if_diverging(losses: np.ndarray, remedy: str) -> None:
     """Warn when the median of the last tenth of ``losses`` (finite values; at least 10) lies more than
     ``DIVERGING_RISE · max(|first|, 1)`` above the first: the objective grew by an order of magnitude."""

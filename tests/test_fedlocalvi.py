@@ -597,3 +597,36 @@ def test_default_oracle_is_exact_on_a_gaussian_quadratic_elbo(draws):
         assert max(abs(v - exact) for v in values) > 1e-2 * abs(exact)
     else:
         np.testing.assert_allclose(values, exact, rtol=2e-6)
+
+
+def test_run_tells_whether_fedlocalvi_converged():
+    """With ``step_size="auto"`` (the default) ``run()``'s ``diagnostics["drift"]`` is how far the output moved over
+    the last quarter of the run (the mean of its snapshots at rounds T, T − T/16, T − 2T/16, T − 3T/16 against the 4
+    before; here collected every round by a callback) in units of the curvature H of the last refresh
+    (``state.precond["curvature"]``); 16 rounds from the init warn that the run has not converged, 300 more do not;
+    a fixed step size has no H along the run (None)."""
+    import warnings
+
+    from numpyro_fedvi.runner import CONVERGED_MOVE, curvature_move
+
+    eng = FedLocalVI(gaussian_regression, AutoNormal(gaussian_regression), Trace_ELBO(), num_clients=2,
+                     local_steps=1)
+    seen = {}
+
+    def every_round(step, state, losses):
+        seen[step] = jax.device_get(eng._theta(eng._iterate(state)))
+    every_round.every = 1
+
+    with pytest.warns(RuntimeWarning, match=r"FedLocalVI has not converged after 16 rounds: over the last quarter"):
+        short = eng.run(random.key(0), 16, _XG, y=_YG, progress_bar=False, callbacks=[every_round])
+    drift, site = curvature_move([seen[16 - j] for j in range(4)], [seen[16 - j] for j in range(4, 8)],
+                                 jax.device_get(short.state.precond["curvature"]))
+    assert short.diagnostics["converged"] is False and short.diagnostics["drift"] > CONVERGED_MOVE
+    assert short.diagnostics["drift"] == pytest.approx(drift, rel=1e-12) and short.diagnostics["drift_site"] == site
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        res = eng.run(random.key(1), 300, _XG, y=_YG, progress_bar=False, init_state=short.state)
+    assert res.diagnostics["converged"] is True and res.diagnostics["drift"] <= CONVERGED_MOVE
+    fixed = FedLocalVI(gaussian_regression, AutoNormal(gaussian_regression), Trace_ELBO(), num_clients=2,
+                       step_size=0.01)
+    assert fixed.run(random.key(0), 32, _XG, y=_YG, progress_bar=False).diagnostics["converged"] is None

@@ -191,8 +191,7 @@ def test_run_tells_whether_fedsvi_converged(clients):
     under 16 rounds, or a point-mass guide (AutoDelta), cannot tell (None)."""
     import warnings
 
-    from numpyro_fedvi.fedmm.fedsvi import CONVERGED_MOVE
-    from numpyro_fedvi.runner import curvature_move
+    from numpyro_fedvi.runner import CONVERGED_MOVE, curvature_move
 
     engine = FedSVI(model, AutoNormal(model))
     seen = {}

@@ -29,7 +29,6 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax import random
 from numpyro.infer import Trace_ELBO
@@ -49,9 +48,8 @@ from ..objectives import block_loss_fn, check_elbo, client_loss_fn, client_loss_
 from ..particles import oracle_elbo
 from ..preconditioning import guide_fisher_diagonal
 from ..prox import as_prox
-from ..runner import EarlyStopping, RunResult, curvature_move
+from ..runner import EarlyStopping, RunResult, check_quarter_move, quarter_snapshots
 from ..structure import Partitions, inspect_global_model, warn_if_unsubsampled
-from ..user_warnings import warn
 from .core import SurrogateFamily
 from .engine import FedMM, with_projection
 
@@ -107,12 +105,6 @@ def quadratic_family(loss: Callable, rho: float, objective_key=None, prox=None) 
         lambda t: t / rho, th))
 
 
-# run() calls a run converged when its output moved by at most CONVERGED_MOVE posterior sd (the guide's Fisher
-# units) between the means of CONVERGENCE_SNAPSHOTS snapshots in each of the run's last two quarters
-CONVERGED_MOVE = 0.1
-CONVERGENCE_SNAPSHOTS = 4
-
-
 class FedSVI(FedMM):
     """Federated SVI on a NumPyro model + guide: FedMM with the quadratic surrogate.
 
@@ -148,7 +140,7 @@ class FedSVI(FedMM):
     pass, most of a round's cost at large N with ``batch_size`` (N = 10⁶, 20 clients × 50 rows: 9 ms per round
     against 0.2 ms with ``log_every=10**6``; README, "We lose per round at large N").  ``run()`` says whether the
     output has converged (``result.diagnostics["converged"]``, ``["drift"]``; a warning when not:
-    :meth:`_check_convergence`).
+    :func:`~numpyro_fedvi.runner.check_quarter_move`, in units of the guide's Fisher information).
 
     :param loss: a NumPyro ELBO (default ``Trace_ELBO()``).
     :param rho: ``None`` (default: Adam on the server, see ``server_optimizer``) or the SGD step of the quadratic
@@ -428,45 +420,13 @@ class FedSVI(FedMM):
         elif self.structure is None:
             self._build(random.split(rng_key)[0], client_data, args, kwargs, init_params)
         inputs = (self.client_data if self._plate_mode else client_data, args, kwargs)
-        snapshots = {}  # rounds before the end -> the output iterate there (host)
-
-        def snapshot(j):
-            def keep(s):
-                snapshots[j] = jax.device_get(self.output_iterate(s))
-                return s
-            return keep
-
-        spacing = num_steps // (4 * CONVERGENCE_SNAPSHOTS)  # the last half of the run: 2·4 snapshots T/16 apart
-        hooks = [(num_steps - j * spacing, snapshot(j)) for j in range(1, 2 * CONVERGENCE_SNAPSHOTS)] if spacing else []
+        hooks, snapshots = quarter_snapshots(num_steps, self.output_iterate)
         result = self._run(init_state, num_steps, inputs, progress_bar=progress_bar, stable_update=stable_update,
                            callbacks=callbacks, early_stopping=early_stopping, chunk_size=chunk_size, hooks=hooks)
-        snaps = [jax.device_get(self.output_iterate(result.state))] + [snapshots.get(j) for j in
-                                                                       range(1, 2 * CONVERGENCE_SNAPSHOTS)]
-        self._check_convergence(result, snaps if spacing else [], inputs)
+        # (the guide's Fisher at the output: 1/σ² for a Gaussian location; a point mass, AutoDelta, has none)
+        check_quarter_move(result, snapshots(result.state), lambda theta: self._compiled("fisher", self._fisher)(
+            theta, inputs), "FedSVI", "the guide's Fisher information", int(result.state.step))
         return result
-
-    def _check_convergence(self, result, snapshots, inputs):
-        """``result.diagnostics``: ``drift``, how far the output iterate moved over the last quarter of the run
-        (:func:`~numpyro_fedvi.runner.curvature_move` of the means of its 4 snapshots there and of the 4 of the quarter
-        before, in units of the guide's Fisher information at the end: q's posterior sd for a Gaussian location,
-        1/√2 for a log-scale), ``drift_site`` and ``converged`` (drift at most ``CONVERGED_MOVE``; None for a run of
-        under 16 rounds, one stopped early, or a guide without spread such as ``AutoDelta``); a completed run that has not converged is warned about."""
-        known = (len(snapshots) == 2 * CONVERGENCE_SNAPSHOTS and all(x is not None for x in snapshots)
-                 and result.diagnostics["stop_reason"] == "completed")
-        drift, site = None, None
-        if known:
-            fisher = jax.device_get(self._compiled("fisher", self._fisher)(snapshots[0], inputs))
-            flat = np.concatenate([np.ravel(v) for v in jax.tree.leaves(fisher)])
-            if np.all(np.isfinite(flat)) and np.any(flat > 0):  # (a point-mass guide, AutoDelta, has no sd)
-                half = CONVERGENCE_SNAPSHOTS
-                drift, site = curvature_move(snapshots[:half], snapshots[half:], fisher)
-        converged = None if drift is None else bool(drift <= CONVERGED_MOVE)
-        result.diagnostics.update(drift=drift, drift_site=site, converged=converged)
-        if converged is False:
-            warn(f"FedSVI has not converged after {int(result.state.step)} rounds: over the last quarter of the run "
-                 f"its output moved by {drift:.3g} posterior sd at {site!r} (in units of the guide's Fisher "
-                 f"information); converged means <= {CONVERGED_MOVE}. Continue with run(key, num_rounds, ..., "
-                 "init_state=result.state).", RuntimeWarning)
 
     def _fisher(self, theta, inputs):
         """The guide's Fisher diagonal at its unconstrained params ``theta`` (the convergence check's units)."""
