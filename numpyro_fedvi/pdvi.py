@@ -488,8 +488,8 @@ class PDVI:
         ``NEWTON_MAX_HVPS = 16`` Hessian-vector products (global coordinates + local coordinates per datum), else
         ``optax.lbfgs`` with Newton's line search (:func:`~numpyro_fedvi.linesearch.lbfgs_trial_steps`: the best of
         four step sizes in one vectorised evaluation; until 2026-11-30 optax's 10-step zoom line search, which ended
-        at the same optimum with a 5 s longer first call and 1.5x the time per iteration on a varying-intercept
-        model, :mod:`~numpyro_fedvi.linesearch`).  Measured on the random-effects benchmark (every other
+        at the same optimum with a 5-7 s longer first call and 1.4-1.6x the time per iteration on four models,
+        :mod:`~numpyro_fedvi.linesearch`).  Measured on the random-effects benchmark (every other
         default): Newton (2 steps) converges per epoch as L-BFGS (10 alternating steps) does, at 7.7 ms instead of
         46 ms per epoch at N = 1e4 (0.43 s instead of 4.0 s at N = 1e6), one-time cost 9 s instead of 23 s; the
         20-step zoom line search of ``optax.lbfgs()`` also spun forever on some float paths (seen at N = 1e5).
