@@ -70,6 +70,8 @@ def test_engines_fit_flow_guides_and_return_their_pytree_params(engine):
     res = fit.run(random.key(0), 30, X, y=Y, progress_bar=False)
     losses = np.asarray(res.losses)
     assert res.diagnostics["stop_reason"] == "completed" and np.all(np.isfinite(losses))
+    if engine == "FedSVI":  # BNAF has no inverse, so no log density at a given value: no Fisher, no verdict
+        assert res.diagnostics["converged"] is None
     assert np.mean(losses[-5:]) < losses[0]
     ref = _svi_params(guide)
     assert jax.tree.structure(res.params) == jax.tree.structure(ref)

@@ -424,9 +424,17 @@ class FedSVI(FedMM):
         result = self._run(init_state, num_steps, inputs, progress_bar=progress_bar, stable_update=stable_update,
                            callbacks=callbacks, early_stopping=early_stopping, chunk_size=chunk_size, hooks=hooks)
         # (the guide's Fisher at the output: 1/σ² for a Gaussian location; a point mass, AutoDelta, has none)
-        check_quarter_move(result, snapshots(result.state), lambda theta: self._compiled("fisher", self._fisher)(
-            theta, inputs), "FedSVI", "the guide's Fisher information", int(result.state.step))
+        check_quarter_move(result, snapshots(result.state), lambda theta: self._fisher_or_none(theta, inputs),
+                           "FedSVI", "the guide's Fisher information", int(result.state.step))
         return result
+
+    def _fisher_or_none(self, theta, inputs):
+        """:meth:`_fisher`, compiled once, or None for a guide without a log density at a given value (a flow
+        without an analytic inverse, ``AutoBNAFNormal``: the convergence check then cannot tell)."""
+        try:
+            return self._compiled("fisher", self._fisher)(theta, inputs)
+        except NotImplementedError:
+            return None
 
     def _fisher(self, theta, inputs):
         """The guide's Fisher diagonal at its unconstrained params ``theta`` (the convergence check's units)."""
