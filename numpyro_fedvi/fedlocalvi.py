@@ -561,15 +561,8 @@ class FedLocalVI:
         """The refresh rounds in ``(start, stop]``."""
         return [2**k for k in range(stop.bit_length()) if start < 2**k <= stop and self.is_refresh_round(2**k)]
 
-    def _guide_args(self, inputs):
-        """The guide's arguments: the model's own (blocks of its data plate) or client 0's rows (a ClientData)."""
-        cd, args, kwargs = inputs
-        if not self._plate_mode:
-            args = (jax.tree.map(lambda a: a[0], cd.data), *args)
-        return args, {**kwargs, **self.static_kwargs}
-
     def _fisher(self, state, theta, inputs):
-        args, kwargs = self._guide_args(inputs)
+        args, kwargs = _pre.federated_guide_arguments(inputs, self._plate_mode, self.static_kwargs)
         return _pre.guide_fisher_diagonal(self.guide, self.structure.constrain_global, theta, args, kwargs,
                                           random.fold_in(state.key, _FISHER_FOLD))
 

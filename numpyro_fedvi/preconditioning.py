@@ -31,8 +31,8 @@ from numpyro.infer.util import log_density
 
 from .particles import _ControlledNoise
 
-__all__ = ["FISHER_DRAWS", "evenly_spaced", "guide_fisher_diagonal", "max_preconditioned_eigenvalue",
-           "max_preconditioned_singular_value", "preconditioner"]
+__all__ = ["FISHER_DRAWS", "evenly_spaced", "federated_guide_arguments", "guide_fisher_diagonal",
+           "max_preconditioned_eigenvalue", "max_preconditioned_singular_value", "preconditioner"]
 
 FISHER_DRAWS = 32     # draws of q for its Fisher diagonal (moment-matched: exact second moments per coordinate)
 POWER_ITERATIONS = 20
@@ -43,6 +43,15 @@ def evenly_spaced(num_units: int, most: int = 8) -> list[int]:
     """Up to ``most`` evenly spaced indices of ``0..num_units−1`` (both ends included): the units (blocks, clients)
     whose curvature a step-size estimate reads."""
     return np.unique(np.linspace(0, num_units - 1, min(most, num_units)).astype(int)).tolist()
+
+
+def federated_guide_arguments(inputs, plate_mode: bool, static_kwargs: dict) -> tuple:
+    """``(args, kwargs)`` the guide of a federated engine takes for ``inputs = (client_data, args, kwargs)``: the
+    model's own (clients are blocks of its data plate) or, for a ``ClientData``, client 0's rows first."""
+    client_data, args, kwargs = inputs
+    if not plate_mode:
+        args = (jax.tree.map(lambda a: a[0], client_data.data), *args)
+    return args, {**kwargs, **static_kwargs}
 
 
 def guide_fisher_diagonal(guide, constrain: Callable, theta: dict, args, kwargs, key,

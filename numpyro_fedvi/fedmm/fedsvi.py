@@ -46,7 +46,7 @@ from ..inputs import (
 )
 from ..objectives import block_loss_fn, check_elbo, client_loss_fn, client_loss_from_blocks, full_loss_fn
 from ..particles import oracle_elbo
-from ..preconditioning import guide_fisher_diagonal
+from ..preconditioning import federated_guide_arguments, guide_fisher_diagonal
 from ..prox import as_prox
 from ..runner import EarlyStopping, RunResult, check_quarter_move, quarter_snapshots
 from ..structure import Partitions, inspect_global_model, warn_if_unsubsampled
@@ -438,11 +438,8 @@ class FedSVI(FedMM):
 
     def _fisher(self, theta, inputs):
         """The guide's Fisher diagonal at its unconstrained params ``theta`` (the convergence check's units)."""
-        client_data, args, kwargs = inputs
-        if not self._plate_mode:  # the guide takes a client's rows first (ClientData layer)
-            args = (jax.tree.map(lambda a: a[0], client_data.data), *args)
-        return guide_fisher_diagonal(self.guide, self.structure.constrain_global, theta, args,
-                                     {**kwargs, **self.static_kwargs}, random.key(0))
+        args, kwargs = federated_guide_arguments(inputs, self._plate_mode, self.static_kwargs)
+        return guide_fisher_diagonal(self.guide, self.structure.constrain_global, theta, args, kwargs, random.key(0))
 
 
 def _without_replacement(loss, batch_size: int):
