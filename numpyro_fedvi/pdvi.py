@@ -1228,17 +1228,21 @@ class PDVI:
                           desc=type(self).__name__, cache=self.__dict__.setdefault("_run_cache", {}),
                           hooks=hooks, remedy=self._remedy())
         self._check_convergence(result, [jax.device_get(result.state.lam0)]
-                                + [snapshots.get(j) for j in range(1, 2 * window)], epoch)
+                                + [snapshots.get(j) for j in range(1, 2 * window)], epoch, inputs)
         return result
 
-    def _check_convergence(self, result, snapshots, epoch):
+    def _check_convergence(self, result, snapshots, epoch, inputs):
         """``result.diagnostics``: ``drift`` (:func:`global_drift` over the run's last ``2K`` epochs, in units of the
-        objective's curvature at the last η estimate), ``drift_site`` and ``converged`` (drift at most
-        ``CONVERGED_DRIFT``; None when it cannot tell: a run under 2 epochs or stopped early, a given η, whose
+        objective's curvature at the last η estimate — measured at the final state when this engine has none: a
+        state resumed in a new process, with no refresh in the run), ``drift_site`` and ``converged`` (drift at
+        most ``CONVERGED_DRIFT``; None when it cannot tell: a run under 2 epochs or stopped early, a given η, whose
         curvature is measured at most at the initial point, or no global params); a completed run that has not
         converged is warned about."""
-        known = (bool(self._curvature_total) and len(snapshots) >= 2 and all(x is not None for x in snapshots)
+        known = (len(snapshots) >= 2 and all(x is not None for x in snapshots)
                  and result.diagnostics["stop_reason"] == "completed")
+        if known and self._curvature_total is None and self.eta_spec == "auto":
+            self._curvature_total = self._curvature_at(result.state, inputs)
+        known = known and bool(self._curvature_total)
         drift, site = global_drift(snapshots, self._curvature_total) if known else (None, None)
         converged = None if drift is None else bool(drift <= CONVERGED_DRIFT)
         result.diagnostics.update(drift=drift, drift_site=site, converged=converged)
@@ -1248,6 +1252,17 @@ class PDVI:
                  f"{site!r}, in units of the ELBO's curvature (about q's posterior sd for a location param); "
                  f"converged means <= {CONVERGED_DRIFT}. Continue with run(key, num_steps, ..., "
                  "init_state=result.state).", RuntimeWarning)
+
+    def _curvature_at(self, state, inputs) -> dict:
+        """H of :meth:`_curvature_summary` at ``state`` (its refresh key), through the program ``eta="auto"``
+        compiles anyway (the refresh's, whose new state is discarded; without refreshes the estimate's)."""
+        key = random.fold_in(state.rng_key, state.step)
+        if self.refresh_steps():
+            (_, total), _ = self._compiled("refresh", self._refreshed)((state, key), inputs)
+        else:
+            _, total = self._compiled("eta", self._curvature_summary)((self._global_params(state), state.local, key),
+                                                                      inputs)
+        return total
 
     def _remedy(self) -> str:
         """What the run's non-finite warnings advise: PD-VI has no step size, its knob is η."""

@@ -146,6 +146,24 @@ def test_the_refresh_reads_curvatures_and_duals_in_one_pass_at_one_key():
     assert not all(np.allclose(other[k], want_mu[k], rtol=1e-3, atol=1e-3) for k in lam0)
 
 
+def test_a_state_resumed_by_a_new_engine_says_whether_it_converged(default_engine):
+    """A new engine (as in a new process, from a checkpoint) has no curvature measured along the run; with no
+    refresh in its run it measures H at the final state (the refresh program's, its new state discarded) instead of
+    saying None: the same verdict as the engine that ran the first part, continuing alike (the same iterates)."""
+    x = data()
+    first = default_engine.run(random.key(0), 170, x, N // 10, progress_bar=False)   # refreshes up to step 160
+    assert not {k for k in default_engine.refresh_steps() if 170 < k <= 310}           # none in the continuation
+    same = default_engine.run(random.key(1), 140, x, N // 10, progress_bar=False, init_state=first.state)
+    fresh = nfv.PDVI(model, AutoNormal(model), num_partitions=20, partitions_per_step=2)
+    resumed = fresh.run(random.key(1), 140, x, N // 10, progress_bar=False, init_state=first.state)
+    np.testing.assert_array_equal(np.asarray(resumed.state.lam0["beta_auto_loc"]),
+                                  np.asarray(same.state.lam0["beta_auto_loc"]))
+    assert resumed.diagnostics["converged"] is not None
+    assert resumed.diagnostics["converged"] == same.diagnostics["converged"]
+    assert resumed.diagnostics["drift_site"] == same.diagnostics["drift_site"]
+    np.testing.assert_allclose(resumed.diagnostics["drift"], same.diagnostics["drift"], rtol=0.3)
+
+
 @pytest.mark.slow
 def test_hierarchical_regression_defaults_converge_where_the_consensus_drift_diverged():
     """``examples/random_effects_workflow.py``'s model (non-centred, 2,000 groups, 20 sorted blocks, 4 per step,
