@@ -32,7 +32,7 @@ def test_scale_by_trial_steps_scales_the_direction_by_the_best_step():
     def f(p):
         return 0.5 * jnp.sum((p["x"] - c) ** 2)
 
-    ls = scale_by_trial_steps()
+    ls = scale_by_trial_steps(max_move=np.inf)
     state = ls.init({"x": x})
     for scale, t in [(1.0, 1.0), (2.0, 0.5), (4.0, 0.2)]:
         d = {"x": scale * (c - x)}
@@ -43,9 +43,27 @@ def test_scale_by_trial_steps_scales_the_direction_by_the_best_step():
     np.testing.assert_array_equal(out["x"], np.zeros(3))
 
 
+def test_scale_by_trial_steps_caps_the_step_and_never_returns_a_non_finite_update():
+    """The direction is shortened to ‖·‖_∞ ≤ max_move (1 by default, Newton's trust region) before the trials: on
+    f = ½‖x − c‖² with c = (10, −4) the step along c is c/10 (t = 1); a direction with an infinite entry (an L-BFGS
+    memory with a degenerate pair) gives a zero update, not 0·inf = NaN."""
+    c = jnp.array([10.0, -4.0])
+
+    def f(p):
+        return 0.5 * jnp.sum((p["x"] - c) ** 2)
+
+    ls = scale_by_trial_steps()
+    x = {"x": jnp.zeros(2)}
+    out, _ = ls.update({"x": c}, ls.init(x), x, value=f(x), value_fn=f)
+    np.testing.assert_allclose(out["x"], c / 10.0, rtol=1e-6)
+    out, _ = ls.update({"x": jnp.array([jnp.inf, 1.0])}, ls.init(x), x, value=f(x), value_fn=f)
+    np.testing.assert_array_equal(out["x"], np.zeros(2))
+
+
 def test_lbfgs_trial_steps_minimises_an_ill_conditioned_quadratic():
     """optax.lbfgs with the trial steps (PD-VI's default optax oracle) in a jitted scan: a 4-d quadratic with
-    curvatures 1 to 100 to 1e-5 in 15 steps, the objective never increasing."""
+    curvatures 1 to 100 to 1e-5 in 15 steps, the objective never increasing (the trust region ‖step‖_∞ ≤ 1 included:
+    the optimum lies 2 away)."""
     H = jnp.diag(jnp.array([1.0, 3.0, 30.0, 100.0]))
     c = jnp.array([1.0, -1.0, 0.5, 2.0])
 
