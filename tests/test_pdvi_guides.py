@@ -313,6 +313,25 @@ def test_eta_curvature_coordinate_is_one_eta_per_coordinate_from_every_block():
         nfv.PDVI(_grouped, AutoNormal(_grouped), eta_curvature="site")
 
 
+def test_informed_median_counts_a_touch_below_one_percent_of_the_largest_as_none():
+    """:func:`~numpyro_fedvi.pdvi.informed_median` per coordinate: the median of the positive (touching) entries at
+    least ``INFORMED_MIN_RATIO`` = 1% of the largest magnitude there; negative entries (untouched) and softer touches
+    are left out (a mixture's soft responsibilities touch every component's mean from every block), the cap by the
+    site's median of the units' largest curvature kept."""
+    from numpyro_fedvi.pdvi import INFORMED_MIN_RATIO, informed_median
+
+    assert INFORMED_MIN_RATIO == 1e-2
+    # 5 units, 3 coordinates (1% of each column's largest magnitude, touching or not): col 0 soft touches 1e-4, 5e-3
+    # below 0.1 (left out: median of 10, 8 = 9); col 1 a touch of 0.04, above 1% of 3, counts (median of 2, 0.04 =
+    # 1.02); col 2 untouched (-) and a soft 0.03 < 0.06: median of 6, 4 = 5
+    c = np.array([[10.0, 2.0, -6.0], [8.0, 0.04, -4.0], [1e-4, -1.0, 0.03], [5e-3, -3.0, 4.0], [-9.0, -2.0, 6.0]],
+                 np.float32)
+    out = np.asarray(informed_median(jnp.asarray(c)))
+    cap = np.median(np.abs(c).max(1))  # the site's median of the units' largest magnitude: 8
+    np.testing.assert_allclose(out, np.minimum([9.0, 1.02, 5.0], cap), rtol=1e-6)
+    assert float(out[1]) == pytest.approx(1.02) and float(out[0]) == pytest.approx(8.0)
+
+
 @pytest.mark.parametrize("centred", [True, False])
 def test_eta_curvature_informed_is_the_median_over_the_blocks_whose_data_touch_the_coordinate(centred):
     """``eta_curvature="informed"``: η_i = c / the median of |∂²f_u/∂λ_i²| over the blocks u whose DATA terms
