@@ -9,10 +9,8 @@ The first run uses the generic oracle every NumPyro model gets (L-BFGS on each b
 Lagrangian); the second plugs in the model's closed-form block solver (the paper's exact oracle).  The first passes
 the paper's experiment settings (one η per site, L-BFGS, ``crn="run"``).  With every default instead
 (``nfv.PDVI(gmm.gmm_model, guide, TraceEnum_ELBO(), data_plate="data")``: 10 blocks, ``eta="auto"``) the same 150
-steps ended at W2 0.0976, the CAVI optimum's, against 0.0982 here (2026-11-28, one η per site); with one η per
-coordinate (``eta_curvature="informed"``, the default since 2026-11-30) they end at W2 1.22 and run() warns that it
-has not converged; 600 steps reach 0.0976 (79 s), as ``eta_curvature="median"`` does in 150 (30 s; 2 cores,
-2026-11-30; README, ``eta_curvature``).
+steps end at W2 0.0976, the CAVI optimum's, against 0.0982 here, in 36 s (2 cores, 2026-11-30; with one η per
+coordinate before its 1% bound on soft touches: W2 1.22, 600 steps for 0.0976; README, ``eta_curvature``).
 
 Run:  python examples/quickstart.py          (about a minute on 2 CPU cores, a third of it compilation)
 """
