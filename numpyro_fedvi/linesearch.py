@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-__all__ = ["TRIAL_STEPS", "best_trial_step", "lbfgs_trial_steps", "scale_by_trial_steps"]
+__all__ = ["TRIAL_STEPS", "best_trial_step", "lbfgs_trial_steps", "scale_by_trial_steps", "within_trust_region"]
 
 TRIAL_STEPS = (1.0, 0.5, 0.2, 0.05)
 
@@ -37,6 +37,14 @@ def best_trial_step(value_at: Callable, value, trial_steps=TRIAL_STEPS):
     return jnp.where(improved, trials[best], 0.0), jnp.where(improved, values[best], value)
 
 
+def within_trust_region(direction, max_move: float):
+    """``direction`` (a pytree) shortened to ``‖·‖_∞ ≤ max_move`` (unchanged when it is shorter): the oracles'
+    trust region, Newton's step and the L-BFGS direction alike."""
+    longest = jnp.max(jnp.stack([jnp.max(jnp.abs(u), initial=0.0) for u in jax.tree.leaves(direction)]))
+    shrink = jnp.minimum(1.0, max_move / jnp.maximum(longest, 1e-30))
+    return jax.tree.map(lambda u: u * shrink.astype(u.dtype), direction)
+
+
 def scale_by_trial_steps(trial_steps=TRIAL_STEPS, max_move: float = 1.0) -> optax.GradientTransformationExtraArgs:
     """An optax line search: the update (a direction), shortened to ``‖·‖_∞ ≤ max_move`` (a trust region, as Newton's
     step), scaled by :func:`best_trial_step` of ``value_fn`` at ``params + t·update`` against ``value``
@@ -50,9 +58,7 @@ def scale_by_trial_steps(trial_steps=TRIAL_STEPS, max_move: float = 1.0) -> opta
 
     def update(updates, state, params=None, *, value, value_fn, **extra_args):
         del extra_args
-        longest = jnp.max(jnp.stack([jnp.max(jnp.abs(u), initial=0.0) for u in jax.tree.leaves(updates)]))
-        shrink = jnp.minimum(1.0, max_move / jnp.maximum(longest, 1e-30))
-        direction = jax.tree.map(lambda u: u * shrink.astype(u.dtype), updates)
+        direction = within_trust_region(updates, max_move)
 
         def value_at(t):
             return value_fn(jax.tree.map(lambda p, u: p + t.astype(u.dtype) * u, params, direction))

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
-from .linesearch import TRIAL_STEPS, best_trial_step
+from .linesearch import TRIAL_STEPS, best_trial_step, within_trust_region
 from .precise import einsum as _einsum
 from .precise import matmul as _matmul
 
@@ -182,9 +182,7 @@ def newton_solve(fun: Callable, lam, rows: dict, num_steps: int, trial_steps=TRI
         g, R, _ = carry
         value, (grad_g, grad_R), (A, Bt, D) = arrow_hessian(flat, g, R)
         dg, dR = newton_direction(grad_g, grad_R, A, Bt, D)
-        longest = jnp.maximum(jnp.max(jnp.abs(dg), initial=0.0), jnp.max(jnp.abs(dR), initial=0.0))
-        shrink = jnp.minimum(1.0, max_move / jnp.maximum(longest, 1e-30))  # trust region: ‖step‖_∞ ≤ max_move
-        dg, dR = shrink * dg, shrink * dR
+        dg, dR = within_trust_region((dg, dR), max_move)  # ‖step‖_∞ ≤ max_move
         t, value = best_trial_step(lambda t: flat(g + t * dg, R + t * dR), value, trial_steps)
         return (g + t * dg, R + t * dR, value), None
 
