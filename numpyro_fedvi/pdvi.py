@@ -955,17 +955,23 @@ class PDVI:
         return self.eta_from_curvatures(curvatures), total
 
     def _auto_eta(self, lam0, local, rng_key, inputs):
-        """``eta="auto"`` at the initial point, compiled once per engine.  With a refresh ahead, through the refresh's
-        own program (:meth:`_refreshed`, which then compiles nothing more at the refreshes; its dual table, one
-        gradient per unit, is discarded here: μ^0 = 0); else the curvature estimate alone."""
-        if not self.refresh_steps():
-            eta, self._curvature_total = self._compiled("eta", self._curvature_summary)((lam0, local, rng_key), inputs)
-            return eta
+        """``eta="auto"`` at the initial point (:meth:`_estimate` at Algorithm 1's initial state), compiled once per
+        engine."""
         ones = self._eta_ones(lam0)  # any η of the state's shapes: only the estimate η̂ is used
         provisional = pdvi_init(lam0, self.num_units, local, ones, rng_key)
         provisional = provisional if self.mesh is None else _sharding.shard_pdvi_state(provisional, self.mesh)
-        (eta, self._curvature_total), _ = self._compiled("refresh", self._refreshed)((provisional, rng_key), inputs)
+        eta, self._curvature_total = self._estimate(provisional, rng_key, inputs)
         return eta
+
+    def _estimate(self, state, key, inputs):
+        """``(η̂, H)`` of :meth:`_curvature_summary` at ``state`` (λ_0 and its local rows) and ``key``.  With a
+        refresh ahead, through the refresh's own program (:meth:`_refreshed`, its new state discarded: the
+        initial estimate and the convergence check then compile nothing more than the refreshes); else the
+        curvature estimate alone."""
+        if self.refresh_steps():
+            estimate, _ = self._compiled("refresh", self._refreshed)((state, key), inputs)
+            return estimate
+        return self._compiled("eta", self._curvature_summary)((self._global_params(state), state.local, key), inputs)
 
     def _compiled(self, name, fn):
         """``fn(state, inputs)`` jitted once per engine (and input shapes): see
@@ -1264,15 +1270,8 @@ class PDVI:
                  "init_state=result.state).", RuntimeWarning)
 
     def _curvature_at(self, state, inputs) -> dict:
-        """H of :meth:`_curvature_summary` at ``state`` (its refresh key), through the program ``eta="auto"``
-        compiles anyway (the refresh's, whose new state is discarded; without refreshes the estimate's)."""
-        key = random.fold_in(state.rng_key, state.step)
-        if self.refresh_steps():
-            (_, total), _ = self._compiled("refresh", self._refreshed)((state, key), inputs)
-        else:
-            _, total = self._compiled("eta", self._curvature_summary)((self._global_params(state), state.local, key),
-                                                                      inputs)
-        return total
+        """H of :meth:`_estimate` at ``state`` and its refresh key."""
+        return self._estimate(state, random.fold_in(state.rng_key, state.step), inputs)[1]
 
     def _remedy(self) -> str:
         """What the run's non-finite warnings advise: PD-VI has no step size, its knob is η."""
