@@ -65,13 +65,23 @@ from .federated import ClientData
 from .fedlocalvi import NON_FINITE_INITIAL_ESTIMATE, FedLocalVI, refreshed_step, rescaled_control
 from .fedmm.engine import FedMM, strong_types
 from .fedmm.fedsvi import FedSVI
-from .pdvi import PDVI, _accum, _check_eta, consensus_update, dual_step, pdvi_init, refreshed_eta
+from .pdvi import (
+    PDVI,
+    _accum,
+    _check_eta,
+    check_drift,
+    consensus_update,
+    dual_step,
+    epoch_snapshots,
+    pdvi_init,
+    refreshed_eta,
+)
 from .robust import RobustFedVI, dro_objective, dro_weights
 from .structure import inspect_model, private_guide
 from .inputs import InputJit, is_inexact_dtype, prepare_inputs, split_inputs
 from .objectives import block_loss_fn
 from .curvature import diag_hessian
-from .runner import RunResult
+from .runner import RunResult, check_quarter_move, quarter_snapshots
 
 __all__ = ["LOCAL_SIMULATION", "FedLocalVIStrategy", "FedMMStrategy", "NonFiniteRecord", "PDVIStrategy", "from_record",
            "make_client_app", "make_server_app", "simulate", "to_record"]
@@ -724,6 +734,7 @@ class _EngineStrategy(_strategy_base()):
         self._evaluation_due = False   # _evaluates: an engine round ended and its loss is still to be evaluated
         self._round = None
         self.phases, self.phase = 1, 0   # Flower rounds per engine round (2: LESGD, dual averaging); the next one
+        self.expect_rounds(None)
 
     # -- hooks ----------------------------------------------------------------------------------------------------
     def _active(self):           # (round t, idx, valid) of the next round
@@ -748,6 +759,15 @@ class _EngineStrategy(_strategy_base()):
         mu = np.asarray([self.weights[i] for i in objectives])
         return float(np.dot(mu, list(objectives.values())) / mu.sum())
 
+    def _snapshots(self, num_rounds: int):   # (hooks, collect) of the engine's convergence check
+        return quarter_snapshots(num_rounds, self._output)
+
+    def _output(self, state):   # what the convergence check reads of the server state
+        return None
+
+    def _check(self, result: RunResult, snapshots: list) -> None:   # the engine's convergence check (none: FedMM)
+        return None
+
     # -- Flower Strategy ------------------------------------------------------------------------------------------
     def summary(self) -> None:
         log.info("%s over Flower: %d clients", type(self.engine).__name__, self.num_clients)
@@ -756,8 +776,23 @@ class _EngineStrategy(_strategy_base()):
         """The set-up handshake (client index and row count of every node), then Flower's round loop."""
         timeout = self.timeout if timeout is None else timeout
         self.handshake(grid, timeout)
+        self.expect_rounds(num_rounds // self.phases)
         initial = to_record(self._broadcast()) if initial_arrays is None else initial_arrays
         return super().start(grid, initial, num_rounds=num_rounds, timeout=timeout, **kwargs)
+
+    def expect_rounds(self, num_rounds: int | None) -> None:
+        """The engine rounds this run will take (``start`` sets Flower's ``num_rounds`` / :attr:`phases`): the
+        convergence check of :meth:`result` keeps its snapshots at the ends of the run's last rounds, as the engine's
+        ``run`` does (None: no check)."""
+        self._planned, self._rounds_done = num_rounds, 0
+        self._snapshot_hooks, self._collect = self._snapshots(num_rounds or 0)
+
+    def _round_ended(self) -> None:
+        """An engine round ended (taken or skipped): the convergence check's snapshot when one is due."""
+        self._rounds_done += 1
+        for k, keep in self._snapshot_hooks:
+            if k == self._rounds_done:
+                keep(self.state)
 
     def handshake(self, grid, timeout: float | None = None) -> None:
         """Ask every node for its client index and row count; maps client i -> node and sets μ_i = N_i/N."""
@@ -866,6 +901,8 @@ class _EngineStrategy(_strategy_base()):
             self.dropped.append((t, None, "non-finite server step: round skipped"))
             log.warning("round %d: the aggregated step is not finite; the round is skipped", t)
             self.phase = 0
+        if self.phase == 0:
+            self._round_ended()
         metrics = {"answered": int(received.sum()), "asked": len(position)}
         if self.phase == 0 and self._evaluates:   # the engine round is complete (or skipped): evaluate its loss
             self._evaluation_due = True
@@ -926,14 +963,19 @@ class _EngineStrategy(_strategy_base()):
     def result(self) -> RunResult:
         """The run as a ``RunResult``: params, the server state, the losses (one per engine round: the answering
         clients' objective, see the subclass), ``diagnostics["dropped"]`` (``(round, client, reason)`` per
-        dropped reply) and ``diagnostics["skipped_steps"]``: the rounds whose aggregated step was not taken (a
-        non-finite or collapsing step: the round is repeated, with η halved under ``step_size="auto"``)."""
+        dropped reply), ``diagnostics["skipped_steps"]``: the rounds whose aggregated step was not taken (a
+        non-finite or collapsing step: the round is repeated, with η halved under ``step_size="auto"``) and, for
+        FedSVI, FedLocalVI, RobustFedVI and PD-VI, the engine's convergence check as its ``run`` makes it
+        (``drift``, ``drift_site``, ``converged``, a warning when not converged; None when it cannot tell: a run
+        under 16 rounds, or under 2 epochs for PD-VI, or one whose rounds :meth:`expect_rounds` was not told)."""
         if self.skipped_rounds:
             log.warning("%d of %d rounds were not taken (non-finite or collapsing aggregated steps; see "
                         "diagnostics['dropped'])", self.skipped_rounds, len(self.losses))
-        return RunResult(self.get_params(), self.state, jnp.asarray(self.losses),
-                         {"num_steps": len(self.losses), "stop_reason": "completed", "non_finite_step": None,
-                          "skipped_steps": self.skipped_rounds, "dropped": list(self.dropped)})
+        result = RunResult(self.get_params(), self.state, jnp.asarray(self.losses),
+                           {"num_steps": len(self.losses), "stop_reason": "completed", "non_finite_step": None,
+                            "skipped_steps": self.skipped_rounds, "dropped": list(self.dropped)})
+        self._check(result, self._collect(self.state) if self._rounds_done == self._planned else [])
+        return result
 
 
 class FedMMStrategy(_EngineStrategy):
@@ -966,6 +1008,8 @@ class FedMMStrategy(_EngineStrategy):
             args, kwargs = prepare_inputs(args, kwargs)
             self.structure = engine.inspect(build_key, args, kwargs)
             init_stat, self.to_params = self.structure.init_global, self.structure.constrain_global
+            self._fisher = jax.jit(partial(_pre.guide_fisher_diagonal, engine.guide, self.structure.constrain_global,
+                                           args=args, kwargs={**kwargs, **engine.static_kwargs}, key=random.key(0)))
         else:
             if init_stat is None:
                 raise ValueError("FedMMStrategy needs init_stat (the initial statistic Ŝ_0), as FedMM.run.")
@@ -1034,6 +1078,16 @@ class FedMMStrategy(_EngineStrategy):
         else:   # the core's guard: a non-finite round changes nothing but the round counter
             self.state = self.state._replace(step=self.state.step + 1)
         return bool(ok)
+
+    def _output(self, state):
+        return self.engine.output_iterate(state)
+
+    def _check(self, result, snapshots):
+        """FedSVI's check (``FedSVI.run``): the output's move over the last quarter, in units of the guide's Fisher
+        information at the output (None for a guide without a log density at a given value, a flow)."""
+        if isinstance(self.engine, FedSVI):
+            check_quarter_move(result, snapshots, lambda theta: _or_none(self._fisher, theta), "FedSVI",
+                               "the guide's Fisher information", int(self.state.step))
 
     def get_params(self, state=None):
         """Constrained guide params (FedSVI) or ``to_params(θ)`` / θ (FedMM) of ``state`` (default: the last) at
@@ -1220,6 +1274,17 @@ class FedLocalVIStrategy(_EngineStrategy):
 
     _evaluates = True   # FedLocalVI.update's loss is at the iterate a round ends at
 
+    def _output(self, state):
+        return self.engine._theta(self.engine._iterate(state))
+
+    def _check(self, result, snapshots):
+        """``FedLocalVI.run``'s check: the output's move over the last quarter in units of ``step_size="auto"``'s
+        last curvature H (None with a float step size)."""
+        e = self.engine
+        curvature = e._theta(self.state.precond["curvature"]) if e.auto_step else None
+        check_quarter_move(result, snapshots, lambda _: curvature, type(e).__name__, "the ELBO's curvature",
+                           int(self.state.round))
+
     def _evaluation_broadcast(self):
         """The engine's reported point (``_iterate``: ``engine.output`` of the state after the round) and key."""
         return {"z": self.engine._iterate(self.state), "key": self.engine._eval_key(self.state)}
@@ -1237,6 +1302,14 @@ class FedLocalVIStrategy(_EngineStrategy):
         mean."""
         return self.structure.constrain_global(self.engine._theta(self.engine._iterate(
             self.state if state is None else state)))
+
+
+def _or_none(fisher, theta):
+    """``fisher(theta)``, or None for a guide without a log density at a given value (``FedSVI._fisher_or_none``)."""
+    try:
+        return fisher(theta)
+    except NotImplementedError:
+        return None
 
 
 def _client_average(replies, received):
@@ -1298,6 +1371,7 @@ class PDVIStrategy(_EngineStrategy):
         self._select = jax.jit(lambda key, step: engine._select_units(self.num_clients, key, step))
         self._refresh_steps, self._refreshed_step = set(engine.refresh_schedule(self.num_clients)), 0
         self._consensus = jax.jit(partial(consensus_update, num_units=self.num_clients, **engine._consensus_options))
+        self._curvature_total = None   # H of the last η estimate (the convergence check's units)
 
     def handshake(self, grid, timeout: float | None = None) -> None:
         """The set-up handshake, then (``eta="auto"``) η from the curvature of the clients ``eta_units`` names."""
@@ -1323,7 +1397,9 @@ class PDVIStrategy(_EngineStrategy):
                            lambda i: {"query": "curvature", "accepted-round": int(self.accepted[i])})
         if sorted(curv) != units:
             return None
-        return e.eta_from_curvatures({k: jnp.stack([curv[i][k] for i in units]) for k in template})
+        eta, self._curvature_total = e._summary({k: jnp.stack([curv[i][k] for i in units]) for k in template},
+                                                self.num_clients)
+        return eta
 
     def configure_train(self, server_round, arrays, config, grid):
         t = int(self.state.step)
@@ -1385,6 +1461,15 @@ class PDVIStrategy(_EngineStrategy):
 
     def _round_loss(self, objectives):
         return self.num_clients / len(objectives) * float(np.sum(list(objectives.values())))
+
+    def _snapshots(self, num_rounds):
+        """``PDVI.run``'s: λ_0 at the ends of the last epochs (``eta="auto"`` only)."""
+        return epoch_snapshots(num_rounds if self.engine.eta_spec == "auto" else 0,
+                               self.engine.epoch_length(self.num_clients))
+
+    def _check(self, result, snapshots):
+        """``PDVI.run``'s check: λ_0's drift per epoch in units of the last η estimate's curvature H."""
+        check_drift(result, snapshots, self.engine.epoch_length(self.num_clients), self._curvature_total)
 
     def get_params(self, state=None):
         """Constrained GLOBAL params of λ_0 (the local rows live on the clients)."""

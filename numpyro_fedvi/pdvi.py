@@ -51,7 +51,7 @@ from .newton import newton_solve
 from .objectives import block_loss_fn, check_elbo, full_loss_fn
 from .particles import ControlledDraws, oracle_elbo
 from .preconditioning import evenly_spaced
-from .runner import EarlyStopping, RunResult, curvature_move, run_loop, tree_all_finite
+from .runner import EarlyStopping, RunResult, curvature_move, run_loop, spaced_snapshots, tree_all_finite
 from .structure import ModelStructure, Partitions, inspect_model, make_partitions, warn_if_unsubsampled
 from .user_warnings import warn
 
@@ -218,6 +218,30 @@ def global_drift(snapshots: list, curvature: dict) -> tuple[float, str]:
     K = len(snapshots) // 2
     move, site = curvature_move(snapshots[:K], snapshots[K:2 * K], curvature)
     return move / K, site
+
+
+def epoch_snapshots(num_steps: int, epoch: int):
+    """:func:`~numpyro_fedvi.runner.spaced_snapshots` of λ_0 at the ends of a run's last ``2K`` epochs (``K`` of
+    :func:`drift_epochs`; none for a run under 2 epochs): :func:`check_drift`'s."""
+    return spaced_snapshots(num_steps, epoch, 2 * drift_epochs(num_steps // epoch), lambda state: state.lam0)
+
+
+def check_drift(result: RunResult, snapshots: list, epoch: int, curvature: dict | None, engine: str = "PDVI"):
+    """``result.diagnostics``: ``drift`` (:func:`global_drift` of :func:`epoch_snapshots`, in units of the
+    objective's curvature ``H``), ``drift_site`` and ``converged`` (drift at most ``CONVERGED_DRIFT``; None when it
+    cannot tell: a run under 2 epochs or stopped early, or no curvature); a completed run that has not converged
+    is warned about."""
+    known = (len(snapshots) >= 2 and all(x is not None for x in snapshots) and bool(curvature)
+             and result.diagnostics["stop_reason"] == "completed")
+    drift, site = global_drift(snapshots, curvature) if known else (None, None)
+    converged = None if drift is None else bool(drift <= CONVERGED_DRIFT)
+    result.diagnostics.update(drift=drift, drift_site=site, converged=converged)
+    if converged is False:
+        warn(f"{engine} has not converged after {int(result.state.step)} iterations: over the last "
+             f"{len(snapshots)} epochs ({epoch} iterations each) λ_0 drifted by {drift:.3g} per epoch at "
+             f"{site!r}, in units of the ELBO's curvature (about q's posterior sd for a location param); "
+             f"converged means <= {CONVERGED_DRIFT}. Continue with run(key, num_steps, ..., "
+             "init_state=result.state).", RuntimeWarning)
 
 
 def dual_step(delta, eta):
@@ -948,10 +972,12 @@ class PDVI:
         return self._summary(self._curvatures((lam0, local, key, jnp.asarray(self.eta_units(self.num_units))),
                                               inputs))
 
-    def _summary(self, curvatures):
-        """``(η̂, H)`` of the units' curvatures (:meth:`_curvature_summary`)."""
+    def _summary(self, curvatures, num_units: int | None = None):
+        """``(η̂, H)`` of the units' curvatures (:meth:`_curvature_summary`; ``num_units``: of this engine's blocks,
+        or a Flower server's clients)."""
         read = jax.tree.leaves(curvatures)[0].shape[0]
-        total = {k: jnp.sum(jnp.abs(c), 0) * (self.num_units / read) for k, c in curvatures.items()}
+        scale = (self.num_units if num_units is None else num_units) / read
+        total = {k: jnp.sum(jnp.abs(c), 0) * scale for k, c in curvatures.items()}
         return self.eta_from_curvatures(curvatures), total
 
     def _auto_eta(self, lam0, local, rng_key, inputs):
@@ -1227,47 +1253,23 @@ class PDVI:
         inputs = self._inputs(args, kwargs)
         epoch = self.epoch_length(self.blocks.num_blocks)
         # (a given η measures no curvature along the run: no snapshots, no chunk cuts for them)
-        window = drift_epochs(num_steps // epoch) if self.eta_spec == "auto" else 0
-        snapshots = {}  # epochs before the end -> λ_0 there (host)
-
-        def snapshot(j):
-            def keep(s):
-                snapshots[j] = jax.device_get(s.lam0)
-                return s
-            return keep
-
-        hooks = self._hooks(state, num_steps, inputs) + [(num_steps - j * epoch, snapshot(j))
-                                                         for j in range(1, 2 * window)]
+        snapshot_hooks, snapshots = epoch_snapshots(num_steps if self.eta_spec == "auto" else 0, epoch)
         result = run_loop(self._step, state, num_steps, inputs=inputs,
                           get_params=self.get_params, progress_bar=progress_bar, callbacks=callbacks,
                           early_stopping=early_stopping, stable_update=stable_update, chunk_size=chunk_size,
                           desc=type(self).__name__, cache=self.__dict__.setdefault("_run_cache", {}),
-                          hooks=hooks, remedy=self._remedy())
-        self._check_convergence(result, [jax.device_get(result.state.lam0)]
-                                + [snapshots.get(j) for j in range(1, 2 * window)], epoch, inputs)
+                          hooks=self._hooks(state, num_steps, inputs) + snapshot_hooks, remedy=self._remedy())
+        self._check_convergence(result, snapshots(result.state), epoch, inputs)
         return result
 
     def _check_convergence(self, result, snapshots, epoch, inputs):
-        """``result.diagnostics``: ``drift`` (:func:`global_drift` over the run's last ``2K`` epochs, in units of the
-        objective's curvature at the last η estimate — measured at the final state when this engine has none: a
-        state resumed in a new process, with no refresh in the run), ``drift_site`` and ``converged`` (drift at
-        most ``CONVERGED_DRIFT``; None when it cannot tell: a run under 2 epochs or stopped early, a given η, whose
-        curvature is measured at most at the initial point, or no global params); a completed run that has not
-        converged is warned about."""
-        known = (len(snapshots) >= 2 and all(x is not None for x in snapshots)
-                 and result.diagnostics["stop_reason"] == "completed")
-        if known and self._curvature_total is None and self.eta_spec == "auto":
+        """:func:`check_drift` in units of the objective's curvature at the last η estimate, measured at the final
+        state when this engine has none (a state resumed in a new process, with no refresh in the run); a given η,
+        whose curvature is measured at most at the initial point, cannot tell."""
+        if (len(snapshots) >= 2 and all(x is not None for x in snapshots) and self._curvature_total is None
+                and self.eta_spec == "auto" and result.diagnostics["stop_reason"] == "completed"):
             self._curvature_total = self._curvature_at(result.state, inputs)
-        known = known and bool(self._curvature_total)
-        drift, site = global_drift(snapshots, self._curvature_total) if known else (None, None)
-        converged = None if drift is None else bool(drift <= CONVERGED_DRIFT)
-        result.diagnostics.update(drift=drift, drift_site=site, converged=converged)
-        if converged is False:
-            warn(f"PDVI has not converged after {int(result.state.step)} iterations: over the last "
-                 f"{len(snapshots)} epochs ({epoch} iterations each) λ_0 drifted by {drift:.3g} per epoch at "
-                 f"{site!r}, in units of the ELBO's curvature (about q's posterior sd for a location param); "
-                 f"converged means <= {CONVERGED_DRIFT}. Continue with run(key, num_steps, ..., "
-                 "init_state=result.state).", RuntimeWarning)
+        check_drift(result, snapshots, epoch, self._curvature_total)
 
     def _curvature_at(self, state, inputs) -> dict:
         """H of :meth:`_estimate` at ``state`` and its refresh key."""

@@ -126,11 +126,12 @@ CONVERGED_MOVE = 0.1
 CONVERGENCE_SNAPSHOTS = 4
 
 
-def quarter_snapshots(num_steps: int, read: Callable):
-    """``(hooks, collect)``: :func:`run_loop` hooks that keep ``read(state)`` (on the host) at the last
-    ``2·CONVERGENCE_SNAPSHOTS − 1`` points a sixteenth of the run apart before its end, and ``collect(final_state)``:
-    the snapshots newest first, the final state's included (empty for a run under 16 steps)."""
-    spacing = num_steps // (4 * CONVERGENCE_SNAPSHOTS) if isinstance(num_steps, (int, np.integer)) else 0
+def spaced_snapshots(num_steps: int, spacing: int, count: int, read: Callable):
+    """``(hooks, collect)``: :func:`run_loop` hooks that keep ``read(state)`` (on the host) at the last ``count − 1``
+    points ``spacing`` steps apart before the run's end (``num_steps`` steps), and ``collect(final_state)``: the
+    ``count`` snapshots newest first, the final state's included (empty when ``spacing`` or ``count`` is 0).  The
+    engines' convergence checks read them (:func:`quarter_snapshots`, PD-VI's per epoch); a Flower strategy calls
+    the hooks at the ends of its rounds."""
     seen = {}
 
     def keep(j):
@@ -139,13 +140,20 @@ def quarter_snapshots(num_steps: int, read: Callable):
             return state
         return hook
 
-    hooks = [(num_steps - j * spacing, keep(j)) for j in range(1, 2 * CONVERGENCE_SNAPSHOTS)] if spacing else []
+    taken = spacing > 0 and count > 0
+    hooks = [(num_steps - j * spacing, keep(j)) for j in range(1, count)] if taken else []
 
     def collect(state):
-        return [jax.device_get(read(state))] + [seen.get(j) for j in range(1, 2 * CONVERGENCE_SNAPSHOTS)] \
-            if spacing else []
+        return [jax.device_get(read(state))] + [seen.get(j) for j in range(1, count)] if taken else []
 
     return hooks, collect
+
+
+def quarter_snapshots(num_steps: int, read: Callable):
+    """:func:`spaced_snapshots` of ``read(state)`` at the last ``2·CONVERGENCE_SNAPSHOTS`` points a sixteenth of the
+    run apart (empty for a run under 16 steps): :func:`check_quarter_move`'s."""
+    spacing = num_steps // (4 * CONVERGENCE_SNAPSHOTS) if isinstance(num_steps, (int, np.integer)) else 0
+    return spaced_snapshots(num_steps, spacing, 2 * CONVERGENCE_SNAPSHOTS, read)
 
 
 def check_quarter_move(result: RunResult, snapshots: list, curvature_of: Callable, engine: str, units: str,

@@ -796,3 +796,52 @@ def test_simulate_drops_only_flowers_run_simulation_notice(caplog):
         flwr_log.removeHandler(caplog.handler)
     messages = [r.getMessage() for r in caplog.records]
     assert messages and all("something else" in m for m in messages)   # (caplog may see it twice: propagation)
+
+
+def _verdict_pair(kind):
+    """``(run, federation)`` of one engine kind with every default on the sorted logistic sites (PD-VI: the
+    random-effects model's 3 clients, ``eta="auto"`` refreshed): ``run(rounds)`` the in-process ``run``'s result,
+    ``federation(rounds)`` the strategy's after that many rounds through the client apps."""
+    X, y, site = _sorted_sites()
+    if kind == "pdvi":
+        x, site, make = _pdvi_problem("auto", True)
+        return (lambda rounds: make().run(random.key(2), rounds, x, progress_bar=False),
+                lambda rounds: _verdict_federation(flower.PDVIStrategy(make(), random.key(2), x[:1], num_clients=3),
+                                                   make, lambda i: (x[site == i],), rounds))
+    make = {"fedsvi": lambda: nfv.FedSVI(logistic, AutoNormal(logistic), Trace_ELBO(), clients=site),
+            "fedlocalvi": lambda: nfv.FedLocalVI(logistic, AutoNormal(logistic), Trace_ELBO(), clients=site)}[kind]
+    strategy_type = flower.FedMMStrategy if kind == "fedsvi" else flower.FedLocalVIStrategy
+    return (lambda rounds: make().run(random.key(5), rounds, X, y, progress_bar=False),
+            lambda rounds: _verdict_federation(strategy_type(make(), random.key(5), X[:1], y[:1], num_clients=3),
+                                               make, lambda i: (X[site == i], y[site == i]), rounds))
+
+
+def _verdict_federation(strategy, make, rows, rounds):
+    grid = _Grid(flower.make_client_app(strategy.engine, lambda ctx: rows(ctx.node_config["partition-id"])), 3)
+    strategy.handshake(grid)
+    strategy.expect_rounds(rounds)   # (start does it with Flower's num_rounds)
+    for r in range(1, rounds + 1):
+        _flower_round(strategy, grid, r)
+    return strategy, grid
+
+
+@pytest.mark.parametrize("kind", ["fedsvi", "pdvi", pytest.param("fedlocalvi", marks=pytest.mark.slow)])
+def test_a_flower_run_says_whether_it_converged_as_the_engine_run_does(kind):
+    """Over Flower the strategy's ``result()`` makes the engine's own convergence check (FedSVI's and FedLocalVI's
+    output move over the last quarter in units of the guide's Fisher information / the ELBO's curvature; PD-VI's
+    drift of λ_0 per epoch in units of its η estimate's curvature): 20 rounds with every default give the in-process
+    ``run``'s drift, site and verdict, and the same warning when not converged; rounds it was not told about (no
+    ``expect_rounds``, as without ``start``) or more rounds than it was told cannot tell (None)."""
+    run, federation = _verdict_pair(kind)
+    expected = run(20).diagnostics
+    assert expected["drift"] is not None
+    strategy, grid = federation(20)
+    if expected["converged"]:
+        got = strategy.result().diagnostics
+    else:
+        with pytest.warns(RuntimeWarning, match="has not converged after 20 (rounds|iterations)"):
+            got = strategy.result().diagnostics
+    assert got["drift_site"] == expected["drift_site"] and got["converged"] == expected["converged"]
+    np.testing.assert_allclose(got["drift"], expected["drift"], rtol=1e-3)
+    _flower_round(strategy, grid, 21)   # a round more than it was told: the snapshots' spacing is unknown
+    assert strategy.result().diagnostics["converged"] is None
