@@ -34,10 +34,11 @@ from shared_models import oracle_particles
 KEYS = [random.key(k) for k in (0, 1, 7)]
 
 
-def particle_values(guide, S, scheme, key, *args):
+def particle_values(guide, S, scheme, key, *args, local_plate=None):
     """``{site: (S, *shape)}`` the values the guide's sample sites take on the S particles."""
     def one(p):
-        tr = handlers.trace(handlers.seed(_ControlledNoise(guide, key, S, p, scheme), 0)).get_trace(*args)
+        tr = handlers.trace(handlers.seed(_ControlledNoise(guide, key, S, p, scheme, local_plate=local_plate),
+                                          0)).get_trace(*args)
         return {k: v["value"] for k, v in tr.items() if v["type"] == "sample" and not v["is_observed"]}
 
     return jax.vmap(one)(jnp.arange(S))
@@ -179,6 +180,28 @@ def test_auto_number_of_particles():
     v = particle_values(regression, S, "orthogonal", random.key(3))
     z = np.concatenate([np.asarray(v["b0"], np.float64)[:, None], np.asarray(v["w"], np.float64)], 1)
     np.testing.assert_allclose(z.T @ z / S, np.eye(6), atol=1e-5)
+    # the same weights in a plate of their own (plate("features", 5), not the data plate): one global vector too,
+    # counted and whitened jointly with b0, the very draws of the to_event(1) site; without the data plate named
+    # every plated site is local and drawn slice by slice (feature by feature), their cross moments not 0
+    def plated_regression():
+        numpyro.sample("b0", dist.Normal(0.0, 1.0))
+        with numpyro.plate("features", 5):
+            numpyro.sample("w", dist.Normal(0.0, 1.0))
+
+    assert counted(plated_regression, num_particles="minimal", local_plate="data") == 2 * (1 + 5 + 1)
+    assert counted(plated_regression, local_plate="data") == 2 * (1 + 5 + 2)
+    assert counted(plated_regression, num_particles="minimal") == 4
+    # ... within max_particles only (an unplated vector may take up to max_whitened): a plate of group effects, which
+    # each datum touches one by one, would otherwise raise the count (20 groups: 10 -> 50 particles, 5x the time)
+    assert counted(plated_regression, num_particles="minimal", local_plate="data", max_particles=12,
+                   max_whitened=64) == 4
+    assert counted(regression, num_particles="minimal", local_plate="data", max_particles=12, max_whitened=64) == 14
+    plated = particle_values(plated_regression, S, "orthogonal", random.key(3), local_plate="data")
+    np.testing.assert_array_equal(plated["w"], v["w"])
+    np.testing.assert_array_equal(plated["b0"], v["b0"])
+    per_slice = particle_values(plated_regression, S, "orthogonal", random.key(3))
+    w = np.asarray(per_slice["w"], np.float64)
+    assert np.abs(w.T @ w / S - np.eye(5)).max() > 0.1
     with pytest.raises(ValueError, match="auto / minimal"):
         ControlledDraws(Trace_ELBO(), num_particles="few")
     for bad in (5, 2, 18):
