@@ -64,7 +64,7 @@ from . import vi_solvers as vs
 from .federated import ClientData
 from .fedlocalvi import NON_FINITE_INITIAL_ESTIMATE, FedLocalVI, refreshed_step, rescaled_control
 from .fedmm.engine import FedMM, strong_types
-from .fedmm.fedsvi import FedSVI
+from .fedmm.fedsvi import FedSVI, far_start_advice
 from .pdvi import (
     PDVI,
     _accum,
@@ -1087,7 +1087,8 @@ class FedMMStrategy(_EngineStrategy):
         information at the output (None for a guide without a log density at a given value, a flow)."""
         if isinstance(self.engine, FedSVI):
             check_quarter_move(result, snapshots, lambda theta: _or_none(self._fisher, theta), "FedSVI",
-                               "the guide's Fisher information", int(self.state.step))
+                               "the guide's Fisher information", int(self.state.step),
+                               far_start_advice(np.asarray(result.losses)) if self.engine._adaptive_server else "")
 
     def get_params(self, state=None):
         """Constrained guide params (FedSVI) or ``to_params(θ)`` / θ (FedMM) of ``state`` (default: the last) at

@@ -157,13 +157,13 @@ def quarter_snapshots(num_steps: int, read: Callable):
 
 
 def check_quarter_move(result: RunResult, snapshots: list, curvature_of: Callable, engine: str, units: str,
-                       rounds: int) -> None:
+                       rounds: int, advice: str = "") -> None:
     """``result.diagnostics``: ``drift``, how far the output moved over the last quarter of the run
     (:func:`curvature_move` of the means of the newest ``CONVERGENCE_SNAPSHOTS`` snapshots of
     :func:`quarter_snapshots` and of the ones before, in units of ``curvature_of(newest snapshot)``, a dict like the
     snapshots or None), ``drift_site`` and ``converged`` (drift at most ``CONVERGED_MOVE``; None for a run under 16
     steps, one stopped early, or no curvature); a completed run that has not converged is warned about (``rounds``:
-    the state's round count, for the message)."""
+    the state's round count, and ``advice``, a sentence the engine adds, for the message)."""
     known = (len(snapshots) == 2 * CONVERGENCE_SNAPSHOTS and all(x is not None for x in snapshots)
              and result.diagnostics["stop_reason"] == "completed")
     curvature = jax.device_get(curvature_of(snapshots[0])) if known else None
@@ -177,7 +177,8 @@ def check_quarter_move(result: RunResult, snapshots: list, curvature_of: Callabl
     if converged is False:
         warn(f"{engine} has not converged after {rounds} rounds: over the last quarter of the run its output moved by "
              f"{drift:.3g} posterior sd at {site!r} (in units of {units}); converged means <= {CONVERGED_MOVE}. "
-             "Continue with run(key, num_rounds, ..., init_state=result.state).", RuntimeWarning)
+             f"Continue with run(key, num_rounds, ..., init_state=result.state).{' ' + advice if advice else ''}",
+             RuntimeWarning)
 
 
 def warn_if_diverging(losses: np.ndarray, remedy: str) -> None:

@@ -283,3 +283,42 @@ def test_weights_in_a_plate_of_their_own_are_drawn_as_one_global_vector(engine_n
     z = np.concatenate([np.asarray(draws["b"], np.float64)[:, None], np.asarray(draws["w"], np.float64)], 1)
     assert z.shape == (14, 6)
     np.testing.assert_allclose(z.T @ z / 14, np.eye(6), atol=1e-5)
+
+
+def test_a_run_that_started_far_is_advised_a_nearer_start():
+    """With the server's Adam, a run that has not converged and whose loss fell by far more than its size
+    (``FAR_START_RATIO``) is told why and what to do: Adam remembers the first rounds' huge gradients
+    (``far_start_advice``; a Poisson regression with exposure offsets from AutoNormal's ``init_to_uniform``, 2026-12-01:
+    48 sd off after 500 rounds); a run from ``init_to_median`` is not."""
+    import warnings
+
+    from numpyro.infer import init_to_median
+
+    from numpyro_fedvi.fedmm.fedsvi import FAR_START_RATIO, far_start_advice
+
+    assert "init_to_median" in far_start_advice(np.array([2e6, np.nan, 5e3] + [3873.0] * 9))
+    assert far_start_advice(np.array([1.02 * FAR_START_RATIO * 10 + 10.0] + [10.0] * 9)) != ""
+    assert far_start_advice(np.array([0.98 * FAR_START_RATIO * 10 + 10.0] + [10.0] * 9)) == ""
+    assert far_start_advice(np.array([50.0, -1.0, -1.0])) == ""    # (|last| < 1 counts as 1: 51 < 100)
+    assert far_start_advice(np.array([np.nan, 3.0])) == ""
+    rng = np.random.default_rng(3)
+    X = rng.normal(size=(200, 4)).astype(np.float32)
+    offset = np.log(rng.uniform(0.5, 20.0, size=200)).astype(np.float32)
+    y = rng.poisson(np.exp(-1.0 + X @ np.array([0.3, -0.2, 0.1, 0.25]) + offset)).astype(np.float32)
+
+    def poisson(X, y=None, offset=None):
+        b0 = numpyro.sample("b0", dist.Normal(0.0, 2.0))
+        w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
+        with numpyro.plate("data", X.shape[0]):
+            numpyro.sample("y", dist.Poisson(jnp.exp(b0 + X @ w + offset)), obs=y)
+
+    ids = np.repeat(np.arange(2), 100)
+    with pytest.warns(RuntimeWarning, match="has not converged.*started far from the optimum.*init_to_median"):
+        far = FedSVI(poisson, AutoNormal(poisson), clients=ids).run(random.key(0), 32, X, y, offset=offset,
+                                                                    progress_bar=False)
+    assert far.losses[0] > 100 * far.losses[-1]
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        near = FedSVI(poisson, AutoNormal(poisson, init_loc_fn=init_to_median), clients=ids).run(
+            random.key(0), 32, X, y, offset=offset, progress_bar=False)
+    assert not any("started far" in str(w.message) for w in seen) and near.diagnostics["converged"] is not None
