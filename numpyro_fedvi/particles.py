@@ -242,9 +242,9 @@ class ControlledDraws(ELBO):
         only; a latent in another plate (regression weights in ``plate("features", D)``, a mixture's component
         means in ``plate("components", K)``) is global: drawn as ONE vector like an unplated one, whitened jointly
         with the earlier sites, when its coordinates fit in the particles (the rules count them when the count
-        then stays within ``max_particles``), else slice by slice (a 5-component, 10-d mixture's 50 means: counted,
-        its oracle took 3.3× the time per iteration for the same W2).  ``None`` (default): every plated site is local.  The engines name their data plate
-        (``objectives.with_data_plate``).
+        then stays within ``max_particles``), else slice by slice (counted, a 5-component, 10-d mixture's 50 means
+        made its oracle 3.3× slower per iteration for the same W2).  ``None`` (default): every plated site is
+        local.  The engines name their data plate (``objectives.with_data_plate``).
     :param max_whitened: a rule may exceed ``max_particles`` up to this many particles to whiten the coordinates of a
         global vector outside every plate jointly (``None``, default: ``max_particles``; the engines' rules,
         :func:`oracle_elbo`, pass ``WHITENED_MAX_PARTICLES`` = 64).

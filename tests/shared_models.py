@@ -48,6 +48,16 @@ def linear_gaussian(a, y=None):
     numpyro.sample("y", dist.Normal(a @ x, LG_SIG).to_event(1), obs=y)
 
 
+def plated_logistic(X, y=None):
+    """A logistic regression whose weights sit in ``plate("features", D)`` (the NumPyro idiom for ``to_event(1)``):
+    global latents in a plate other than the data plate."""
+    b = numpyro.sample("b", dist.Normal(0.0, 2.0))
+    with numpyro.plate("features", X.shape[1]):
+        w = numpyro.sample("w", dist.Normal(0.0, 1.0))
+    with numpyro.plate("data", X.shape[0]):
+        numpyro.sample("y", dist.Bernoulli(logits=b + X @ w), obs=y)
+
+
 def random_effects(x, batch=None):
     """One local latent per datum inside a SUBSAMPLED data plate (PD-VI's local rows; engine contract and
     checkpoint tests)."""

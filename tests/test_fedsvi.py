@@ -262,20 +262,14 @@ def test_weights_in_a_plate_of_their_own_are_drawn_as_one_global_vector(engine_n
     idiom) are one global vector, counted by the particle rule ("minimal": 2·(1 + 5 + 1)) and whitened jointly with
     the intercept's draws, as the same weights declared ``to_event(1)``.  (Drawn feature by feature with 4 particles,
     FedSVI ended with q(w)'s scales 14% off the mean-field optimum, 2026-12-01.)"""
+    from shared_models import plated_logistic
+
     import numpyro_fedvi as nfv
 
     rng = np.random.default_rng(0)
     X = rng.normal(size=(40, 5)).astype(np.float32)
     y = (rng.random(40) < 0.5).astype(np.float32)
-
-    def model(X, y=None):
-        b = numpyro.sample("b", dist.Normal(0.0, 2.0))
-        with numpyro.plate("features", X.shape[1]):
-            w = numpyro.sample("w", dist.Normal(0.0, 1.0))
-        with numpyro.plate("data", X.shape[0]):
-            numpyro.sample("y", dist.Bernoulli(logits=b + X @ w), obs=y)
-
-    engine = getattr(nfv, engine_name)(model, AutoNormal(model), Trace_ELBO(), num_clients=2)
+    engine = getattr(nfv, engine_name)(plated_logistic, AutoNormal(plated_logistic), Trace_ELBO(), num_clients=2)
     engine.init(random.key(0), X, y)
     idx, mask = jnp.arange(40), jnp.ones(40, bool)
     draws = engine._block_loss.freeze(random.key(1), engine.structure.init_global, {}, idx, mask, 1.0, (X, y),

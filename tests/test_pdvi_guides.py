@@ -417,18 +417,11 @@ def test_weights_in_a_plate_of_their_own_get_the_particles_of_a_to_event_vector(
     particle count as the same weights declared ``to_event(1)`` (2·(1 + 5 + 1) with the default "minimal" rule, above
     the small-data floor) and the very same draws.  (Drawn feature by feature, 4 particles, PD-VI with every default
     ended a 5-covariate logistic regression with q(w)'s scales 34% off the mean-field optimum, 2026-12-01.)"""
-    from shared_models import oracle_particles
+    from shared_models import oracle_particles, plated_logistic
 
     rng = np.random.default_rng(0)
     X = jnp.asarray(rng.normal(size=(2000, 5)), jnp.float32)
     y = jnp.asarray(rng.random(2000) < 0.5, jnp.float32)
-
-    def plated(X, y=None):
-        b = numpyro.sample("b", dist.Normal(0.0, 2.0))
-        with numpyro.plate("features", X.shape[1]):
-            w = numpyro.sample("w", dist.Normal(0.0, 1.0))
-        with numpyro.plate("data", X.shape[0]):
-            numpyro.sample("y", dist.Bernoulli(logits=b + X @ w), obs=y)
 
     def event(X, y=None):
         b = numpyro.sample("b", dist.Normal(0.0, 2.0))
@@ -437,7 +430,7 @@ def test_weights_in_a_plate_of_their_own_get_the_particles_of_a_to_event_vector(
             numpyro.sample("y", dist.Bernoulli(logits=b + X @ w), obs=y)
 
     draws = {}
-    for name, model in (("plated", plated), ("event", event)):
+    for name, model in (("plated", plated_logistic), ("event", event)):
         engine = nfv.PDVI(model, AutoNormal(model))
         engine.init(random.key(0), X, y)
         assert oracle_particles(engine, engine._inputs((X, y), {})) == 14
