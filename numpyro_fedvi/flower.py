@@ -778,7 +778,19 @@ class _EngineStrategy(_strategy_base()):
         self.handshake(grid, timeout)
         self.expect_rounds(num_rounds // self.phases)
         initial = to_record(self._broadcast()) if initial_arrays is None else initial_arrays
-        return super().start(grid, initial, num_rounds=num_rounds, timeout=timeout, **kwargs)
+        out = super().start(grid, initial, num_rounds=num_rounds, timeout=timeout, **kwargs)
+        self.finish(grid, timeout)
+        return out
+
+    def finish(self, grid, timeout: float | None = None) -> None:
+        """After the last round (``start`` calls it): the re-estimate due there (PD-VI's ``eta_refresh``,
+        FedLocalVI's ``step_size="auto"``), which the engine's ``run`` makes at its end and the strategy otherwise
+        makes only when the next round is configured: the state and the convergence check's units then equal the
+        in-process run's."""
+        self._refresh_if_due(grid, self.timeout if timeout is None else timeout)
+
+    def _refresh_if_due(self, grid, timeout: float) -> None:   # the between-rounds re-estimate due now (none here)
+        return None
 
     def expect_rounds(self, num_rounds: int | None) -> None:
         """The engine rounds this run will take (``start`` sets Flower's ``num_rounds`` / :attr:`phases`): the
@@ -1169,11 +1181,14 @@ class FedLocalVIStrategy(_EngineStrategy):
             self._refresh(grid, self.timeout if timeout is None else timeout)
 
     def configure_train(self, server_round, arrays, config, grid):
+        self._refresh_if_due(grid, self.timeout)
+        return super().configure_train(server_round, arrays, config, grid)
+
+    def _refresh_if_due(self, grid, timeout):
         r = int(self.state.round)
         if (self.engine.auto_step and self.phase == 0 and r != self._refreshed_round
                 and self.engine.is_refresh_round(r)):
-            self._refresh(grid, self.timeout)
-        return super().configure_train(server_round, arrays, config, grid)
+            self._refresh(grid, timeout)
 
     def _refresh(self, grid, timeout):
         """``H`` from every client's Hessian diagonal (``engine._federated_curvature``: ``|Σ_m μ_m diag ∇²F_m(θ̄)|``;
@@ -1403,10 +1418,13 @@ class PDVIStrategy(_EngineStrategy):
         return eta
 
     def configure_train(self, server_round, arrays, config, grid):
+        self._refresh_if_due(grid, self.timeout)
+        return super().configure_train(server_round, arrays, config, grid)
+
+    def _refresh_if_due(self, grid, timeout):
         t = int(self.state.step)
         if t in self._refresh_steps and t != self._refreshed_step:
-            self._refresh(grid, self.timeout)
-        return super().configure_train(server_round, arrays, config, grid)
+            self._refresh(grid, timeout)
 
     def _refresh(self, grid, timeout):
         """``PDVI._refreshed`` over the clients after iteration ``t``: η̂ from the curvature clients at

@@ -630,7 +630,9 @@ def test_pdvi_per_coordinate_eta_over_flower_equals_the_in_process_engine(curvat
     assert strategy.dropped == [] and strategy.state.eta["b_auto_loc"].shape == (3,)
     for k in state.lam0:
         np.testing.assert_allclose(strategy.state.eta[k], state.eta[k], rtol=2e-5)
-        np.testing.assert_allclose(strategy.state.lam0[k], state.lam0[k], rtol=2e-5, atol=2e-6)
+        # (a client's oracle solves one unit where the engine vmaps two: at XLA's default optimisation level, the
+        # slow tier's, their rounding differs by up to 1.0e-4 relative here; 2e-5 at the suite's level 0)
+        np.testing.assert_allclose(strategy.state.lam0[k], state.lam0[k], rtol=3e-4, atol=2e-6)
 
 
 def test_pdvi_strategy_refuses_what_it_cannot_run():
@@ -822,6 +824,7 @@ def _verdict_federation(strategy, make, rows, rounds):
     strategy.expect_rounds(rounds)   # (start does it with Flower's num_rounds)
     for r in range(1, rounds + 1):
         _flower_round(strategy, grid, r)
+    strategy.finish(grid)   # (start does it after the last round)
     return strategy, grid
 
 
@@ -829,19 +832,25 @@ def _verdict_federation(strategy, make, rows, rounds):
 def test_a_flower_run_says_whether_it_converged_as_the_engine_run_does(kind):
     """Over Flower the strategy's ``result()`` makes the engine's own convergence check (FedSVI's and FedLocalVI's
     output move over the last quarter in units of the guide's Fisher information / the ELBO's curvature; PD-VI's
-    drift of λ_0 per epoch in units of its η estimate's curvature): 20 rounds with every default give the in-process
-    ``run``'s drift, site and verdict, and the same warning when not converged; rounds it was not told about (no
-    ``expect_rounds``, as without ``start``) or more rounds than it was told cannot tell (None)."""
+    drift of λ_0 per epoch in units of its η estimate's curvature): 16 rounds with every default give the in-process
+    ``run``'s drift, site and verdict, and the same warning when not converged (PD-VI's and FedLocalVI's re-estimate
+    due after the 16th round, which their ``run`` makes at its end, is made by ``finish``, as ``start`` does: the
+    same units); more rounds than it was told cannot tell (None)."""
     run, federation = _verdict_pair(kind)
-    expected = run(20).diagnostics
+    in_process = run(16)
+    expected = in_process.diagnostics
     assert expected["drift"] is not None
-    strategy, grid = federation(20)
+    strategy, grid = federation(16)
+    if kind == "pdvi":   # η and h = η mean(μ) after the refresh due at iteration 16 (fresh duals; H: the units)
+        for k in in_process.state.eta:
+            np.testing.assert_allclose(strategy.state.eta[k], in_process.state.eta[k], rtol=1e-4)
+            np.testing.assert_allclose(strategy.state.h[k], in_process.state.h[k], rtol=1e-3, atol=1e-5)
     if expected["converged"]:
         got = strategy.result().diagnostics
     else:
-        with pytest.warns(RuntimeWarning, match="has not converged after 20 (rounds|iterations)"):
+        with pytest.warns(RuntimeWarning, match="has not converged after 16 (rounds|iterations)"):
             got = strategy.result().diagnostics
     assert got["drift_site"] == expected["drift_site"] and got["converged"] == expected["converged"]
     np.testing.assert_allclose(got["drift"], expected["drift"], rtol=1e-3)
-    _flower_round(strategy, grid, 21)   # a round more than it was told: the snapshots' spacing is unknown
+    _flower_round(strategy, grid, 17)   # a round more than it was told: the snapshots' spacing is unknown
     assert strategy.result().diagnostics["converged"] is None
