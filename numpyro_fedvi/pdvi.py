@@ -963,17 +963,18 @@ class PDVI:
         ``"informed"``, :func:`informed_median` of the signed curvatures."""
         rule = self._curvature_rule
         across = {"max": jnp.max, "coordinate": jnp.max, "median": jnp.median, "informed": informed_median}[rule]
-        networks = self._network_leaves() if self._per_coordinate else set()
+        networks = self._network_leaves() if self._per_coordinate else frozenset()
         return {k: self.eta_scale / jnp.maximum(_site_median(c) if k in networks else across(c, axis=0), 1e-8)
                 for k, c in curvatures.items()}
 
-    def _network_leaves(self) -> set:
+    def _network_leaves(self) -> frozenset:
         """The global params that are leaves of a ``numpyro.module`` (a flow guide's network, ``AutoIAFNormal``):
         one η per leaf, ``"median"``'s, under a per-coordinate rule.  A network weight's Hessian diagonal says little
         of its coupling to the others (and an autoregressive mask's weights have none): with η per coordinate PD-VI
         with every default and ``AutoIAFNormal`` diverged on a 3-coefficient linear regression (non-finite at
-        iteration 130; 161 at another key), with one per leaf it ends at NUTS's means (2026-12-01)."""
-        return {leaf for _, leaves in self.structure.trees.values() for leaf in leaves} if self.structure else set()
+        iteration 130; 161 at another key), with one per leaf 400 iterations stay finite, q(w)'s means within 0.06 of
+        the data's [1, −0.5, 0.3] (2026-12-01)."""
+        return self.structure.tree_leaf_names if self.structure else frozenset()
 
     def _eta_hat(self, point, inputs):
         """``η_j = c / L̂_j`` at ``point = (λ_0, local, key)``, ``L̂_j`` from the units :meth:`eta_units` names (every

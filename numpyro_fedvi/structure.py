@@ -137,6 +137,11 @@ class ModelStructure:
     def to_canonical(self, name: str, value: jax.Array) -> jax.Array:
         return jnp.moveaxis(value, self.params[name].local_axis, 0)
 
+    @property
+    def tree_leaf_names(self) -> frozenset:
+        """The global params that are leaves of a pytree-valued site (``numpyro.module``: a flow guide's network)."""
+        return frozenset(k for _, leaves in self.trees.values() for k in leaves)
+
     # constraints -----------------------------------------------------------------------------------
     def constrain_global(self, unconstrained: dict[str, jax.Array]) -> dict[str, jax.Array]:
         """Constrained global params keyed by param site (a pytree-valued site rebuilt from its leaves)."""
@@ -158,7 +163,7 @@ class ModelStructure:
 
     def unconstrain(self, params: dict[str, Any]) -> tuple[dict, dict]:
         """Constrained params (natural layout) -> (unconstrained global, canonical unconstrained local)."""
-        sites = set(self.params) - {k for _, leaves in self.trees.values() for k in leaves} | set(self.trees)
+        sites = set(self.params) - self.tree_leaf_names | set(self.trees)
         unknown = set(params) - sites
         if unknown:
             raise ValueError(f"init_params names unknown param sites {sorted(unknown)}; "

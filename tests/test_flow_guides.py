@@ -104,7 +104,7 @@ def test_a_flow_network_gets_one_eta_per_leaf():
     X, y = _linear_data()
     engine = nfv.PDVI(_linear, AutoIAFNormal(_linear))
     state = engine.init(random.key(0), X, y)
-    leaves = {leaf for _, names in engine.structure.trees.values() for leaf in names}
+    leaves = engine.structure.tree_leaf_names
     assert leaves and leaves == set(state.eta)   # the IAF guide's params are its networks' weights
     for k in leaves:
         assert float(jnp.max(state.eta[k])) == float(jnp.min(state.eta[k])) < 1e3
