@@ -1098,7 +1098,7 @@ class FedMMStrategy(_EngineStrategy):
         """FedSVI's check (``FedSVI.run``): the output's move over the last quarter, in units of the guide's Fisher
         information at the output (None for a guide without a log density at a given value, a flow)."""
         if isinstance(self.engine, FedSVI):
-            check_quarter_move(result, snapshots, lambda theta: _or_none(self._fisher, theta), "FedSVI",
+            check_quarter_move(result, snapshots, lambda theta: _pre.fisher_or_none(self._fisher, theta), "FedSVI",
                                "the guide's Fisher information", int(self.state.step),
                                far_start_advice(np.asarray(result.losses)) if self.engine._adaptive_server else "")
 
@@ -1318,14 +1318,6 @@ class FedLocalVIStrategy(_EngineStrategy):
         mean."""
         return self.structure.constrain_global(self.engine._theta(self.engine._iterate(
             self.state if state is None else state)))
-
-
-def _or_none(fisher, theta):
-    """``fisher(theta)``, or None for a guide without a log density at a given value (``FedSVI._fisher_or_none``)."""
-    try:
-        return fisher(theta)
-    except NotImplementedError:
-        return None
 
 
 def _client_average(replies, received):

@@ -54,6 +54,15 @@ def federated_guide_arguments(inputs, plate_mode: bool, static_kwargs: dict) -> 
     return args, {**kwargs, **static_kwargs}
 
 
+def fisher_or_none(fisher: Callable, *args):
+    """``fisher(*args)`` (a compiled :func:`guide_fisher_diagonal`), or None for a guide without a log density at a
+    given value (a flow without an analytic inverse, ``AutoBNAFNormal``): a convergence check then cannot tell."""
+    try:
+        return fisher(*args)
+    except NotImplementedError:
+        return None
+
+
 def guide_fisher_diagonal(guide, constrain: Callable, theta: dict, args, kwargs, key,
                           num_draws: int = FISHER_DRAWS) -> dict:
     """``diag E_q[(∇_θ log q_θ(z))²]`` of the guide at its unconstrained global params ``theta`` (``constrain`` maps

@@ -47,7 +47,7 @@ from ..inputs import (
 )
 from ..objectives import block_loss_fn, check_elbo, client_loss_fn, client_loss_from_blocks, full_loss_fn
 from ..particles import oracle_elbo
-from ..preconditioning import federated_guide_arguments, guide_fisher_diagonal
+from ..preconditioning import federated_guide_arguments, fisher_or_none, guide_fisher_diagonal
 from ..prox import as_prox
 from ..runner import EarlyStopping, RunResult, check_quarter_move, quarter_snapshots
 from ..structure import Partitions, inspect_global_model, warn_if_unsubsampled
@@ -430,18 +430,11 @@ class FedSVI(FedMM):
         result = self._run(init_state, num_steps, inputs, progress_bar=progress_bar, stable_update=stable_update,
                            callbacks=callbacks, early_stopping=early_stopping, chunk_size=chunk_size, hooks=hooks)
         # (the guide's Fisher at the output: 1/σ² for a Gaussian location; a point mass, AutoDelta, has none)
-        check_quarter_move(result, snapshots(result.state), lambda theta: self._fisher_or_none(theta, inputs),
+        fisher = self._compiled("fisher", self._fisher)
+        check_quarter_move(result, snapshots(result.state), lambda theta: fisher_or_none(fisher, theta, inputs),
                            "FedSVI", "the guide's Fisher information", int(result.state.step),
                            far_start_advice(np.asarray(result.losses)) if self._adaptive_server else "")
         return result
-
-    def _fisher_or_none(self, theta, inputs):
-        """:meth:`_fisher`, compiled once, or None for a guide without a log density at a given value (a flow
-        without an analytic inverse, ``AutoBNAFNormal``: the convergence check then cannot tell)."""
-        try:
-            return self._compiled("fisher", self._fisher)(theta, inputs)
-        except NotImplementedError:
-            return None
 
     def _fisher(self, theta, inputs):
         """The guide's Fisher diagonal at its unconstrained params ``theta`` (the convergence check's units)."""
