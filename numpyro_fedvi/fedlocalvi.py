@@ -791,11 +791,16 @@ class FedLocalVI:
         result.diagnostics["oracle_calls_per_client"] = rounds * self.local_steps * self.solver.calls_per_step
         if self.auto_step:
             self._warn_if_stuck(np.asarray(result.losses), result.state, eta_since)
-        # units: H = |diag ∇²F̄| of step_size="auto"'s last refresh (1/√H about q's posterior sd, as PD-VI's check)
-        curvature = self._theta(result.state.precond["curvature"]) if self.auto_step else None
-        check_quarter_move(result, snapshots(result.state), lambda _: curvature, type(self).__name__,
-                           "the ELBO's curvature", rounds)
+        self.check_convergence(result, snapshots(result.state))
         return result
+
+    def check_convergence(self, result: RunResult, snapshots: list) -> None:
+        """:func:`~numpyro_fedvi.runner.check_quarter_move` of the output's snapshots, in units of
+        ``step_size="auto"``'s last H = |diag ∇²F̄| in ``result.state`` (1/√H about q's posterior sd, as PD-VI's
+        check; None with a float step size); ``run`` and the Flower strategy call it."""
+        curvature = self._theta(result.state.precond["curvature"]) if self.auto_step else None
+        check_quarter_move(result, snapshots, lambda _: curvature, type(self).__name__, "the ELBO's curvature",
+                           int(result.state.round))
 
     def _warn_if_stuck(self, losses: np.ndarray, state: vs.VIState, eta_since: dict) -> None:
         """Warn when ``step_size="auto"`` took none of the last :data:`STUCK_ROUNDS` rounds (each left non-finite

@@ -64,7 +64,7 @@ from . import vi_solvers as vs
 from .federated import ClientData
 from .fedlocalvi import NON_FINITE_INITIAL_ESTIMATE, FedLocalVI, refreshed_step, rescaled_control
 from .fedmm.engine import FedMM, strong_types
-from .fedmm.fedsvi import FedSVI, far_start_advice
+from .fedmm.fedsvi import FedSVI
 from .pdvi import (
     PDVI,
     _accum,
@@ -81,7 +81,7 @@ from .structure import inspect_model, private_guide
 from .inputs import InputJit, is_inexact_dtype, prepare_inputs, split_inputs
 from .objectives import block_loss_fn
 from .curvature import diag_hessian
-from .runner import RunResult, check_quarter_move, quarter_snapshots
+from .runner import RunResult, quarter_snapshots
 
 __all__ = ["LOCAL_SIMULATION", "FedLocalVIStrategy", "FedMMStrategy", "NonFiniteRecord", "PDVIStrategy", "from_record",
            "make_client_app", "make_server_app", "simulate", "to_record"]
@@ -1098,9 +1098,7 @@ class FedMMStrategy(_EngineStrategy):
         """FedSVI's check (``FedSVI.run``): the output's move over the last quarter, in units of the guide's Fisher
         information at the output (None for a guide without a log density at a given value, a flow)."""
         if isinstance(self.engine, FedSVI):
-            check_quarter_move(result, snapshots, lambda theta: _pre.fisher_or_none(self._fisher, theta), "FedSVI",
-                               "the guide's Fisher information", int(self.state.step),
-                               far_start_advice(np.asarray(result.losses)) if self.engine._adaptive_server else "")
+            self.engine.check_convergence(result, snapshots, self._fisher)
 
     def get_params(self, state=None):
         """Constrained guide params (FedSVI) or ``to_params(θ)`` / θ (FedMM) of ``state`` (default: the last) at
@@ -1296,10 +1294,7 @@ class FedLocalVIStrategy(_EngineStrategy):
     def _check(self, result, snapshots):
         """``FedLocalVI.run``'s check: the output's move over the last quarter in units of ``step_size="auto"``'s
         last curvature H (None with a float step size)."""
-        e = self.engine
-        curvature = e._theta(self.state.precond["curvature"]) if e.auto_step else None
-        check_quarter_move(result, snapshots, lambda _: curvature, type(e).__name__, "the ELBO's curvature",
-                           int(self.state.round))
+        self.engine.check_convergence(result, snapshots)
 
     def _evaluation_broadcast(self):
         """The engine's reported point (``_iterate``: ``engine.output`` of the state after the round) and key."""

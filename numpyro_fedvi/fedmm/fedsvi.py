@@ -431,10 +431,16 @@ class FedSVI(FedMM):
                            callbacks=callbacks, early_stopping=early_stopping, chunk_size=chunk_size, hooks=hooks)
         # (the guide's Fisher at the output: 1/σ² for a Gaussian location; a point mass, AutoDelta, has none)
         fisher = self._compiled("fisher", self._fisher)
-        check_quarter_move(result, snapshots(result.state), lambda theta: fisher_or_none(fisher, theta, inputs),
-                           "FedSVI", "the guide's Fisher information", int(result.state.step),
-                           far_start_advice(np.asarray(result.losses)) if self._adaptive_server else "")
+        self.check_convergence(result, snapshots(result.state), lambda theta: fisher(theta, inputs))
         return result
+
+    def check_convergence(self, result: RunResult, snapshots: list, fisher) -> None:
+        """:func:`~numpyro_fedvi.runner.check_quarter_move` of the output's snapshots in units of the guide's Fisher
+        diagonal ``fisher(theta)`` (None for a guide without a log density at a given value), with
+        :func:`far_start_advice` under the server's Adam; ``run`` and the Flower strategy call it."""
+        check_quarter_move(result, snapshots, lambda theta: fisher_or_none(fisher, theta), "FedSVI",
+                           "the guide's Fisher information", int(result.state.step),
+                           far_start_advice(np.asarray(result.losses)) if self._adaptive_server else "")
 
     def _fisher(self, theta, inputs):
         """The guide's Fisher diagonal at its unconstrained params ``theta`` (the convergence check's units)."""
