@@ -41,6 +41,7 @@ from .fedmm.engine import strong_types
 from .inputs import (
     InputJit,
     array_arguments,
+    as_typed_key,
     check_inputs_like,
     check_state_like,
     check_static_kwargs,
@@ -538,7 +539,7 @@ class FedLocalVI:
         the clients; every client starts at the guide's init params (or the constrained ``init_params``).  Returns
         the solver state (``vi_solvers.VIState``)."""
         args, kwargs = prepare_inputs(args, kwargs, self.model)
-        setup_key, rng_key = random.split(rng_key)
+        setup_key, rng_key = random.split(as_typed_key(rng_key))
         structure = self._setup(setup_key, args, kwargs, init_params)
         z0 = strong_types(self._initial_point(structure.init_global))  # no weak types: no retrace after round 1
         state = self.initial_state(z0, rng_key)
@@ -739,7 +740,7 @@ class FedLocalVI:
         """Full-data negative ELBO at ``get_params(state, which)`` (key: ``rng_key`` or the run's fixed key)."""
         self._require_init()
         args, kwargs = prepare_inputs(args, kwargs, self.model)
-        inputs = (self._inputs(args, kwargs), rng_key, which or self.output)
+        inputs = (self._inputs(args, kwargs), None if rng_key is None else as_typed_key(rng_key), which or self.output)
         return self._compiled("evaluate", self._evaluate)(self._given(state), inputs)
 
     def _evaluate(self, state, inputs):
@@ -763,6 +764,7 @@ class FedLocalVI:
         with ``step_size="auto"``, whether the output has converged (``drift``, ``drift_site``, ``converged``: its
         move over the last quarter of the run in units of the ELBO's curvature, a warning when above 0.1;
         :func:`~numpyro_fedvi.runner.check_quarter_move`)."""
+        rng_key = as_typed_key(rng_key)
         args, kwargs = prepare_inputs(args, kwargs, self.model)
         if init_state is None:
             init_state = self.init(rng_key, *args, init_params=init_params, **kwargs)

@@ -25,7 +25,7 @@ import numpy as np
 
 from .user_warnings import warn
 
-__all__ = ["InputJit", "array_arguments", "check_inputs_like", "check_positive", "check_state_like",
+__all__ = ["InputJit", "array_arguments", "as_typed_key", "check_inputs_like", "check_positive", "check_state_like",
            "check_static_kwargs", "is_inexact_dtype", "is_numeric_dtype", "is_real_number", "prepare_inputs",
            "prepare_value", "split_inputs", "state_template"]
 
@@ -41,6 +41,26 @@ def is_numeric_dtype(dtype) -> bool:
 def is_inexact_dtype(dtype) -> bool:
     """Floating or complex, bfloat16 and float8 included (the dtypes that can hold NaN or inf)."""
     return jnp.issubdtype(dtype, jnp.inexact)
+
+
+def as_typed_key(rng_key, name: str = "rng_key"):
+    """``rng_key`` as a typed PRNG key (``random.key``): a raw ``uint32`` key (``random.PRNGKey``, NumPyro's
+    examples) is wrapped — the same bits, so the same draws — and a typed key is returned as is.  Every program an
+    engine compiles then sees one key type whichever a user passes: a raw and a typed key are different input types
+    to ``jit``, and a run with one after a run with the other compiled every program again (PD-VI on eight schools:
+    18 s, MPSGD 7.5 s, FedSVI 7.5 s; 2026-12-01)."""
+    if isinstance(rng_key, jax.Array) and jnp.issubdtype(rng_key.dtype, jax.dtypes.prng_key):
+        return rng_key
+    raw = np.asarray(rng_key) if not isinstance(rng_key, jax.Array) else rng_key
+    if raw.dtype != np.uint32 or raw.ndim != 1:
+        raise TypeError(f"{name} must be a JAX PRNG key, e.g. jax.random.key(0) or jax.random.PRNGKey(0); got "
+                        f"{type(rng_key).__name__} of dtype {raw.dtype} and shape {tuple(raw.shape)}.")
+    try:
+        return jax.random.wrap_key_data(raw)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a JAX PRNG key, e.g. jax.random.key(0) or jax.random.PRNGKey(0); a raw key "
+                        f"of shape {tuple(raw.shape)} is not one of the default PRNG implementation (its raw keys have "
+                        f"shape {tuple(jax.random.PRNGKey(0).shape)}).") from None
 
 
 def is_pandas(x) -> bool:

@@ -37,6 +37,7 @@ from .guides import apply_scale, log_abs_det_scale
 from .inputs import (
     InputJit,
     array_arguments,
+    as_typed_key,
     check_inputs_like,
     check_positive,
     check_static_kwargs,
@@ -542,7 +543,7 @@ class MPSGD:
         paper's Σ0 = I/√L, whitened), or ``init_scale`` / the given scale, where q starts exactly (as ``SVI.init``
         with ``init_params``)."""
         args, kwargs = prepare_inputs(args, kwargs, self.model)
-        setup_key, rng_key = random.split(rng_key)
+        setup_key, rng_key = random.split(as_typed_key(rng_key))
         self._setup(setup_key, args, kwargs)
         loc, scale = self._init_loc, None
         if self.init_scale is not None:
@@ -643,7 +644,7 @@ class MPSGD:
         if isinstance(num_samples, bool) or not isinstance(num_samples, (int, np.integer)) or num_samples < 1:
             raise ValueError(f"num_samples must be a positive integer, got {num_samples!r}.")
         args, kwargs = self._prepared(args, kwargs)
-        key = random.key(0) if rng_key is None else rng_key
+        key = random.key(0) if rng_key is None else as_typed_key(rng_key)
         with shapes_noted(self._input_arrays, args, kwargs, "MPSGD", self.model):
             return self._compiled("evaluate", self._evaluate)(state, (key, int(num_samples), which, args, kwargs))
 
@@ -691,6 +692,7 @@ class MPSGD:
                 raise ValueError("num_steps=None needs budget=E (Theorem 4 then fixes K).")
         elif isinstance(num_steps, bool) or not isinstance(num_steps, (int, np.integer)) or num_steps < 1:
             raise ValueError(f"num_steps must be a positive integer, got {num_steps!r}.")
+        rng_key = as_typed_key(rng_key)
         args, kwargs = prepare_inputs(args, kwargs, self.model)
         before = self._input_arrays  # the shapes of the last set-up: named in an error at other shapes
         if init_state is None:

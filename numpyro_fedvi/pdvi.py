@@ -38,6 +38,7 @@ from .federated.participation import sample_without_replacement
 from .inputs import (
     InputJit,
     array_arguments,
+    as_typed_key,
     check_inputs_like,
     check_positive,
     check_state_like,
@@ -1110,6 +1111,7 @@ class PDVI:
     @concrete_data_fallback
     def init(self, rng_key, *args, init_params: dict | None = None, **kwargs) -> PDVIState:
         """Trace model and guide, build the blocks and the duals; returns the initial ``PDVIState``."""
+        rng_key = as_typed_key(rng_key)
         args, kwargs = prepare_inputs(args, kwargs, self.model)
         rng_key, setup_key, eta_key = random.split(rng_key, 3)
         self._setup(setup_key, args, kwargs, init_params)
@@ -1261,6 +1263,7 @@ class PDVI:
         the same shapes does not recompile.  A step with non-finite values writes nothing (O(|S_t|) guard).
         Returns a ``RunResult`` (``params``, ``state``, ``losses``, ``diagnostics``).
         """
+        rng_key = as_typed_key(rng_key)
         args, kwargs = prepare_inputs(args, kwargs, self.model)
         if init_state is None:
             state = self.init(rng_key, *args, init_params=init_params, **kwargs)

@@ -210,6 +210,18 @@ def check_arguments_by_keyword_or_position_run_one_compiled_loop(fitted):
     _assert_tree_equal(result.params, fitted.result.params, "params of the other argument form differ")
 
 
+def check_raw_and_typed_keys_run_one_compiled_loop(fitted):
+    """``random.PRNGKey(0)`` (a raw key, as NumPyro's examples write it) after runs with ``random.key(0)`` (the same
+    bits): no new trace beyond the set-up, bitwise the same result (the engines wrap a raw key: a raw and a typed key
+    are different input types to ``jit``, and the second kind compiled every program again)."""
+    engine, case = fitted.engine, fitted.case
+    before = traces()
+    result = engine.run(random.PRNGKey(0), 2 * STEPS, *case.args, progress_bar=False, chunk_size=STEPS, **case.kwargs)
+    assert traces() - before <= SETUP_TRACES, f"a raw key after a typed one traced the model {traces() - before} times"
+    _assert_tree_equal(result.params, fitted.result.params, "a raw key's params differ from the same typed key's")
+    np.testing.assert_array_equal(np.asarray(result.losses), np.asarray(fitted.result.losses))
+
+
 def check_resume_is_bitwise_equal_to_uninterrupted(fitted):
     engine, case = fitted.engine, fitted.case
     first = _run(engine, case, STEPS)
@@ -363,7 +375,7 @@ def check_foreign_state_refused(fitted):
 
 
 CHECKS = [check_run_result_is_finite_and_deterministic, check_second_run_does_not_recompile,
-          check_arguments_by_keyword_or_position_run_one_compiled_loop,
+          check_arguments_by_keyword_or_position_run_one_compiled_loop, check_raw_and_typed_keys_run_one_compiled_loop,
           check_resume_is_bitwise_equal_to_uninterrupted, check_svi_surface_and_eager_update_loop,
           check_jitted_update_gives_finite_state, check_predictive_and_datatree, check_pandas_and_list_inputs,
           check_nan_input_refused_before_compilation, check_zero_steps_refused, check_observations_left_out_refused,
@@ -393,3 +405,11 @@ def test_engine_contract(engine_name):
             failures.append(f"{check.__name__.removeprefix('check_')}: {type(err).__name__}: {err}".strip()[:600])
     assert not failures, f"{engine_name}: {len(failures)} of {len(CHECKS)} contract items fail:\n" + "\n".join(
         "- " + f for f in failures)
+
+
+@pytest.mark.parametrize("engine_name", ["pdvi_local", "mpsgd", "fedsvi", "fedlocalvi"])
+def test_a_key_that_is_not_a_prng_key_is_refused_before_anything_compiles(engine_name):
+    case = CASES[engine_name]
+    for bad in (0, np.zeros(2), np.zeros(3, np.uint32)):
+        with pytest.raises(TypeError, match=r"rng_key must be a JAX PRNG key, e\.g\. jax\.random\.key\(0\)"):
+            case.make().run(bad, 2, *case.args, progress_bar=False, **case.kwargs)

@@ -19,8 +19,8 @@ from jax import random
 
 from .. import sharding as _sharding
 from ..federated import Bernoulli, ClientData, Compressor, check_client_data, FixedSize, Full, Identity, Participation
-from ..inputs import (InputJit, check_positive, check_state_like, is_real_number, prepare_inputs, prepare_value,
-                      state_template)
+from ..inputs import (InputJit, as_typed_key, check_positive, check_state_like, is_real_number, prepare_inputs,
+                      prepare_value, state_template)
 from ..runner import EarlyStopping, RunResult, revert_non_finite, run_loop, tree_all_finite
 from .core import (
     FedMMState,
@@ -268,7 +268,7 @@ class SASSMM(_Engine):
         data = self._prepare(data)
         n = _num_rows(data)
         init_stat = check_init_stat(self.family, init_stat, data, jnp.ones((n,), bool), "the data rows")
-        return sassmm_init(self.family, strong_types(init_stat), rng_key)
+        return sassmm_init(self.family, strong_types(init_stat), as_typed_key(rng_key))
 
     def _prepare(self, data):
         if isinstance(data, ClientData):  # (it failed inside JAX's array conversion)
@@ -515,8 +515,8 @@ class FedMM(_Engine):
         init_stat = strong_types(init_stat)
         self.check_settings(family, init_stat, client_data.num_clients, client_data.counts)
         self._check_mesh_clients(client_data.num_clients)
-        return self._place_state(fedmm_init(family, init_stat, client_data, rng_key, self.init_control_variates,
-                                            self.aggregate, self.server_optimizer))
+        return self._place_state(fedmm_init(family, init_stat, client_data, as_typed_key(rng_key),
+                                            self.init_control_variates, self.aggregate, self.server_optimizer))
 
     def check_settings(self, family: SurrogateFamily, init_stat, num_clients: int, counts=None) -> None:
         """The participation law against ``num_clients`` and α ≤ 1/(1+ω_p) (ω: the compressor's variance factor on

@@ -38,6 +38,7 @@ from .. import sharding as _sharding
 from ..federated import ClientData, check_clients, client_minibatch
 from ..inputs import (
     array_arguments,
+    as_typed_key,
     check_inputs_like,
     check_positive,
     check_static_kwargs,
@@ -390,7 +391,7 @@ class FedSVI(FedMM):
         """Trace model and guide once (on the model's arguments, or on client 0's rows for a ClientData), build the
         clients; Ŝ_0 = the guide's unconstrained init params (or the constrained ``init_params``), θ_0 = T(Ŝ_0)."""
         client_data, args, kwargs = self._split(args, kwargs, "init")
-        return self._init(rng_key, client_data, args, kwargs, init_params)
+        return self._init(as_typed_key(rng_key), client_data, args, kwargs, init_params)
 
     @concrete_data_fallback
     def update(self, state, *args, **kwargs):
@@ -418,6 +419,7 @@ class FedSVI(FedMM):
         """``num_steps`` communication rounds in the shared compiled loop: ``run(rng_key, num_rounds, *model_args)``
         (or ``run(rng_key, num_rounds, client_data, *args)``).  ``init_state`` resumes (bitwise the uninterrupted
         run); a second run on same-shaped inputs reuses the compiled loop.  See :meth:`FedMM.run`."""
+        rng_key = as_typed_key(rng_key)
         client_data, args, kwargs = self._split(args, kwargs, "run")
         if init_state is not None:
             check_inputs_like(self._input_arrays, args, kwargs, "FedSVI", self.model, same_shapes=self._plate_mode)
