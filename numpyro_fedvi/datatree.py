@@ -57,7 +57,7 @@ from numpyro.infer.util import log_density
 from numpyro.primitives import Messenger
 
 from .enumeration import EnumInfo, enum_info_of_trace, log_density_fn, pointwise_log_likelihood, read_abstract_trace
-from .inputs import concrete_data_fallback, prepare_inputs
+from .inputs import as_typed_key, concrete_data_fallback, prepare_inputs
 from .objectives import without_imputed_entries
 from .structure import drawn_jointly, imputation_sites, is_factor
 from .user_warnings import warn
@@ -381,7 +381,7 @@ def to_datatree(engine, result, *args, num_samples: int = 1000, rng_key=None, lo
     model, guide = _model_and_guide(engine)
     params = _params(result)
     args, kwargs = prepare_inputs(args, {**kwargs, **getattr(engine, "static_kwargs", {})})
-    key = random.key(0) if rng_key is None else rng_key
+    key = random.key(0) if rng_key is None else as_typed_key(rng_key)
     k_draw, k_trace, k_pred = random.split(key, 3)
 
     try:
