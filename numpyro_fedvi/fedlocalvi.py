@@ -51,7 +51,7 @@ from .inputs import (
     state_template,
 )
 from .objectives import block_loss_fn, check_elbo, client_loss_fn, client_loss_from_blocks, full_loss_fn
-from .particles import oracle_elbo
+from .particles import counts_couplings, oracle_elbo
 from .prox import as_prox, zero_prox
 from .runner import (
     EarlyStopping,
@@ -400,7 +400,7 @@ class FedLocalVI:
         model's structure (also what a Flower server and client build, each on the arguments it has)."""
         return inspect_global_model(type(self).__name__, self.model, self.guide, rng_key, args,
                                     {**kwargs, **self.static_kwargs}, data_plate=self.data_plate,
-                                    init_params=init_params, loss=self.loss)
+                                    init_params=init_params, loss=self.loss, coupling=counts_couplings(self.elbo))
 
     def _setup(self, rng_key, args, kwargs, init_params=None):
         self._input_arrays = array_arguments(args, kwargs, self.model)  # for check_inputs_like

@@ -80,6 +80,7 @@ from .robust import RobustFedVI, dro_objective, dro_weights
 from .structure import inspect_model, private_guide
 from .inputs import InputJit, is_inexact_dtype, prepare_inputs, split_inputs
 from .objectives import block_loss_fn
+from .particles import counts_couplings
 from .curvature import diag_hessian
 from .runner import RunResult, quarter_snapshots
 
@@ -1366,7 +1367,7 @@ class PDVIStrategy(_EngineStrategy):
         self.structure = inspect_model(engine.model, engine.guide, setup_key, args,
                                        {**kwargs, **engine.static_kwargs}, data_plate=engine.data_plate,
                                        init_params=init_params, loss=engine.loss, engine="PDVI",
-                                       block_oracle=True)
+                                       block_oracle=True, coupling=counts_couplings(engine.oracle_loss))
         lam0 = self.structure.init_global
         eta = _eta_template(engine, lam0)
         self.state = pdvi_init(lam0, 1, None, eta, rng_key)._replace(mu=None)

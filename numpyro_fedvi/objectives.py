@@ -188,13 +188,17 @@ def without_imputed_entries(model, guide, sites, jointly: bool):
     return model, _ModelMasksOnGuide(guide, model, sites)
 
 
-def with_data_plate(elbo, data_plate: str):
-    """``elbo``, or for controlled draws that name no data plate (``ControlledDraws(local_plate=None)``: every plated
-    site counted as local, as the federated engines' oracles are built before the model is traced) a copy naming
-    ``data_plate``: their global sites in other plates are then drawn as global vectors."""
-    if hasattr(elbo, "freeze") and getattr(elbo, "local_plate", "") is None:
-        elbo = copy.copy(elbo)
-        elbo.local_plate = data_plate
+def with_draw_layout(elbo, structure: ModelStructure):
+    """``elbo``, or for controlled draws (``elbo.freeze``) a copy told the model's layout: the data plate's name when
+    they name none (``ControlledDraws(local_plate=None)``: every plated site counted as local, as the federated
+    engines' oracles are built before the model is traced), so that global sites in other plates are drawn as
+    global vectors, and the sites among them whose slices the data couple (``structure.coupled_globals``), which the
+    particle rules count like unplated vectors."""
+    if not hasattr(elbo, "freeze"):
+        return elbo
+    elbo = copy.copy(elbo)
+    elbo.local_plate = elbo.local_plate or structure.data_plate.name
+    elbo.coupled = elbo.coupled | structure.coupled_globals
     return elbo
 
 
@@ -222,7 +226,7 @@ def block_loss_fn(elbo, model, guide, structure: ModelStructure, static_kwargs: 
     """
     plate = structure.data_plate
     static_kwargs = dict(static_kwargs or {})
-    elbo = with_data_plate(elbo, plate.name)
+    elbo = with_draw_layout(elbo, structure)
 
     def on_block(fn, rng_key, global_unc, local_rows_unc, idx, mask, weight, args, kwargs):
         """``fn(rng_key, constrained global params, model, guide, *args, **kwargs)`` with model and guide restricted
@@ -290,7 +294,7 @@ def client_loss_fn(elbo, model, guide, structure, data_plate: str, num_total: in
     weighted sum ``Σ_i μ_i loss_i`` is the full-data negative ELBO in expectation (specs/fedmm.md "Pitfalls";
     used by FedSVI and FedLocalVI).  ``theta`` are the unconstrained GLOBAL params of ``structure``."""
     kwargs = dict(kwargs or {})
-    elbo = with_data_plate(elbo, data_plate)
+    elbo = with_draw_layout(elbo, structure)
 
     def loss(rng_key, theta, rows, mask, *_):
         scale = num_total / jnp.maximum(jnp.sum(mask), 1)

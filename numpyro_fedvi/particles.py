@@ -244,15 +244,19 @@ class ControlledDraws(ELBO):
         with the earlier sites, when its coordinates fit in the particles (the rules count them when the count
         then stays within ``max_particles``), else slice by slice (counted, a 5-component, 10-d mixture's 50 means
         made its oracle 3.3× slower per iteration for the same W2).  ``None`` (default): every plated site is
-        local.  The engines name their data plate (``objectives.with_data_plate``).
+        local.  The engines name their data plate (``objectives.with_draw_layout``).
     :param max_whitened: a rule may exceed ``max_particles`` up to this many particles to whiten the coordinates of a
         global vector outside every plate jointly (``None``, default: ``max_particles``; the engines' rules,
         :func:`oracle_elbo`, pass ``WHITENED_MAX_PARTICLES`` = 64).
+    :param coupled: names of global sites in plates other than the data plate whose slices one datum couples
+        (regression weights every datum sums, ``X @ w``, not group effects): the rules count them like a global
+        vector outside every plate, up to ``max_whitened``.  The engines pass what
+        :func:`~numpyro_fedvi.structure.coupled_global_sites` finds (``objectives.with_draw_layout``).
     """
 
     def __init__(self, elbo: ELBO | None = None, num_particles: int | str = "auto", scheme: str = "orthogonal",
                  max_particles: int = 16, min_particles: int = 4, local_plate: str | None = None,
-                 max_whitened: int | None = None):
+                 max_whitened: int | None = None, coupled=()):
         from numpyro.infer import Trace_ELBO
 
         if scheme not in SCHEMES:
@@ -277,7 +281,7 @@ class ControlledDraws(ELBO):
                              f"{min_particles!r}.")
         self.scheme, self.max_particles, self.min_particles = scheme, int(max_particles), int(min_particles)
         self.max_whitened = self.max_particles if max_whitened is None else max(int(max_whitened), self.max_particles)
-        self.local_plate = local_plate
+        self.local_plate, self.coupled = local_plate, frozenset(coupled)
         super().__init__(num_particles=S)
 
     def particles_for(self, guide, rng_key, param_map, *args, **kwargs) -> int:
@@ -292,10 +296,11 @@ class ControlledDraws(ELBO):
         max_whitened, which then caps the count instead of max_particles (they are whitened jointly with the earlier
         globals, whatever the order the guide samples them in; rescaled per coordinate instead, their cross moments
         move q's scales at each block solve); so does a global site in plates other than the data plate
-        (``local_plate``), drawn as one vector, when the count then stays within max_particles (a plate of 20 group
-        effects raised PD-VI's count 10 → 50 and its time 5× for the same q: each datum touches one group's effect,
-        so their cross moments do not enter the ELBO; 5 weights in a plate of features, which every datum couples,
-        were 34% off in q's scales drawn feature by feature).
+        (``local_plate``), drawn as one vector, when the count then stays within max_particles, or within
+        max_whitened when the data couple its slices (``coupled``: 5 weights in a plate of features, which every
+        datum sums, were 34% off in q's scales drawn feature by feature, 20 were 39% off while max_particles capped
+        the count; a plate of 20 group effects raised PD-VI's count 10 → 50 and its time 5× for the same q: each
+        datum touches one group's effect, so their cross moments do not enter the ELBO).
         ``"minimal"``: ``2(d + 1)`` in [min_particles, max_particles], the fewest that make every cross
         moment above exactly 0 (one antisymmetric dimension left per local coordinate); with fewer, a site is
         projected off only the top directions of the earlier ones, and equally whitened directions tie (PD-VI's
@@ -305,7 +310,7 @@ class ControlledDraws(ELBO):
         seeded = handlers.substitute(handlers.seed(guide, rng_key), data=param_map)
         tr = handlers.trace(seeded).get_trace(*args, **kwargs)
         sites = [(frozenset(f.name for f in m["cond_indep_stack"]), int(np.prod(m["fn"].shape())),
-                  max(int(np.prod(m["fn"].batch_shape)), 1) if m["cond_indep_stack"] else 1)
+                  max(int(np.prod(m["fn"].batch_shape)), 1) if m["cond_indep_stack"] else 1, m["name"])
                  for m in tr.values() if m["type"] == "sample" and not m["is_observed"] and m["fn"].has_rsample
                  and not m["infer"].get("enumerate")]
         # (an AutoContinuous guide's Delta sites, which take no controlled draws, count too: left out, eight schools
@@ -328,12 +333,12 @@ class ControlledDraws(ELBO):
             return sum(n if not q & p else n // size for q, n, size in placed if not q & p or (q == p and p))
 
         placed, counts = [], []  # (plates as drawn, n, size) of the sites so far; (before, own) per site
-        for p, m, size in sites:
+        for p, m, size, name in sites:
             before, own = orthogonal_to(placed, p), 0
             if local(p):
                 own = m // size if m > size else 0
             elif m > 1 and 2 * (orthogonal_to(placed, frozenset()) + m + spare) <= (
-                    self.max_particles if p else self.max_whitened):
+                    self.max_particles if p and name not in self.coupled else self.max_whitened):
                 p = frozenset()  # a global vector (in no plate, or in plates other than the data plate): whitened
                 before, own = orthogonal_to(placed, p), m  # jointly with every earlier site
             placed.append((p, m, size))
@@ -366,6 +371,13 @@ class ControlledDraws(ELBO):
             return elbo_loss(self.elbo, random.fold_in(rng_key, p), param_map, model, g, *args, **kwargs)
 
         return {"loss": jnp.mean(jax.vmap(particle)(jnp.arange(S))), "mutable_state": None}
+
+
+def counts_couplings(elbo) -> bool:
+    """Whether ``elbo``'s particle rule counts the global sites whose slices the data couple (``coupled``): controlled
+    draws with a rule (``"auto"`` / ``"minimal"``), which an engine then tells what
+    :func:`~numpyro_fedvi.structure.coupled_global_sites` finds."""
+    return isinstance(elbo, ControlledDraws) and isinstance(elbo.num_particles, str)
 
 
 def oracle_elbo(loss: ELBO | None, draws: str | None, particles: int | str, max_particles: int = 16) -> ELBO | None:

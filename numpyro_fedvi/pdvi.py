@@ -50,7 +50,7 @@ from .inputs import (
 from .linesearch import lbfgs_trial_steps
 from .newton import newton_solve
 from .objectives import block_loss_fn, check_elbo, full_loss_fn
-from .particles import ControlledDraws, oracle_elbo
+from .particles import ControlledDraws, counts_couplings, oracle_elbo
 from .preconditioning import evenly_spaced
 from .runner import EarlyStopping, RunResult, curvature_move, run_loop, spaced_snapshots, tree_all_finite
 from .structure import ModelStructure, Partitions, inspect_model, make_partitions, warn_if_unsubsampled
@@ -699,7 +699,7 @@ class PDVI:
         with _in_host_memory() if host else contextlib.nullcontext():
             structure = inspect_model(self.model, self.guide, rng_key, args, {**kwargs, **self.static_kwargs},
                                       data_plate=self.data_plate, init_params=init_params, loss=self.loss,
-                                      engine="PDVI", block_oracle=True)
+                                      engine="PDVI", block_oracle=True, coupling=counts_couplings(self.oracle_loss))
         if not structure.params:
             raise ValueError("the guide has no numpyro.param sites to optimise (a model without latent variables, or "
                              "a guide built for another model?).")

@@ -115,6 +115,9 @@ class ModelStructure:
     #: the guide draws them inside a joint latent (a ``Delta`` site: ``AutoMultivariateNormal``), whose density
     #: cannot leave their masked-out entries out (``objectives.without_imputed_entries``)
     imputed_jointly: bool = False
+    #: global latent sites in plates other than the data plate whose slices a datum couples
+    #: (:func:`coupled_global_sites`): the controlled draws take each as one vector
+    coupled_globals: frozenset = frozenset()
 
     @property
     def imputation(self) -> tuple[tuple[str, ...], bool]:
@@ -292,6 +295,11 @@ def _plate_dims(*traces) -> dict[str, int]:
     return dims
 
 
+# coupled_global_sites tests sites of at most this many coordinates: the particle rules count a global vector's own
+# coordinates while 2 (its coordinates + the earlier ones + 1) fits in WHITENED_MAX_PARTICLES (64), i.e. up to ~31
+COUPLING_MAX_COORDINATES = 31
+
+
 class _FirstIndices(Messenger):
     """Give every subsampled plate its first ``subsample_size`` indices (the structure does not depend on which
     rows; this skips NumPyro's host-side shuffle, compiled anew on every call)."""
@@ -373,6 +381,76 @@ def _support_bounds(support) -> list:
             and not isinstance(v, bool)]
 
 
+def _retrace(model, args, kwargs, rng_key=None):
+    """``values -> trace`` of ``model`` with its sites set to ``values``, always with the same key (randomness inside
+    the model, ``numpyro.prng_key``, moves nothing between two traces) and a subsampled plate's first indices."""
+    key = random.key(0) if rng_key is None else rng_key
+
+    def traced(values):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return handlers.trace(handlers.substitute(handlers.seed(_FirstIndices(model), key), data=values)
+                                  ).get_trace(*args, **kwargs)
+
+    return traced
+
+
+def _row_terms(trace, plate: DataPlate):
+    """``(rows,)``: each row's log-density terms of the data plate's sites (observed, factors, local latents) in
+    ``trace``, every other batch dim summed; ``None`` when no site's density has the plate's axis."""
+    total = None
+    for site in trace.values():
+        if site["type"] != "sample" or plate.name not in _frame_names(site):
+            continue
+        lp = np.asarray(site["fn"].log_prob(site["value"]))  # (NumPy from here: no kernels to compile)
+        axis = lp.ndim + plate.dim
+        if axis < 0 or lp.shape[axis] == 1:
+            continue
+        rows = np.moveaxis(lp, axis, 0)
+        rows = rows.reshape(rows.shape[0], -1).sum(1)
+        total = rows if total is None else total + rows
+    return total
+
+
+def coupled_global_sites(model, model_trace, args, kwargs, plate: DataPlate, rng_key=None,
+                         max_coordinates: int = COUPLING_MAX_COORDINATES) -> frozenset:
+    """The global latent sites in plates other than the data plate (``plate("features", D)``, ``plate("groups",
+    G)``) of at most ``max_coordinates`` coordinates whose slices one datum's terms depend on more than one of —
+    regression weights that every datum sums (``X @ w``), not group effects (each datum touches its group's).  The
+    controlled draws take a coupled site as one vector (:class:`~numpyro_fedvi.particles.ControlledDraws`'s
+    ``coupled``).  Found by tracing the model again with one slice at a time moved in its unconstrained space (the
+    same key) and counting, per row of the data plate, the slices that moved its terms (:func:`_row_terms`); one
+    eager trace per slice.  Advisory: a model that cannot be traced so gives none."""
+    candidates = [(n, s) for n, s in model_trace.items() if s["type"] == "sample" and not s["is_observed"]
+                  and not s["fn"].support.is_discrete and _frame_names(s) and plate.name not in _frame_names(s)
+                  and 1 < int(np.prod(s["fn"].shape())) <= max_coordinates
+                  and int(np.prod(s["fn"].batch_shape)) > 1]
+    if not candidates:
+        return frozenset()
+    traced = _retrace(model, args, kwargs, rng_key)
+    values = {n: s["value"] for n, s in model_trace.items() if s["type"] == "sample" and not s["is_observed"]}
+    coupled = set()
+    try:
+        before = _row_terms(traced(values), plate)
+        if before is None:
+            return frozenset()
+        for name, site in candidates:
+            to_support = biject_to(site["fn"].support)
+            unconstrained = to_support.inv(site["value"])
+            slices = int(np.prod(site["fn"].batch_shape))
+            flat, steps = unconstrained.reshape((slices, -1)), 0.5 * np.eye(slices, dtype=unconstrained.dtype)
+            moved_by = np.zeros(before.shape, np.int64)
+            for j in range(slices):  # (a step as an array operand: one compiled kernel for every slice)
+                moved = to_support((flat + steps[j][:, None]).reshape(unconstrained.shape))
+                after = _row_terms(traced({**values, name: moved}), plate)
+                moved_by += ~np.isclose(after, before, rtol=1e-6, atol=0.0)
+            if np.any(moved_by > 1):
+                coupled.add(name)
+    except Exception:  # noqa: BLE001 - advisory: a site not found coupled keeps the per-slice draws
+        return frozenset(coupled)
+    return frozenset(coupled)
+
+
 def warn_dependent_supports(model, model_trace, args, kwargs, engine: str, rng_key=None, *,
                             traced_with_key: bool = False) -> None:
     """Warn about latent sites whose support depends on other latents (``u ~ Uniform(0, b)``, ``b`` latent): an
@@ -389,14 +467,7 @@ def warn_dependent_supports(model, model_trace, args, kwargs, engine: str, rng_k
     bounded = [n for n, s in latent.items() if _support_bounds(s["fn"].support)]
     if not bounded or len(latent) < 2:
         return
-    key = random.key(0) if rng_key is None else rng_key
-
-    def traced(values):  # the same key both times: randomness inside the model (numpyro.prng_key) moves nothing
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return handlers.trace(handlers.substitute(handlers.seed(_FirstIndices(model), key), data=values)
-                                  ).get_trace(*args, **kwargs)
-
+    traced = _retrace(model, args, kwargs, rng_key)
     try:
         moved = {}
         for n, s in latent.items():
@@ -543,6 +614,7 @@ def inspect_model(
     loss=None,
     engine: str = "This engine",
     block_oracle: bool = False,
+    coupling: bool = False,
 ) -> ModelStructure:
     """Trace ``guide`` and ``model`` (replayed against the guide) once and describe their params.
 
@@ -561,6 +633,8 @@ def inspect_model(
         Monte-Carlo draws (PD-VI's oracle): a guide site without reparameterised samples is warned about
         (:func:`warn_score_function_sites`), and with local params a term outside the data plate that depends on
         the per-datum latents is refused (:func:`check_blocks_separate`).
+    :param coupling: find the global sites in other plates whose slices the data couple
+        (:func:`coupled_global_sites`, ``coupled_globals``; an engine whose controlled draws count them).
     """
     kwargs = dict(kwargs or {})
     model_key, guide_key = random.split(rng_key)
@@ -684,8 +758,10 @@ def inspect_model(
     if block_oracle and init_local:
         check_blocks_separate(model, model_trace, args, kwargs, plate.name, engine)
     imputed = imputation_sites(model_trace)
+    coupled = (coupled_global_sites(model, model_trace, args, kwargs, plate, model_key) if coupling and plate
+               else frozenset())
     return ModelStructure(infos, plate, init_global, init_local, trees, imputed,
-                          any(drawn_jointly(guide_trace, n) for n in imputed))
+                          any(drawn_jointly(guide_trace, n) for n in imputed), coupled)
 
 
 def drawn_jointly(guide_trace, name: str) -> bool:
@@ -723,11 +799,11 @@ def _leaf_sites(sites: list[dict], trees: dict) -> list[dict]:
 
 
 def inspect_global_model(engine: str, model, guide, rng_key, args, kwargs, *, data_plate=None,
-                         init_params=None, loss=None) -> ModelStructure:
+                         init_params=None, loss=None, coupling: bool = False) -> ModelStructure:
     """:func:`inspect_model` for the federated engines, whose guides have GLOBAL params only (``engine`` names the
     engine in the errors): no param inside the data plate, and at least one param to optimise."""
     structure = inspect_model(model, guide, rng_key, args, kwargs, data_plate=data_plate, init_params=init_params,
-                              loss=loss, engine=engine)
+                              loss=loss, engine=engine, coupling=coupling)
     imputed = [s for s in structure.imputed_sites if any(n.startswith(s) for n in structure.local_names)]
     if imputed:
         raise ValueError(f"{engine} supports guides with global params only; the model's obs_mask= makes the missing "

@@ -255,19 +255,20 @@ def test_auto_step_with_rho_is_alphas_bound_under_partial_participation_or_compr
     assert adam.step_size == 1.0 and adam.cv_step == pytest.approx(coarse.cv_step)
 
 
-@pytest.mark.parametrize("engine_name", ["FedSVI", "FedLocalVI"])
-def test_weights_in_a_plate_of_their_own_are_drawn_as_one_global_vector(engine_name):
+@pytest.mark.parametrize("engine_name,D", [("FedSVI", 5), ("FedLocalVI", 5), ("FedSVI", 12)])
+def test_weights_in_a_plate_of_their_own_are_drawn_as_one_global_vector(engine_name, D):
     """The federated engines' oracles name the model's data plate to their controlled draws
-    (``objectives.with_data_plate``): regression weights declared in ``plate("features", 5)`` (a common NumPyro
-    idiom) are one global vector, counted by the particle rule ("minimal": 2·(1 + 5 + 1)) and whitened jointly with
-    the intercept's draws, as the same weights declared ``to_event(1)``.  (Drawn feature by feature with 4 particles,
-    FedSVI ended with q(w)'s scales 14% off the mean-field optimum, 2026-12-01.)"""
+    (``objectives.with_draw_layout``): regression weights declared in ``plate("features", 5)`` (a common NumPyro
+    idiom) are one global vector, counted by the particle rule ("minimal": 2·(1 + D + 1), beyond max_particles when
+    every datum couples them, ``structure.coupled_globals``) and whitened jointly with the intercept's draws, as the
+    same weights declared ``to_event(1)``.  (Drawn feature by feature with 4 particles, FedSVI ended with q(w)'s
+    scales 14% off the mean-field optimum, 2026-12-01.)"""
     from shared_models import plated_logistic
 
     import numpyro_fedvi as nfv
 
     rng = np.random.default_rng(0)
-    X = rng.normal(size=(40, 5)).astype(np.float32)
+    X = rng.normal(size=(40, D)).astype(np.float32)
     y = (rng.random(40) < 0.5).astype(np.float32)
     engine = getattr(nfv, engine_name)(plated_logistic, AutoNormal(plated_logistic), Trace_ELBO(), num_clients=2)
     engine.init(random.key(0), X, y)
@@ -275,8 +276,9 @@ def test_weights_in_a_plate_of_their_own_are_drawn_as_one_global_vector(engine_n
     draws = engine._block_loss.freeze(random.key(1), engine.structure.init_global, {}, idx, mask, 1.0, (X, y),
                                       {}).draws
     z = np.concatenate([np.asarray(draws["b"], np.float64)[:, None], np.asarray(draws["w"], np.float64)], 1)
-    assert z.shape == (14, 6)
-    np.testing.assert_allclose(z.T @ z / 14, np.eye(6), atol=1e-5)
+    S = 2 * (1 + D + 1)
+    assert z.shape == (S, D + 1)
+    np.testing.assert_allclose(z.T @ z / S, np.eye(D + 1), atol=1e-5)
 
 
 def test_a_run_that_started_far_is_advised_a_nearer_start():

@@ -196,6 +196,12 @@ def test_auto_number_of_particles():
     assert counted(plated_regression, num_particles="minimal", local_plate="data", max_particles=12,
                    max_whitened=64) == 4
     assert counted(regression, num_particles="minimal", local_plate="data", max_particles=12, max_whitened=64) == 14
+    # ... unless the data couple its slices (``coupled``, what structure.coupled_global_sites finds): then like an
+    # unplated vector, up to max_whitened
+    assert counted(plated_regression, num_particles="minimal", local_plate="data", max_particles=12,
+                   max_whitened=64, coupled={"w"}) == 14
+    assert counted(plated_regression, num_particles="minimal", local_plate="data", max_particles=12,
+                   max_whitened=13, coupled={"w"}) == 4
     plated = particle_values(plated_regression, S, "orthogonal", random.key(3), local_plate="data")
     np.testing.assert_array_equal(plated["w"], v["w"])
     np.testing.assert_array_equal(plated["b0"], v["b0"])
@@ -685,3 +691,54 @@ def test_engine_rules_whiten_a_global_vector_beyond_max_particles():
     v = particle_values(regression, S, "orthogonal", random.key(5), 30)
     z = np.concatenate([np.asarray(v["w"], np.float64), np.asarray(v["b"], np.float64)[:, None]], 1)
     np.testing.assert_allclose(z.T @ z / S, np.eye(31), atol=1e-4)
+
+
+def test_coupled_global_sites_are_the_plated_globals_one_datum_depends_on_several_slices_of():
+    """``structure.coupled_global_sites``: weights in ``plate("features", D)`` that every datum sums (``X @ w``), in a
+    plain or a subsampled data plate, and a mixture's component means (every datum's marginal density) are coupled;
+    group effects (a datum touches its group's), the same weights with a one-hot design, and a site of more than
+    ``max_coordinates`` are not; only with ``coupling=True``."""
+    from shared_models import plated_logistic
+
+    from numpyro_fedvi.structure import coupled_global_sites
+
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(300, 6)).astype(np.float32)
+    y = (rng.random(300) < 0.5).astype(np.float32)
+
+    def groups(g, y=None):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+        with numpyro.plate("groups", 5):
+            a = numpyro.sample("a", dist.Normal(mu, 1.0))
+            s = numpyro.sample("s", dist.LogNormal(0.0, 1.0))
+        with numpyro.plate("data", g.shape[0]):
+            numpyro.sample("y", dist.Normal(a[g], s[g]), obs=y)
+
+    def mixture(x):
+        with numpyro.plate("components", 3):
+            m = numpyro.sample("m", dist.Normal(0.0, 5.0).expand([2]).to_event(1))
+        with numpyro.plate("data", x.shape[0]):
+            numpyro.sample("x", dist.MixtureSameFamily(dist.Categorical(probs=jnp.ones(3) / 3),
+                                                       dist.Normal(m, 1.0).to_event(1)), obs=x)
+
+    def subsampled(X, y):
+        b = numpyro.sample("b", dist.Normal(0.0, 2.0))
+        with numpyro.plate("features", X.shape[1]):
+            w = numpyro.sample("w", dist.Normal(0.0, 1.0))
+        with numpyro.plate("data", X.shape[0], subsample_size=50) as idx:
+            numpyro.sample("y", dist.Bernoulli(logits=b + X[idx] @ w), obs=y[idx])
+
+    def coupled(model, *args, **kw):
+        return inspect_model(model, AutoNormal(model), random.key(0), args, kw, coupling=True).coupled_globals
+
+    assert coupled(plated_logistic, X, y) == {"w"}
+    assert coupled(subsampled, X, y) == {"w"}
+    assert coupled(mixture, X[:, :2]) == {"m"}
+    assert coupled(groups, rng.integers(0, 5, 300), y) == set()
+    assert coupled(plated_logistic, np.eye(6, dtype=np.float32)[rng.integers(0, 6, 300)], y) == set()
+    plate = inspect_model(plated_logistic, AutoNormal(plated_logistic), random.key(0), (X, y), {}).data_plate
+    assert inspect_model(plated_logistic, AutoNormal(plated_logistic), random.key(0), (X, y), {}
+                         ).coupled_globals == set()   # not asked
+    trace = handlers.trace(handlers.seed(plated_logistic, 0)).get_trace(X, y)
+    assert coupled_global_sites(plated_logistic, trace, (X, y), {}, plate) == {"w"}
+    assert coupled_global_sites(plated_logistic, trace, (X, y), {}, plate, max_coordinates=5) == set()

@@ -412,15 +412,18 @@ def test_a_guide_without_global_params_is_refused_by_name():
         nfv.PDVI(local_only, AutoNormal(local_only), num_partitions=4).run(random.key(0), 5, x, progress_bar=False)
 
 
-def test_weights_in_a_plate_of_their_own_get_the_particles_of_a_to_event_vector():
-    """PD-VI's oracle draws regression weights declared in ``plate("features", 5)`` as one global vector: the same
-    particle count as the same weights declared ``to_event(1)`` (2·(1 + 5 + 1) with the default "minimal" rule, above
-    the small-data floor) and the very same draws.  (Drawn feature by feature, 4 particles, PD-VI with every default
-    ended a 5-covariate logistic regression with q(w)'s scales 34% off the mean-field optimum, 2026-12-01.)"""
+@pytest.mark.parametrize("D", [5, 12])
+def test_weights_in_a_plate_of_their_own_get_the_particles_of_a_to_event_vector(D):
+    """PD-VI's oracle draws regression weights declared in ``plate("features", D)`` as one global vector: the same
+    particle count as the same weights declared ``to_event(1)`` (2·(1 + D + 1) with the default "minimal" rule, above
+    the small-data floor) and the very same draws; beyond max_particles (D = 12: 28 > 16) because every datum couples
+    the weights (``structure.coupled_globals``).  (Drawn feature by feature, PD-VI with every default ended a
+    5-covariate logistic regression with q(w)'s scales 34% off the mean-field optimum, a 20-covariate one 39%;
+    2026-12-01.)"""
     from shared_models import oracle_particles, plated_logistic
 
     rng = np.random.default_rng(0)
-    X = jnp.asarray(rng.normal(size=(2000, 5)), jnp.float32)
+    X = jnp.asarray(rng.normal(size=(2000, D)), jnp.float32)
     y = jnp.asarray(rng.random(2000) < 0.5, jnp.float32)
 
     def event(X, y=None):
@@ -433,7 +436,8 @@ def test_weights_in_a_plate_of_their_own_get_the_particles_of_a_to_event_vector(
     for name, model in (("plated", plated_logistic), ("event", event)):
         engine = nfv.PDVI(model, AutoNormal(model))
         engine.init(random.key(0), X, y)
-        assert oracle_particles(engine, engine._inputs((X, y), {})) == 14
+        assert oracle_particles(engine, engine._inputs((X, y), {})) == 2 * (1 + D + 1)
+        assert engine.structure.coupled_globals == (frozenset({"w"}) if name == "plated" else frozenset())
         idx, mask, weight = engine._unit_data(0, engine.blocks)
         rows = engine._rows_of(engine.structure.init_local, idx)
         draws[name] = engine._block_loss.freeze(random.key(1), engine.structure.init_global, rows, idx, mask, weight,

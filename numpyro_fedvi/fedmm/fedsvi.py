@@ -47,7 +47,7 @@ from ..inputs import (
     prepare_value,
 )
 from ..objectives import block_loss_fn, check_elbo, client_loss_fn, client_loss_from_blocks, full_loss_fn
-from ..particles import oracle_elbo
+from ..particles import counts_couplings, oracle_elbo
 from ..preconditioning import federated_guide_arguments, fisher_or_none, guide_fisher_diagonal
 from ..prox import as_prox
 from ..runner import EarlyStopping, RunResult, check_quarter_move, quarter_snapshots
@@ -286,7 +286,7 @@ class FedSVI(FedMM):
         what a Flower server and client build, each on the arguments it has)."""
         structure = inspect_global_model("FedSVI", self.model, self.guide, rng_key, args,
                                          {**kwargs, **self.static_kwargs}, data_plate=self.data_plate,
-                                         init_params=init_params, loss=self.loss)
+                                         init_params=init_params, loss=self.loss, coupling=counts_couplings(self.elbo))
         if self.prox is not None and self.prox.sites is not None:
             missing = sorted(self.prox.sites - set(structure.global_names))
             if missing:
