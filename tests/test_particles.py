@@ -628,14 +628,19 @@ def test_pdvi_particle_floor_on_small_data():
                                   oracle_draws="iid"), X_PD) == 7
     assert _oracle_particles(PDVI(pd_model, pd_guide, num_partitions=B_PD), X_PD) == 4  # 1024 // 10⁴ = 0
 
-    # a vector latent in a plate other than the data plate (component means) is global for the rule: 4, not 10
-    def components(x):
+    # a vector latent in a plate other than the data plate (3 groups' 4-vectors, each datum touching its group's) is
+    # global for the rule: 4, not 10; when every datum couples its slices (their sum) it is counted as one vector
+    # (structure.coupled_global_sites): 2·(12 + 1)
+    def components(x, coupled=False):
         with numpyro.plate("components", 3):
             means = numpyro.sample("means", dist.Normal(jnp.zeros(4), 1.0).to_event(1))
         with numpyro.plate("data", x.shape[0], subsample_size=500) as idx:
-            numpyro.sample("obs", dist.Normal(means.sum(), 1.0), obs=x[idx])
+            loc = means.sum() if coupled else means[idx % 3].sum(-1)
+            numpyro.sample("obs", dist.Normal(loc, 1.0), obs=x[idx])
 
     assert _oracle_particles(PDVI(components, AutoNormal(components), num_partitions=B_PD), X_PD) == 4
+    coupled = functools.partial(components, coupled=True)
+    assert _oracle_particles(PDVI(coupled, AutoNormal(coupled), num_partitions=B_PD), X_PD) == 2 * (12 + 1)
     # data the model closes over are not among its arguments: D is at least the data plate's N
     closed = PDVI(lambda: pd_model(X_PD), lambda: pd_guide(X_PD), num_partitions=B_PD)
     assert _oracle_particles(closed) == 4
