@@ -800,9 +800,14 @@ class FedLocalVI:
         """:func:`~numpyro_fedvi.runner.check_quarter_move` of the output's snapshots, in units of
         ``step_size="auto"``'s last H = |diag ∇²F̄| in ``result.state`` (1/√H about q's posterior sd, as PD-VI's
         check; None with a float step size); ``run`` and the Flower strategy call it."""
-        curvature = self._theta(result.state.precond["curvature"]) if self.auto_step else None
+        curvature = self.objective_curvature(result.state) if self.auto_step else None
         check_quarter_move(result, snapshots, lambda _: curvature, type(self).__name__, "the ELBO's curvature",
                            int(result.state.round))
+
+    def objective_curvature(self, state: vs.VIState) -> dict:
+        """``step_size="auto"``'s last H on θ in ``state``, the full-data ELBO's |diag ∇²| (the convergence check's
+        units)."""
+        return self._theta(state.precond["curvature"])
 
     def _warn_if_stuck(self, losses: np.ndarray, state: vs.VIState, eta_since: dict) -> None:
         """Warn when ``step_size="auto"`` took none of the last :data:`STUCK_ROUNDS` rounds (each left non-finite

@@ -310,3 +310,18 @@ def test_small_tau_converges_as_fast_as_a_moderate_one():
     assert losses.max() < 2.375 and abs(losses[0] - losses[3]) < 0.005
     w = np.asarray(eng.group_weights(res.state))
     assert w[0] > 0.4 and w[3] > 0.4
+
+
+def test_convergence_check_reads_the_curvature_of_the_n_datum_objective():
+    """The convergence check's units are q's posterior sd: ``objective_curvature`` is the curvature of ``N Φ`` (the
+    state's is per datum, ``L_g = F_g / N``).  With τ large (w = 1/G, equal groups) ``N Φ`` is the average
+    posterior's negative ELBO, so its curvature is FedLocalVI's on the same clients; read per datum (before), the
+    drift was √N too small and a 400-row model said converged while q's mean moved 7 sd more (2026-12-01)."""
+    kw = {"oracle_draws": None, "crn": KEY}
+    robust = RobustFedVI(model, AutoNormal(model, init_loc_fn=INIT, init_scale=0.1), CLIENTS, ELBO, tau=1e3, **kw)
+    plain = nfv.FedLocalVI(model, AutoNormal(model, init_loc_fn=INIT, init_scale=0.1), CLIENTS, ELBO, **kw)
+    h_robust = robust.objective_curvature(robust.init(random.key(0)))
+    h_plain = plain.objective_curvature(plain.init(random.key(0)))
+    for k in h_plain:
+        np.testing.assert_allclose(h_robust[k], h_plain[k], rtol=1e-3)
+    assert np.all(np.asarray(h_plain["w_auto_loc"]) > 40)   # ~ Σ_i p_i(1 − p_i) x_ij²: the per-datum one is 240x less
