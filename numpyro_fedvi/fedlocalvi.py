@@ -57,6 +57,7 @@ from .runner import (
     EarlyStopping,
     RunResult,
     check_quarter_move,
+    covers_whole_run,
     quarter_snapshots,
     revert_non_finite,
     run_loop,
@@ -781,7 +782,7 @@ class FedLocalVI:
             eta_since[at] = state.precond["eta"]
             return state
 
-        snapshot_hooks, snapshots = quarter_snapshots(num_steps, lambda s: self._theta(self._iterate(s)))
+        snapshot_hooks, snapshots = quarter_snapshots(num_steps, lambda s: self._theta(self._iterate(s)), r0)
         hooks = [(k - r0, functools.partial(refresh, at=k)) for k in self.refresh_rounds(r0, end)] + snapshot_hooks
         result = run_loop(self._step, init_state, num_steps, inputs=inputs, hooks=hooks,
                           get_params=self.get_params, progress_bar=progress_bar, callbacks=callbacks,
@@ -793,16 +794,18 @@ class FedLocalVI:
         result.diagnostics["oracle_calls_per_client"] = rounds * self.local_steps * self.solver.calls_per_step
         if self.auto_step:
             self._warn_if_stuck(np.asarray(result.losses), result.state, eta_since)
-        self.check_convergence(result, snapshots(result.state))
+        self.check_convergence(result, snapshots(result.state), r0)
         return result
 
-    def check_convergence(self, result: RunResult, snapshots: list) -> None:
+    def check_convergence(self, result: RunResult, snapshots: list, done: int = 0) -> None:
         """:func:`~numpyro_fedvi.runner.check_quarter_move` of the output's snapshots, in units of
         ``step_size="auto"``'s last H = |diag ∇²F̄| in ``result.state`` (1/√H about q's posterior sd, as PD-VI's
-        check; None with a float step size); ``run`` and the Flower strategy call it."""
+        check; None with a float step size; ``done``: the rounds before this call); ``run`` and the Flower strategy
+        call it."""
         curvature = self.objective_curvature(result.state) if self.auto_step else None
+        rounds = int(result.state.round)
         check_quarter_move(result, snapshots, lambda _: curvature, type(self).__name__, "the ELBO's curvature",
-                           int(result.state.round))
+                           rounds, whole_run=covers_whole_run(rounds - done, done))
 
     def objective_curvature(self, state: vs.VIState) -> dict:
         """``step_size="auto"``'s last H on θ in ``state``, the full-data ELBO's |diag ∇²| (the convergence check's

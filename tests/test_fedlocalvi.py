@@ -630,3 +630,30 @@ def test_run_tells_whether_fedlocalvi_converged():
     fixed = FedLocalVI(gaussian_regression, AutoNormal(gaussian_regression), Trace_ELBO(), num_clients=2,
                        step_size=0.01)
     assert fixed.run(random.key(0), 32, _XG, y=_YG, progress_bar=False).diagnostics["converged"] is None
+
+
+def test_a_resumed_run_is_judged_on_the_whole_runs_last_quarter():
+    """The convergence check's snapshots are spaced for the WHOLE run (``quarter_snapshots(..., done)``): a run
+    resumed at round 12 for 20 more rounds holds the uninterrupted 32-round run's last-quarter snapshots and gets its
+    drift and verdict exactly; a continuation too short to hold them (18 rounds after 30: the whole run's need 21) is
+    judged on its own window, which under-reports a drift (here 0.002 against the whole 48-round run's 0.088), so it
+    can say "not converged" but not "converged" (before: FedLocalVI's run(60) drift 0.376, not converged; run(40)
+    then 20 more rounds to the same state, 0.068, converged; 2026-12-01)."""
+    import warnings
+
+    from numpyro_fedvi.runner import covers_whole_run
+
+    assert covers_whole_run(20, 12) and not covers_whole_run(18, 30) and covers_whole_run(64)
+    eng = FedLocalVI(gaussian_regression, AutoNormal(gaussian_regression), Trace_ELBO(), num_clients=2,
+                     local_steps=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        whole = eng.run(random.key(0), 32, _XG, y=_YG, progress_bar=False)
+        first = eng.run(random.key(0), 12, _XG, y=_YG, progress_bar=False)
+        resumed = eng.run(random.key(0), 20, _XG, y=_YG, progress_bar=False, init_state=first.state)
+        start = eng.run(random.key(0), 30, _XG, y=_YG, progress_bar=False)
+        short = eng.run(random.key(0), 18, _XG, y=_YG, progress_bar=False, init_state=start.state)
+    assert whole.diagnostics["converged"] is False
+    assert resumed.diagnostics["drift"] == whole.diagnostics["drift"]
+    assert resumed.diagnostics["converged"] is False
+    assert short.diagnostics["drift"] < 0.1 and short.diagnostics["converged"] is None

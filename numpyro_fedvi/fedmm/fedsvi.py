@@ -50,7 +50,7 @@ from ..objectives import block_loss_fn, check_elbo, client_loss_fn, client_loss_
 from ..particles import counts_couplings, oracle_elbo
 from ..preconditioning import federated_guide_arguments, fisher_or_none, guide_fisher_diagonal
 from ..prox import as_prox
-from ..runner import EarlyStopping, RunResult, check_quarter_move, quarter_snapshots
+from ..runner import EarlyStopping, RunResult, check_quarter_move, covers_whole_run, quarter_snapshots
 from ..structure import Partitions, inspect_global_model, warn_if_unsubsampled
 from .core import SurrogateFamily
 from .engine import FedMM, with_projection
@@ -428,21 +428,25 @@ class FedSVI(FedMM):
         elif self.structure is None:
             self._build(random.split(rng_key)[0], client_data, args, kwargs, init_params)
         inputs = (self.client_data if self._plate_mode else client_data, args, kwargs)
-        hooks, snapshots = quarter_snapshots(num_steps, self.output_iterate)
+        done = int(init_state.step)
+        hooks, snapshots = quarter_snapshots(num_steps, self.output_iterate, done)
         result = self._run(init_state, num_steps, inputs, progress_bar=progress_bar, stable_update=stable_update,
                            callbacks=callbacks, early_stopping=early_stopping, chunk_size=chunk_size, hooks=hooks)
         # (the guide's Fisher at the output: 1/σ² for a Gaussian location; a point mass, AutoDelta, has none)
         fisher = self._compiled("fisher", self._fisher)
-        self.check_convergence(result, snapshots(result.state), lambda theta: fisher(theta, inputs))
+        self.check_convergence(result, snapshots(result.state), lambda theta: fisher(theta, inputs), done)
         return result
 
-    def check_convergence(self, result: RunResult, snapshots: list, fisher) -> None:
+    def check_convergence(self, result: RunResult, snapshots: list, fisher, done: int = 0) -> None:
         """:func:`~numpyro_fedvi.runner.check_quarter_move` of the output's snapshots in units of the guide's Fisher
         diagonal ``fisher(theta)`` (None for a guide without a log density at a given value), with
-        :func:`far_start_advice` under the server's Adam; ``run`` and the Flower strategy call it."""
+        :func:`far_start_advice` under the server's Adam (``done``: the rounds before this call); ``run`` and the
+        Flower strategy call it."""
+        rounds = int(result.state.step)
         check_quarter_move(result, snapshots, lambda theta: fisher_or_none(fisher, theta), "FedSVI",
-                           "the guide's Fisher information", int(result.state.step),
-                           far_start_advice(np.asarray(result.losses)) if self._adaptive_server else "")
+                           "the guide's Fisher information", rounds,
+                           far_start_advice(np.asarray(result.losses)) if self._adaptive_server else "",
+                           covers_whole_run(rounds - done, done))
 
     def _fisher(self, theta, inputs):
         """The guide's Fisher diagonal at its unconstrained params ``theta`` (the convergence check's units)."""
