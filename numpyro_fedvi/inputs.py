@@ -25,8 +25,8 @@ import numpy as np
 
 from .user_warnings import warn
 
-__all__ = ["InputJit", "array_arguments", "as_typed_key", "check_inputs_like", "check_positive", "check_state_like",
-           "check_static_kwargs", "is_inexact_dtype", "is_numeric_dtype", "is_real_number", "prepare_inputs",
+__all__ = ["InputJit", "array_arguments", "as_typed_key", "check_inputs_like", "check_positive",
+           "check_state_like", "check_state_precision", "check_static_kwargs", "is_inexact_dtype", "is_numeric_dtype", "is_real_number", "prepare_inputs",
            "prepare_value", "split_inputs", "state_template"]
 
 _STATIC_TYPES = (bool, int, float, complex, str, bytes, type(None))
@@ -331,11 +331,17 @@ def check_state_like(state, template, engine: str, state_type: type | None = Non
         if tuple(np.shape(leaf)) != tuple(np.shape(like)):
             refuse(f"state{jax.tree_util.keystr(path)} has shape {tuple(np.shape(leaf))}, where this engine's has "
                    f"{tuple(np.shape(like))}")
-        have, need = jnp.result_type(leaf), jnp.result_type(like)
-        if jnp.issubdtype(need, jnp.floating) and have != need:  # a float32 state in an x64 run: JAX's carry error
-            raise ValueError(f"state{jax.tree_util.keystr(path)} is {have}, where this {engine} runs "
-                             f"{need}: a state written {'without' if need == jnp.float64 else 'with'} "
-                             "numpyro.enable_x64(). Resume in a process of the precision that wrote it.")
+        check_state_precision(f"state{jax.tree_util.keystr(path)}", leaf, like, engine)
+
+
+def check_state_precision(entry: str, leaf, like, engine: str) -> None:
+    """Refuse a state entry whose float dtype is not the engine's (``like``'s): a state written without
+    ``numpyro.enable_x64()`` resumed under it (JAX's carry error, or a silent float32 run) or the reverse."""
+    have, need = jnp.result_type(leaf), jnp.result_type(like)
+    if jnp.issubdtype(need, jnp.floating) and have != need:
+        raise ValueError(f"{entry} is {have}, where this {engine} runs {need}: a state written "
+                         f"{'without' if need == jnp.float64 else 'with'} numpyro.enable_x64(). Resume in a process "
+                         "of the precision that wrote it.")
 
 
 class _Dynamic:

@@ -40,6 +40,7 @@ from .inputs import (
     as_typed_key,
     check_inputs_like,
     check_positive,
+    check_state_precision,
     check_static_kwargs,
     concrete_data_fallback,
     is_real_number,
@@ -623,6 +624,8 @@ class MPSGD:
                 f"{tuple(got.values())}, where this MPSGD (schedule={'adaptive' if self.adaptive else 'theory'!r}, "
                 f"scale={self.scale_type!r}, d = {self.dim}) runs on a {want.__name__} with shapes "
                 f"{tuple(shapes.values())}. Resume on an engine built as the one that wrote the state.")
+        for k in shapes:  # (a float32 state under enable_x64 ran on silently in float32)
+            check_state_precision(f"state.{k}", getattr(state, k), self._init_loc, "MPSGD")
         return state
 
     @concrete_data_fallback

@@ -428,3 +428,11 @@ def test_a_state_of_another_float_precision_is_refused_naming_x64():
             check_state_like({"loc": jnp.zeros(2, jnp.float32), "step": jnp.asarray(3, jnp.int32)}, template, "PDVI")
         with pytest.raises(ValueError, match="written with numpyro.enable_x64"):
             check_state_like({"loc": jnp.zeros(2)}, {"loc": jnp.zeros(2, jnp.float32)}, "MPSGD")
+    # MPSGD checks its own state (loc / scale): a float32 one resumed under x64 ran on in float32 (a new user's
+    # checkpoint, 2026-12-01)
+    x = np.linspace(-1.0, 1.0, 12)
+    state = nfv.MPSGD(normal_mean, nfv.AutoLocationScale(normal_mean), stage_length=2).init(random.key(0), x)
+    with jax.enable_x64(True):
+        engine = nfv.MPSGD(normal_mean, nfv.AutoLocationScale(normal_mean), stage_length=2)
+        with pytest.raises(ValueError, match=r"state\.loc is float32, where this MPSGD runs float64"):
+            engine.run(random.key(0), 2, x, init_state=state, progress_bar=False)
