@@ -52,7 +52,7 @@ from .objectives import without_imputed_entries
 from .runner import EarlyStopping, RunResult, revert_non_finite, run_loop, tree_all_finite
 from .schedules import batch_growth, constant, dynamic_batching, theorem4
 from .structure import imputation_sites, observation_plates, warn_dependent_supports
-from .user_warnings import warn
+from .user_warnings import against, warn
 from .whitening import WhitenedState, make_whitened_step, project_scale, whitened_init, whitened_params
 
 THEORY_STEP_WARN = 1e4  # (theory) a float step_size above THEORY_STEP_WARN / L is warned about (1/(2L): theory)
@@ -725,8 +725,8 @@ class MPSGD:
                                       stages_completed=stages, converged=converged)
             reason = result.diagnostics["stop_reason"]
             if not converged and reason in ("completed", "early_stopping"):
-                moved = (f"the last stage moved the mean by {moves[0]:.3g} posterior sd and the scale by "
-                         f"{moves[1]:.3g}" if stages else "no stage has ended yet")
+                moved = (f"the last stage moved the mean by {against(moves[0], CONVERGED_MOVE)} posterior sd and "
+                         f"the scale by {against(moves[1], CONVERGED_MOVE)}" if stages else "no stage has ended yet")
                 early = (" (EarlyStopping stopped it: the loss is a noisy Monte-Carlo estimate, a relative rule "
                          "can fire long before the stages settle)" if reason == "early_stopping" else "")
                 warn(

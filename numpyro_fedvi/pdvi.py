@@ -54,7 +54,7 @@ from .particles import ControlledDraws, counts_couplings, oracle_elbo
 from .preconditioning import evenly_spaced
 from .runner import EarlyStopping, RunResult, curvature_move, run_loop, spaced_snapshots, tree_all_finite
 from .structure import ModelStructure, Partitions, inspect_model, make_partitions, warn_if_unsubsampled
-from .user_warnings import warn
+from .user_warnings import against, warn
 
 __all__ = ["Block", "NEWTON_MAX_HVPS", "PDVI", "PDVIState", "consensus_update", "dual_step", "pdvi_init", "pdvi_step",
            "prox_solve", "refreshed_eta"]
@@ -239,7 +239,7 @@ def check_drift(result: RunResult, snapshots: list, epoch: int, curvature: dict 
     result.diagnostics.update(drift=drift, drift_site=site, converged=converged)
     if converged is False:
         warn(f"{engine} has not converged after {int(result.state.step)} iterations: over the last "
-             f"{len(snapshots)} epochs ({epoch} iterations each) λ_0 drifted by {drift:.3g} per epoch at "
+             f"{len(snapshots)} epochs ({epoch} iterations each) λ_0 drifted by {against(drift, CONVERGED_DRIFT)} per epoch at "
              f"{site!r}, in units of the ELBO's curvature (about q's posterior sd for a location param); "
              f"converged means <= {CONVERGED_DRIFT}. Continue with run(key, num_steps, ..., "
              "init_state=result.state).", RuntimeWarning)

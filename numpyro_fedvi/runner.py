@@ -25,7 +25,7 @@ from numpyro.infer.svi import SVIRunResult
 from tqdm.auto import tqdm
 
 from .inputs import merge_inputs, split_inputs, traced_data_note
-from .user_warnings import sentence, warn
+from .user_warnings import against, sentence, warn
 
 __all__ = ["EarlyStopping", "RunResult", "revert_non_finite", "run_loop", "tree_all_finite"]
 
@@ -191,7 +191,8 @@ def check_quarter_move(result: RunResult, snapshots: list, curvature_of: Callabl
     if converged is False:
         warn(f"{engine} has not converged after {rounds} rounds: over the last quarter of the "
              f"{'run' if whole_run else 'call'} its output moved by "
-             f"{drift:.3g} posterior sd at {site!r} (in units of {units}); converged means <= {CONVERGED_MOVE}. "
+             f"{against(drift, CONVERGED_MOVE)} posterior sd at {site!r} (in units of {units}); converged means <= "
+             f"{CONVERGED_MOVE}. "
              f"Continue with run(key, num_rounds, ..., init_state=result.state).{' ' + advice if advice else ''}",
              RuntimeWarning)
 

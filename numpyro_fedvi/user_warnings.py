@@ -13,7 +13,7 @@ import warnings
 import jax
 import numpyro
 
-__all__ = ["sentence", "warn"]
+__all__ = ["against", "sentence", "warn"]
 
 _INTERNAL = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
                   for m in (jax, numpyro)) + (os.path.dirname(os.path.abspath(__file__)) + os.sep,)
@@ -28,3 +28,13 @@ def sentence(text: str) -> str:
     """``text`` with its first letter capitalised and the rest kept (``str.capitalize`` lowercases it): a remedy
     phrase ("lower eta (eta='auto')") opening a sentence of a warning."""
     return text[:1].upper() + text[1:]
+
+
+def against(value: float, bound: float) -> str:
+    """``value`` to 3 significant digits for a message that compares it with ``bound``, more where 3 would not show
+    on which side it lies (0.1004 against a bound of 0.1 read "moved by 0.1 ... converged means <= 0.1")."""
+    for digits in (3, 4, 5, 6, 8, 12):
+        text = f"{value:.{digits}g}"
+        if (float(text) > bound) == (value > bound):
+            return text
+    return repr(value)

@@ -62,3 +62,13 @@ def test_sentence_capitalises_the_first_letter_only():
         "Lower eta (eta='auto') or bound the consensus step"
     assert sentence("give a float step_size (η ≲ 1/L)") == "Give a float step_size (η ≲ 1/L)"
     assert sentence("") == ""
+
+
+def test_a_value_against_its_bound_shows_on_which_side_it_lies():
+    """``against``: 3 significant digits, more where 3 would round a value above the bound onto it (a warning read
+    "moved by 0.1 ... converged means <= 0.1" for 0.1004)."""
+    from numpyro_fedvi.user_warnings import against
+
+    assert against(0.376, 0.1) == "0.376" and against(0.0996, 0.1) == "0.0996"
+    assert against(0.1004, 0.1) == "0.1004" and against(0.10000004, 0.1) == "0.10000004"
+    assert against(0.1, 0.1) == "0.1" and against(3.25, 0.05) == "3.25"
