@@ -25,7 +25,7 @@ import numpy as np
 
 from .user_warnings import warn
 
-__all__ = ["InputJit", "array_arguments", "as_typed_key", "check_inputs_like", "check_positive",
+__all__ = ["InputJit", "arguments_left_out", "array_arguments", "as_typed_key", "check_inputs_like", "check_positive",
            "check_state_like", "check_state_precision", "check_static_kwargs", "is_inexact_dtype", "is_numeric_dtype", "is_real_number", "prepare_inputs",
            "prepare_value", "split_inputs", "state_template"]
 
@@ -138,6 +138,19 @@ def _signature(model) -> inspect.Signature | None:
         return None if model is None else inspect.signature(model)
     except (TypeError, ValueError):
         return None
+
+
+def arguments_left_out(model, args, kwargs, names) -> list[str]:
+    """Those of ``names`` (e.g. latent sites a guide does not know) that are parameters of ``model`` given no value
+    or None in this call: observations left out (``model(x, y=None)`` called without ``y`` samples ``y``)."""
+    signature = _signature(model)
+    if signature is None:
+        return []
+    try:
+        bound = signature.bind_partial(*args, **kwargs).arguments
+    except TypeError:
+        return []
+    return [n for n in names if n in signature.parameters and bound.get(n) is None]
 
 
 def check_static_kwargs(static_kwargs: dict, model=None, engine: str = "the engine") -> None:

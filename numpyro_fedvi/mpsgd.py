@@ -37,6 +37,7 @@ from .guides import apply_scale, log_abs_det_scale
 from .inputs import (
     InputJit,
     array_arguments,
+    arguments_left_out,
     as_typed_key,
     check_inputs_like,
     check_positive,
@@ -410,6 +411,11 @@ class MPSGD:
                     "initial values. Give each a prior (numpyro.sample) or a fixed value (a model argument), or fit "
                     "them with an engine that learns model params as SVI does (PDVI, FedSVI, FedLocalVI).")
             missing, extra = sorted(latent - set(init) - set(info.names)), sorted(set(init) - latent)
+            left_out = arguments_left_out(self.model, args, kwargs, sorted(latent))
+            if left_out:
+                raise TypeError(f"MPSGD: the model's argument(s) {left_out} got no value (None), so the model samples "
+                                f"the site(s) {left_out} it observes: pass the observations, as for SVI, e.g. "
+                                f"run(key, num_steps, ..., {left_out[0]}={left_out[0]}).")
             if missing or extra:
                 raise ValueError(
                     "the guide's latent vector does not cover this model's latents (a guide built for another "

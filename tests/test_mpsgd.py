@@ -234,6 +234,18 @@ def test_guide_of_another_model_is_refused(engine_model, guide_model, named):
         MPSGD(engine_model, AutoLocationScale(guide_model)).run(random.key(0), 2, A, Y, progress_bar=False)
 
 
+def test_observations_left_out_of_a_run_are_refused_naming_the_argument():
+    """``run(key, n, a)`` for ``model(a, y=None)``: the model samples ``y`` (the observations left out), a fresh guide
+    puts it in its latent vector and fits the prior, one built with ``y`` blamed the guide ("a guide built for another
+    model?", a new user's trial, 2026-12-01); refused naming the argument either way."""
+    fitted = MPSGD(model, AutoLocationScale(model), stage_length=2)
+    fitted.run(random.key(0), 2, A, Y, progress_bar=False)
+    for engine in (fitted, MPSGD(model, AutoLocationScale(model))):
+        with pytest.raises(TypeError, match=r"argument\(s\) \['y'\] got no value \(None\).*run\(key, num_steps, "
+                                            r"\.\.\., y=y\)"):
+            engine.run(random.key(0), 2, A, progress_bar=False)
+
+
 def test_a_model_param_is_refused_naming_it():
     """A ``numpyro.param`` in the MODEL (a learned noise scale) is no guide param: MPSGD's projected steps fit the
     guide's location and scale only, so it stayed at its initial value, silently (σ 1.0 where SVI learns 0.39; q(b)
