@@ -295,7 +295,8 @@ def test_a_run_that_started_far_is_advised_a_nearer_start():
     assert "init_to_median" in far_start_advice(np.array([2e6, np.nan, 5e3] + [3873.0] * 9))
     assert far_start_advice(np.array([1.02 * FAR_START_RATIO * 10 + 10.0] + [10.0] * 9)) != ""
     assert far_start_advice(np.array([0.98 * FAR_START_RATIO * 10 + 10.0] + [10.0] * 9)) == ""
-    assert far_start_advice(np.array([50.0, -1.0, -1.0])) == ""    # (|last| < 1 counts as 1: 51 < 100)
+    assert far_start_advice(np.array([18.0, -1.0, -1.0])) == ""    # (|last| < 1 counts as 1: 19 < 20)
+    assert far_start_advice(np.array([20.0, -1.0, -1.0])) != ""
     assert far_start_advice(np.array([np.nan, 3.0])) == ""
     rng = np.random.default_rng(3)
     X = rng.normal(size=(200, 4)).astype(np.float32)
