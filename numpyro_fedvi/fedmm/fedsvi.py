@@ -430,7 +430,7 @@ class FedSVI(FedMM):
         elif self.structure is None:
             self._build(random.split(rng_key)[0], client_data, args, kwargs, init_params)
         inputs = (self.client_data if self._plate_mode else client_data, args, kwargs)
-        done = int(init_state.step)
+        done = int(getattr(init_state, "step", 0))  # (a foreign state is refused by _run, naming what it is)
         hooks, snapshots = quarter_snapshots(num_steps, self.output_iterate, done)
         result = self._run(init_state, num_steps, inputs, progress_bar=progress_bar, stable_update=stable_update,
                            callbacks=callbacks, early_stopping=early_stopping, chunk_size=chunk_size, hooks=hooks)
