@@ -26,8 +26,8 @@ import numpy as np
 from .user_warnings import warn
 
 __all__ = ["InputJit", "arguments_left_out", "array_arguments", "as_typed_key", "check_inputs_like", "check_positive",
-           "check_state_like", "check_state_precision", "check_static_kwargs", "is_inexact_dtype", "is_numeric_dtype", "is_real_number", "prepare_inputs",
-           "prepare_value", "split_inputs", "state_template"]
+           "check_state_like", "check_state_precision", "check_static_kwargs", "is_inexact_dtype", "is_numeric_dtype",
+           "is_real_number", "prepare_inputs", "prepare_value", "split_inputs", "state_template"]
 
 _STATIC_TYPES = (bool, int, float, complex, str, bytes, type(None))
 

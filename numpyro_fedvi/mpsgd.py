@@ -36,8 +36,8 @@ from .enumeration import enum_info_of_trace, potential_fn, read_abstract_trace
 from .guides import apply_scale, log_abs_det_scale
 from .inputs import (
     InputJit,
-    array_arguments,
     arguments_left_out,
+    array_arguments,
     as_typed_key,
     check_inputs_like,
     check_positive,

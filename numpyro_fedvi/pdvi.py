@@ -239,8 +239,8 @@ def check_drift(result: RunResult, snapshots: list, epoch: int, curvature: dict 
     result.diagnostics.update(drift=drift, drift_site=site, converged=converged)
     if converged is False:
         warn(f"{engine} has not converged after {int(result.state.step)} iterations: over the last "
-             f"{len(snapshots)} epochs ({epoch} iterations each) λ_0 drifted by {against(drift, CONVERGED_DRIFT)} per epoch at "
-             f"{site!r}, in units of the ELBO's curvature (about q's posterior sd for a location param); "
+             f"{len(snapshots)} epochs ({epoch} iterations each) λ_0 drifted by {against(drift, CONVERGED_DRIFT)} per "
+             f"epoch at {site!r}, in units of the ELBO's curvature (about q's posterior sd for a location param); "
              f"converged means <= {CONVERGED_DRIFT}. Continue with run(key, num_steps, ..., "
              "init_state=result.state).", RuntimeWarning)
 

@@ -296,7 +296,7 @@ def _plate_dims(*traces) -> dict[str, int]:
 
 
 # coupled_global_sites tests sites of at most this many coordinates: the particle rules count a global vector's own
-# coordinates while 2 (its coordinates + the earlier ones + 1) fits in WHITENED_MAX_PARTICLES (64), i.e. up to ~31
+# coordinates while 2·(its coordinates + the earlier ones' + 1) fits in WHITENED_MAX_PARTICLES (64), i.e. up to 31
 COUPLING_MAX_COORDINATES = 31
 
 
