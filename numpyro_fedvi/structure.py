@@ -418,9 +418,11 @@ def coupled_global_sites(model, model_trace, args, kwargs, plate: DataPlate, rng
     G)``) of at most ``max_coordinates`` coordinates whose slices one datum's terms depend on more than one of —
     regression weights that every datum sums (``X @ w``), not group effects (each datum touches its group's).  The
     controlled draws take a coupled site as one vector (:class:`~numpyro_fedvi.particles.ControlledDraws`'s
-    ``coupled``).  Found by tracing the model again with one slice at a time moved in its unconstrained space (the
-    same key) and counting, per row of the data plate, the slices that moved its terms (:func:`_row_terms`); one
-    eager trace per slice.  Advisory: a model that cannot be traced so gives none."""
+    ``coupled``).  Found by tracing the model again with slices moved in their unconstrained space (the same key)
+    and comparing each row's terms of the data plate (:func:`_row_terms`): for each bit of the slices' index, once
+    the slices whose bit is 0 moved, once those whose bit is 1; a row whose terms both moved depends on two slices
+    (two slices differ in some bit), a row of one slice's never moves in both — 2⌈log₂ L⌉ eager traces for L
+    slices.  Advisory: a model that cannot be traced so gives none."""
     candidates = [(n, s) for n, s in model_trace.items() if s["type"] == "sample" and not s["is_observed"]
                   and not s["fn"].support.is_discrete and _frame_names(s) and plate.name not in _frame_names(s)
                   and 1 < int(np.prod(s["fn"].shape())) <= max_coordinates
@@ -438,14 +440,17 @@ def coupled_global_sites(model, model_trace, args, kwargs, plate: DataPlate, rng
             to_support = biject_to(site["fn"].support)
             unconstrained = to_support.inv(site["value"])
             slices = int(np.prod(site["fn"].batch_shape))
-            flat, steps = unconstrained.reshape((slices, -1)), 0.5 * np.eye(slices, dtype=unconstrained.dtype)
-            moved_by = np.zeros(before.shape, np.int64)
-            for j in range(slices):  # (a step as an array operand: one compiled kernel for every slice)
-                moved = to_support((flat + steps[j][:, None]).reshape(unconstrained.shape))
-                after = _row_terms(traced({**values, name: moved}), plate)
-                moved_by += ~np.isclose(after, before, rtol=1e-6, atol=0.0)
-            if np.any(moved_by > 1):
-                coupled.add(name)
+            flat, index = unconstrained.reshape((slices, -1)), np.arange(slices)
+            for bit in range(int(slices - 1).bit_length()):
+                moved_in = []
+                for half in (0, 1):  # (the step as an array operand: one compiled kernel for every trace)
+                    step = (0.5 * ((index >> bit) & 1 == half)).astype(unconstrained.dtype)[:, None]
+                    after = _row_terms(traced({**values, name: to_support((flat + step).reshape(unconstrained.shape))}),
+                                       plate)
+                    moved_in.append(~np.isclose(after, before, rtol=1e-6, atol=0.0))
+                if np.any(moved_in[0] & moved_in[1]):
+                    coupled.add(name)
+                    break
     except Exception:  # noqa: BLE001 - advisory: a site not found coupled keeps the per-slice draws
         return frozenset(coupled)
     return frozenset(coupled)
