@@ -803,6 +803,20 @@ def _leaf_sites(sites: list[dict], trees: dict) -> list[dict]:
     return out
 
 
+def _other_data_plates(model, args, kwargs, chosen: str) -> str:
+    """For a refusal message: the other plates around every observation (a nested ``plate("groups") >
+    plate("obs")`` model, whose data plate was found to be the groups), as a ``data_plate=`` hint, else ""."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trace = handlers.trace(handlers.seed(_FirstIndices(model), 0)).get_trace(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - a hint only
+        return ""
+    others = [p for p in observation_plates(trace) if p != chosen]
+    return (f" If the data points are the rows of another plate around the observations, name it: "
+            f"data_plate={others[0]!r}." if others else "")
+
+
 def inspect_global_model(engine: str, model, guide, rng_key, args, kwargs, *, data_plate=None,
                          init_params=None, loss=None, coupling: bool = False) -> ModelStructure:
     """:func:`inspect_model` for the federated engines, whose guides have GLOBAL params only (``engine`` names the
@@ -817,12 +831,13 @@ def inspect_global_model(engine: str, model, guide, rng_key, args, kwargs, *, da
                          "the rows whose observations are present (the posterior of the other latents is the same when "
                          "the missing values enter nothing else), or use PDVI, which keeps per-datum latents.")
     if structure.local_names:
+        hint = "" if data_plate is not None else _other_data_plates(model, args, kwargs, structure.data_plate.name)
         raise ValueError(f"{engine} supports guides with global params only; local params "
                          f"{list(structure.local_names)} live inside the data plate {structure.data_plate.name!r} "
                          "(per-datum latents are what PDVI is for, federated too: numpyro_fedvi.flower.PDVIStrategy "
                          "keeps each client's local params on the client. A guide whose params are all global, e.g. "
                          "AutoDiagonalNormal, runs here but puts every datum's latents in the global vector: the "
-                         "server holds and sends all of them every round.)")
+                         f"server holds and sends all of them every round.){hint}")
     if not structure.init_global:
         raise ValueError("the guide has no numpyro.param sites to optimise.")
     return structure

@@ -436,3 +436,23 @@ def test_a_state_of_another_float_precision_is_refused_naming_x64():
         engine = nfv.MPSGD(normal_mean, nfv.AutoLocationScale(normal_mean), stage_length=2)
         with pytest.raises(ValueError, match=r"state\.loc is float32, where this MPSGD runs float64"):
             engine.run(random.key(0), 2, x, init_state=state, progress_bar=False)
+
+
+def test_a_federated_engine_refusing_local_params_names_another_data_plate():
+    """A nested model (``plate("groups") > plate("obs")`` around y of shape (G, n)) whose data plate was found to be
+    the groups has per-group latents as local params, which the federated engines refuse: the message names the
+    other plate around every observation as ``data_plate=`` (a new user's trial, 2026-12-01: it did not say)."""
+    def nested(y):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 5.0))
+        with numpyro.plate("groups", y.shape[0], dim=-2):
+            theta = numpyro.sample("theta", dist.Normal(mu, 1.0))
+            with numpyro.plate("obs", y.shape[1], dim=-1):
+                numpyro.sample("y", dist.Normal(theta, 1.0), obs=y)
+
+    y = np.zeros((6, 10), np.float32)
+    with pytest.raises(ValueError, match=r"live inside the data plate 'groups'.*name it: data_plate='obs'\.$"):
+        nfv.FedSVI(nested, AutoNormal(nested), clients=np.arange(6) % 2).run(random.key(0), 2, y, progress_bar=False)
+    with pytest.raises(ValueError, match=r"global params only") as err:
+        nfv.FedSVI(nested, AutoNormal(nested), clients=np.arange(6) % 2, data_plate="groups").run(
+            random.key(0), 2, y, progress_bar=False)
+    assert "data_plate=" not in str(err.value)   # named by the user: no hint
