@@ -425,10 +425,17 @@ def to_datatree(engine, result, *args, num_samples: int = 1000, rng_key=None, lo
                 "weights); draw more (num_samples=)." if np.all(np.isfinite(log_w)) else
                 "no k̂: some importance log weights log p(θ, y) − log q(θ) are not finite (a draw where the model's "
                 "density is zero or undefined: q puts mass outside the posterior's support).")
-        if all(np.ptp(np.asarray(v), axis=0).max(initial=0.0) == 0 for v in posterior.values()):
+        point_mass = [k for k, v in draws.items() if k in latent_names and np.size(v) > 0
+                      and np.ptp(np.asarray(v), axis=0).max(initial=0.0) == 0]
+        if point_mass and len(point_mass) == sum(k in latent_names for k in draws):
             stats_attrs["pareto_k"] = float("nan")   # equal weights, but q is a point mass, not the posterior
             stats_attrs["pareto_k_note"] = ("no k̂: every draw is the same point (a point-mass guide such as "
                                             "AutoDelta), which has no density relative to the posterior.")
+        elif point_mass:  # (an AutoGuideList with an AutoDelta part: the weights judged the other sites only, k̂
+            stats_attrs["pareto_k"] = float("nan")   # 0.089 for a fit whose q(σ) is a point mass; 2026-12-01)
+            stats_attrs["pareto_k_note"] = (f"no k̂: q is a point mass at the site(s) {sorted(point_mass)} (e.g. an "
+                                            "AutoDelta part of an AutoGuideList), so it has no density relative to "
+                                            "the posterior and the weights would judge the other sites only.")
         groups = {"posterior": chain(posterior), "sample_stats": chain({"lp": lp, "log_q": log_q, "log_weight": log_w})}
     if observed:
         groups["observed_data"] = {k: np.asarray(v) for k, v in observed.items()}
