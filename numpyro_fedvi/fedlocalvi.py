@@ -57,7 +57,6 @@ from .runner import (
     EarlyStopping,
     RunResult,
     check_quarter_move,
-    covers_whole_run,
     quarter_snapshots,
     revert_non_finite,
     run_loop,
@@ -805,7 +804,7 @@ class FedLocalVI:
         curvature = self.objective_curvature(result.state) if self.auto_step else None
         rounds = int(result.state.round)
         check_quarter_move(result, snapshots, lambda _: curvature, type(self).__name__, "the ELBO's curvature",
-                           rounds, whole_run=covers_whole_run(rounds - done, done))
+                           rounds, done=done)
 
     def objective_curvature(self, state: vs.VIState) -> dict:
         """``step_size="auto"``'s last H on θ in ``state``, the full-data ELBO's |diag ∇²| (the convergence check's

@@ -167,17 +167,19 @@ def quarter_snapshots(num_steps: int, read: Callable, done: int = 0):
 
 
 def check_quarter_move(result: RunResult, snapshots: list, curvature_of: Callable, engine: str, units: str,
-                       rounds: int, advice: str = "", whole_run: bool = True) -> None:
+                       rounds: int, advice: str = "", done: int = 0) -> None:
     """``result.diagnostics``: ``drift``, how far the output moved over the last quarter of the run
     (:func:`curvature_move` of the means of the newest ``CONVERGENCE_SNAPSHOTS`` snapshots of
     :func:`quarter_snapshots` and of the ones before, in units of ``curvature_of(newest snapshot)``, a dict like the
     snapshots or None), ``drift_site`` and ``converged`` (drift at most ``CONVERGED_MOVE``; None for a run under 16
     steps, one stopped early, or no curvature); a completed run that has not converged is warned about (``rounds``:
-    the state's round count, and ``advice``, a sentence the engine adds, for the message).  ``whole_run`` False (a
-    resumed call shorter than 7/16 of the run, :func:`covers_whole_run`: its snapshots span a sixteenth of the CALL):
+    the state's round count, and ``advice``, a sentence the engine adds, for the message).  ``done``: the rounds
+    before this call; a resumed call shorter than 7/16 of the run (not :func:`covers_whole_run`: its snapshots span a
+    sixteenth of the CALL):
     a move over a shorter window under-reports a steady drift, so it can tell "not converged", not "converged"
     (None; measured: FedLocalVI's ``run(60)`` drift 0.376, not converged; ``run(40)`` then 20 more rounds to the
     same state: 0.068, "converged", 2026-12-01)."""
+    whole_run = covers_whole_run(rounds - done, done)
     known = (len(snapshots) == 2 * CONVERGENCE_SNAPSHOTS and all(x is not None for x in snapshots)
              and result.diagnostics["stop_reason"] == "completed")
     curvature = jax.device_get(curvature_of(snapshots[0])) if known else None

@@ -807,9 +807,7 @@ def _other_data_plates(model, args, kwargs, chosen: str) -> str:
     """For a refusal message: the other plates around every observation (a nested ``plate("groups") >
     plate("obs")`` model, whose data plate was found to be the groups), as a ``data_plate=`` hint, else ""."""
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            trace = handlers.trace(handlers.seed(_FirstIndices(model), 0)).get_trace(*args, **kwargs)
+        trace = _retrace(model, args, kwargs)({})
     except Exception:  # noqa: BLE001 - a hint only
         return ""
     others = [p for p in observation_plates(trace) if p != chosen]

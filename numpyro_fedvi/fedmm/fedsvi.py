@@ -50,7 +50,7 @@ from ..objectives import block_loss_fn, check_elbo, client_loss_fn, client_loss_
 from ..particles import counts_couplings, oracle_elbo
 from ..preconditioning import federated_guide_arguments, fisher_or_none, guide_fisher_diagonal
 from ..prox import as_prox
-from ..runner import EarlyStopping, RunResult, check_quarter_move, covers_whole_run, quarter_snapshots
+from ..runner import EarlyStopping, RunResult, check_quarter_move, quarter_snapshots
 from ..structure import Partitions, inspect_global_model, warn_if_unsubsampled
 from .core import SurrogateFamily
 from .engine import FedMM, with_projection
@@ -447,8 +447,7 @@ class FedSVI(FedMM):
         rounds = int(result.state.step)
         check_quarter_move(result, snapshots, lambda theta: fisher_or_none(fisher, theta), "FedSVI",
                            "the guide's Fisher information", rounds,
-                           far_start_advice(np.asarray(result.losses)) if self._adaptive_server else "",
-                           covers_whole_run(rounds - done, done))
+                           far_start_advice(np.asarray(result.losses)) if self._adaptive_server else "", done)
 
     def _fisher(self, theta, inputs):
         """The guide's Fisher diagonal at its unconstrained params ``theta`` (the convergence check's units)."""
