@@ -358,3 +358,32 @@ def test_diverging_losses_are_warned_about():
     assert said(rising[::-1]) == [] and said(np.linspace(-5.0, 5.0, 50)) == said(np.full(9, 1e9)) == []
     assert said(np.r_[800.0, np.full(49, 800.0 * 10.9)]) == [] and len(said(np.r_[800.0, np.full(49, 8900.0)])) == 1
     assert said(np.r_[1.0, 100.0 + np.random.default_rng(0).normal(size=49)]) != []
+
+
+def test_a_converged_verdict_needs_a_short_newton_step_when_the_engine_reads_a_gradient():
+    """``check_quarter_move(..., gradient=g)``: the drift test as before, and ``converged`` only when
+    ``max |g_i| / √H_i`` (:func:`curvature_gradient`) is at most ``CONVERGED_GRADIENT`` as well; a steep gradient
+    after small moves says why ("steps shrank"); without a gradient no such entry and the drift alone decides."""
+    import warnings
+
+    from numpyro_fedvi.runner import CONVERGED_GRADIENT, CONVERGENCE_SNAPSHOTS, check_quarter_move, curvature_gradient
+
+    H = {"a": np.array([4.0, 100.0]), "b": np.array(25.0)}
+    assert curvature_gradient({"a": np.array([1.0, -30.0]), "b": np.array(2.0)}, H) == (3.0, "a")
+    still = [{"a": np.array([1.0, 2.0]), "b": np.array(0.5)}] * (2 * CONVERGENCE_SNAPSHOTS)
+
+    def verdict(gradient):
+        result = RunResult({}, None, np.zeros(64), {"stop_reason": "completed"})
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            check_quarter_move(result, still, lambda snapshot: H, "E", "its curvature", 64, gradient=gradient)
+        return result.diagnostics, [str(w.message) for w in seen]
+
+    edge = CONVERGED_GRADIENT * 10.0   # |g| / √100 on a["1"]
+    d, seen = verdict({"a": np.array([0.0, 0.99 * edge]), "b": np.array(0.0)})
+    assert d["converged"] is True and d["gradient"] == pytest.approx(0.99 * CONVERGED_GRADIENT) and not seen
+    d, seen = verdict({"a": np.array([0.0, -1.01 * edge]), "b": np.array(0.0)})
+    assert d["converged"] is False and d["gradient_site"] == "a" and d["drift"] == 0.0
+    assert len(seen) == 1 and "steps shrank far from the optimum" in seen[0] and "1.01 posterior sd at 'a'" in seen[0]
+    d, seen = verdict(None)
+    assert d["converged"] is True and "gradient" not in d and not seen

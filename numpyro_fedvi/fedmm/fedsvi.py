@@ -447,7 +447,24 @@ class FedSVI(FedMM):
         rounds = int(result.state.step)
         check_quarter_move(result, snapshots, lambda theta: fisher_or_none(fisher, theta), "FedSVI",
                            "the guide's Fisher information", rounds,
-                           far_start_advice(np.asarray(result.losses)) if self._adaptive_server else "", done)
+                           far_start_advice(np.asarray(result.losses)) if self._adaptive_server else "", done,
+                           gradient=self.server_gradient(result.state))
+
+    def server_gradient(self, state) -> dict | None:
+        """The gradient of the full-data negative ELBO that the server's optimizer remembers: its first moment
+        ``mu`` (Adam's: an average of the last ~10 rounds' pseudo-gradients ``ρ·∇F`` at θ_t), divided by ρ; None
+        for Algorithm 2's step or an optimizer without one.  The convergence check's evidence that a run whose
+        moves shrank has not reached the optimum: from a far start Adam's memory of huge gradients keeps its steps
+        small for ~1,000 rounds (README, FedSVI: "Has it converged?")."""
+        if self.server_optimizer is None:
+            return None
+        try:
+            mu = optax.tree_utils.tree_get(state.server_opt, "mu")
+        except KeyError:  # several first moments (a chain of two Adams): not one gradient
+            return None
+        if not isinstance(mu, dict) or set(mu) != set(state.theta):
+            return None
+        return {k: v / self.rho for k, v in mu.items()}
 
     def _fisher(self, theta, inputs):
         """The guide's Fisher diagonal at its unconstrained params ``theta`` (the convergence check's units)."""
