@@ -106,6 +106,23 @@ def _params(result):
     return params
 
 
+def with_fitted_params(model, params: dict):
+    """``model`` with its OWN ``numpyro.param`` sites at their fitted values in ``params`` (a point-estimated
+    hyperparameter: type-II maximum likelihood), as ``Predictive(model, params=params)`` runs it; sample sites are
+    left alone whatever their names.  Run as written, the model reads such a param at its initial value: a noise
+    scale fitted to 0.62 was scored at 1.0, so lp, the pointwise log-likelihood and the posterior predictive were
+    another model's, and k̂ read 0.93 for a fit whose k̂ is 0.11 (a new user's trial, 2026-12-01)."""
+    return handlers.substitute(model, substitute_fn=lambda msg: params.get(msg["name"]) if msg["type"] == "param"
+                               else None)
+
+
+def _one_guide_draw(guide_f, params, args, kwargs) -> dict:
+    """The guide's latent sample sites at one draw (key 0), constrained: what an abstract trace of the model
+    substitutes where a latent has no sampler (``ImproperUniform``: drawing it raises NotImplementedError)."""
+    tr = handlers.trace(handlers.seed(handlers.substitute(guide_f, data=params), 0)).get_trace(*args, **kwargs)
+    return _latent({n: site["value"] for n, site in tr.items() if site["type"] == "sample" and not site["is_observed"]})
+
+
 def _check_params_cover_guide(guide, params, args, kwargs, who: str = "to_datatree") -> None:
     """Every ``param`` site of the guide has a value in ``params``: a missing one was drawn at the guide's INITIAL
     value, silently (a Flower PD-VI result holds the global params only: per-datum ones stay on the clients).  Its
@@ -191,7 +208,8 @@ def _without_imputed_entries(model, guide_f, params, args, kwargs):
     (:func:`~numpyro_fedvi.objectives.without_imputed_entries`): their entries at OBSERVED rows, no variable of the
     model, left out of log q (a mean-field guide) or given their standard density in log p (a joint latent); kept,
     their guide entropy alone made k̂ 3.09 against 0.67 for the same fit without ``obs_mask=``."""
-    sites = read_abstract_trace(full_data(model), args, kwargs, imputation_sites)
+    sites = read_abstract_trace(full_data(model), args, kwargs, imputation_sites,
+                                _one_guide_draw(guide_f, params, args, kwargs))
     if not sites:
         return model, guide_f
     jointly = read_abstract_trace(handlers.substitute(guide_f, data=params), args, kwargs,
@@ -259,6 +277,7 @@ def importance_log_weights(model, guide, params, draws, args=(), kwargs=None):
     """
     kwargs = dict(kwargs or {})
     _check_params_cover_guide(guide, params, args, kwargs, "importance_log_weights")
+    model = with_fitted_params(model, params)
     model, guide_f = _without_imputed_entries(model, _posterior_guide(model, guide, params, args, kwargs), params,
                                               args, kwargs)
     log_q = jax.lax.map(lambda d: log_density(guide_f, args, kwargs, {**params, **d})[0], draws)
@@ -380,6 +399,7 @@ def to_datatree(engine, result, *args, num_samples: int = 1000, rng_key=None, lo
         raise ValueError(f"num_samples must be an int >= 2, got {num_samples!r}.")
     model, guide = _model_and_guide(engine)
     params = _params(result)
+    model = with_fitted_params(model, params)
     args, kwargs = prepare_inputs(args, {**kwargs, **getattr(engine, "static_kwargs", {})})
     key = random.key(0) if rng_key is None else as_typed_key(rng_key)
     k_draw, k_trace, k_pred = random.split(key, 3)
