@@ -109,10 +109,14 @@ DIVERGING_RISE = 10.0
 def curvature_gradient(gradient: dict, curvature: dict) -> tuple[float, str]:
     """``(size, site)``: ``max_i |g_i| / √H_i`` of a gradient (host arrays, a dict like the params), the length of a
     diagonal Newton step in units of ``H`` (about q's posterior sd), and the site where it is largest."""
-    size = {k: np.abs(np.asarray(gradient[k], np.float64)) / np.sqrt(np.maximum(
-        np.abs(np.asarray(curvature[k], np.float64)), np.finfo(np.float64).tiny)) for k in sorted(curvature)}
-    site = max(size, key=lambda k: np.max(size[k], initial=0.0))
-    return float(np.max(size[site], initial=0.0)), site
+    return _largest_site({k: np.abs(np.asarray(gradient[k], np.float64)) / np.sqrt(np.maximum(
+        np.abs(np.asarray(curvature[k], np.float64)), np.finfo(np.float64).tiny)) for k in sorted(curvature)})
+
+
+def _largest_site(per_site: dict) -> tuple[float, str]:
+    """``(largest entry, its site)`` of ``{site: array}``."""
+    site = max(per_site, key=lambda k: np.max(per_site[k], initial=0.0))
+    return float(np.max(per_site[site], initial=0.0)), site
 
 
 def curvature_move(newer: list, older: list, curvature: dict) -> tuple[float, str]:
@@ -124,8 +128,7 @@ def curvature_move(newer: list, older: list, curvature: dict) -> tuple[float, st
             * np.abs(np.mean([np.asarray(x[k], np.float64) for x in newer], 0)
                      - np.mean([np.asarray(x[k], np.float64) for x in older], 0))
             for k in sorted(curvature)}
-    site = max(move, key=lambda k: np.max(move[k], initial=0.0))
-    return float(np.max(move[site], initial=0.0)), site
+    return _largest_site(move)
 
 
 # the federated engines' run() calls a run converged when its output moved by at most CONVERGED_MOVE (in units of a
