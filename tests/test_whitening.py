@@ -18,7 +18,7 @@ from jax import random
 
 from numpyro_fedvi import MPSGD, AutoLocationScale
 from numpyro_fedvi.guides import make_base
-from numpyro_fedvi.mpsgd import MIN_RADII
+from numpyro_fedvi.mpsgd import FAR_MOVE, MIN_RADII, far_start_advice
 from numpyro_fedvi.whitening import (CURVATURE_FLOOR, SAFETY, STAGE_RELAXATIONS, TARGET_SPREAD, TRUST_LOC,
                                      TRUST_SCALE, initial_frame, make_whitened_step, spherical_radial_draws,
                                      stage_step_size, whitened_init, whitened_params)
@@ -337,6 +337,24 @@ def test_warns_until_converged(default_engine):
     assert not res.diagnostics["converged"] and res.diagnostics["stages_completed"] == 1
     with pytest.warns(RuntimeWarning, match="no stage has ended yet"):
         engine.run(random.key(0), 5, A_DATA, Y, progress_bar=False)
+
+
+def test_a_far_start_is_advised_to_start_nearer(default_engine):
+    """A step moves the whitened mean by at most TRUST_LOC (one posterior sd): from 1,000 sd away the last stage of
+    a 30-step run moves it by more than FAR_MOVE, and the warning advises a nearer start; from the default start it
+    does not (the test above's 30 steps)."""
+    engine = default_engine()
+    sd = np.sqrt(np.diag(COV))
+    with pytest.warns(RuntimeWarning, match="has not converged") as far:
+        res = engine.run(random.key(0), 30, A_DATA, Y, progress_bar=False,
+                         init_params={"auto_loc": jnp.asarray(MEAN + 1000 * sd, jnp.float32)})
+    assert res.diagnostics["stage_moves"][0] > FAR_MOVE
+    assert "still travelling" in str(far[-1].message) and "init_to_median" in str(far[-1].message)
+    with pytest.warns(RuntimeWarning, match="has not converged") as near:
+        res = engine.run(random.key(0), 30, A_DATA, Y, progress_bar=False)
+    assert res.diagnostics["stage_moves"][0] <= FAR_MOVE
+    assert not any("still travelling" in str(w.message) for w in near)
+    assert far_start_advice(FAR_MOVE) == "" and "still travelling" in far_start_advice(FAR_MOVE * 1.01)
 
 
 def test_theory_options_need_the_theory_schedule():
