@@ -116,19 +116,24 @@ def with_fitted_params(model, params: dict):
                                else None)
 
 
+def _guide_trace(guide_f, params, args, kwargs):
+    """One concrete trace of the guide ``guide_f`` at ``params`` (key 0).  It also sets an AutoGuide up outside any
+    trace (a fresh one failed inside ``lax.map``)."""
+    return handlers.trace(handlers.seed(handlers.substitute(guide_f, data=params), 0)).get_trace(*args, **kwargs)
+
+
 def _one_guide_draw(guide_f, params, args, kwargs) -> dict:
     """The guide's latent sample sites at one draw (key 0), constrained: what an abstract trace of the model
     substitutes where a latent has no sampler (``ImproperUniform``: drawing it raises NotImplementedError)."""
-    tr = handlers.trace(handlers.seed(handlers.substitute(guide_f, data=params), 0)).get_trace(*args, **kwargs)
+    tr = _guide_trace(guide_f, params, args, kwargs)
     return _latent({n: site["value"] for n, site in tr.items() if site["type"] == "sample" and not site["is_observed"]})
 
 
 def _check_params_cover_guide(guide, params, args, kwargs, who: str = "to_datatree") -> None:
     """Every ``param`` site of the guide has a value in ``params``: a missing one was drawn at the guide's INITIAL
-    value, silently (a Flower PD-VI result holds the global params only: per-datum ones stay on the clients).  Its
-    concrete run also sets an AutoGuide up outside any trace (a fresh one failed inside ``lax.map``)."""
-    tr = handlers.trace(handlers.seed(handlers.substitute(full_data(guide), data=params), 0)).get_trace(*args,
-                                                                                                        **kwargs)
+    value, silently (a Flower PD-VI result holds the global params only: per-datum ones stay on the clients).
+    Its concrete run also sets an AutoGuide up (:func:`_guide_trace`)."""
+    tr = _guide_trace(full_data(guide), params, args, kwargs)
     missing = sorted(n for n, site in tr.items() if site["type"] == "param" and n not in params)
     if missing:
         raise ValueError(f"{who}: the result has no values for the guide's params {missing} (it has "
@@ -176,7 +181,7 @@ def _posterior_guide(model, guide, params, args, kwargs):
     loc_name = f"{guide.prefix}_loc"
     loc = jnp.asarray(params[loc_name])
     # one concrete run first: sets the guide up outside any trace, and gives the MAP's sites for the enum info
-    tr = handlers.trace(handlers.seed(handlers.substitute(guide_f, data=params), 0)).get_trace(*args, **kwargs)
+    tr = _guide_trace(guide_f, params, args, kwargs)
     at_map = _latent({n: s["value"] for n, s in tr.items() if s["type"] == "sample"})
     info, predicted = _model_roles(model_f, args, kwargs, at_map)
     if predicted:
@@ -361,8 +366,7 @@ def _local_params_error(model, guide, params, args, kwargs) -> ValueError | None
            "posterior_samples=...) holding the GLOBAL sites of the posterior (the new rows' local latents then come "
            "from their prior).")
     try:
-        guide_tr = handlers.trace(handlers.seed(handlers.substitute(full_data(guide), data=params), 0)).get_trace(
-            *args, **kwargs)
+        guide_tr = _guide_trace(full_data(guide), params, args, kwargs)
     except (ValueError, TypeError) as err:  # NumPyro's plates raise ValueError, jax.numpy's broadcasting TypeError
         site = _failing_site(err)
         where = f" at its site {site!r}" if site else ""
