@@ -812,7 +812,8 @@ def _other_data_plates(model, args, kwargs, chosen: str) -> str:
         return ""
     others = [p for p in observation_plates(trace) if p != chosen]
     return (f" If the data points are the rows of another plate around the observations, name it: "
-            f"data_plate={others[0]!r}." if others else "")
+            f"data_plate={others[0]!r} (the clients then split that plate, and the latents in {chosen!r} count as "
+            "global: if its rows are your data points, keep it and use PDVI)." if others else "")
 
 
 def inspect_global_model(engine: str, model, guide, rng_key, args, kwargs, *, data_plate=None,

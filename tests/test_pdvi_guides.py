@@ -288,11 +288,12 @@ def test_eta_curvature_coordinate_is_one_eta_per_coordinate_from_every_block():
     inputs = engine._inputs((group, y), {})
     lam0, key = state.lam0, random.key(7)
     flat, unravel = ravel_pytree(lam0)
-    curvature = []
-    for u in range(12):
+
+    def unit_curvature(u):  # every unit's |diagonal Hessian|, in one compiled program
         f, _ = engine._unit_objective(u, lam0, state.local, key, inputs)
-        curvature.append(np.abs(np.diag(np.asarray(jax.hessian(lambda v, f=f: f(unravel(v)))(flat)))))
-    curvature = np.stack(curvature)
+        return jnp.abs(jnp.diag(jax.hessian(lambda v: f(unravel(v)))(flat)))
+
+    curvature = np.asarray(jax.jit(jax.vmap(unit_curvature))(jnp.arange(12)))
     expected = unravel(jnp.asarray(0.3 / curvature.max(0)))
     eta = engine._eta_hat((lam0, state.local, key), inputs)
     assert eta["b_auto_loc"].shape == (12,) and eta["mu_auto_loc"].shape == ()
@@ -351,12 +352,14 @@ def test_eta_curvature_informed_is_the_median_over_the_blocks_whose_data_touch_t
     lam0, key = state.lam0, random.key(7)
     flat, unravel = ravel_pytree(lam0)
 
-    def diag(f):
-        return np.diag(np.asarray(jax.hessian(lambda v: f(unravel(v)))(flat)))
+    @jax.jit
+    @jax.vmap
+    def per_unit(u):  # |diagonal Hessian| of each unit's objective, and the gradient of its data terms alone
+        f = engine._unit_objective(u, lam0, state.local, key, inputs)[0]
+        return (jnp.abs(jnp.diag(jax.hessian(lambda v: f(unravel(v)))(flat))),
+                jax.grad(lambda v: f(unravel(v), global_weight=0.0))(flat))
 
-    full = np.stack([np.abs(diag(engine._unit_objective(u, lam0, state.local, key, inputs)[0])) for u in range(6)])
-    data = np.stack([np.asarray(jax.grad(lambda v, u=u: engine._unit_objective(u, lam0, state.local, key, inputs)[0](
-        unravel(v), global_weight=0.0))(flat)) for u in range(6)])
+    full, data = map(np.asarray, per_unit(jnp.arange(6)))
     touched = data != 0
     where = {k: ravel_pytree({j: jnp.full(np.shape(v), float(j == k)) for j, v in lam0.items()})[0] > 0
              for k in lam0}
