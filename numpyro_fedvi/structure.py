@@ -803,14 +803,18 @@ def _leaf_sites(sites: list[dict], trees: dict) -> list[dict]:
     return out
 
 
-def _other_data_plates(model, args, kwargs, chosen: str) -> str:
-    """For a refusal message: the other plates around every observation (a nested ``plate("groups") >
-    plate("obs")`` model, whose data plate was found to be the groups), as a ``data_plate=`` hint, else ""."""
+def _other_data_plates(model, guide, rng_key, args, kwargs, chosen: str) -> str:
+    """For a refusal message: another plate around every observation under which the guide has no local params (a
+    nested ``plate("groups") > plate("obs")`` model, whose data plate was found to be the groups), as a
+    ``data_plate=`` hint, else "" (students × items with item effects: naming the items is refused again)."""
     try:
-        trace = _retrace(model, args, kwargs)({})
+        others = [p for p in observation_plates(_retrace(model, args, kwargs)({})) if p != chosen]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # reported (or not) for the plate the engine runs on
+            others = [p for p in others
+                      if not inspect_model(model, guide, rng_key, args, kwargs, data_plate=p).local_names]
     except Exception:  # noqa: BLE001 - a hint only
         return ""
-    others = [p for p in observation_plates(trace) if p != chosen]
     return (f" If the data points are the rows of another plate around the observations, name it: "
             f"data_plate={others[0]!r} (the clients then split that plate, and the latents in {chosen!r} count as "
             "global: if its rows are your data points, keep it and use PDVI)." if others else "")
@@ -830,7 +834,8 @@ def inspect_global_model(engine: str, model, guide, rng_key, args, kwargs, *, da
                          "the rows whose observations are present (the posterior of the other latents is the same when "
                          "the missing values enter nothing else), or use PDVI, which keeps per-datum latents.")
     if structure.local_names:
-        hint = "" if data_plate is not None else _other_data_plates(model, args, kwargs, structure.data_plate.name)
+        hint = "" if data_plate is not None else _other_data_plates(model, guide, rng_key, args, kwargs,
+                                                                   structure.data_plate.name)
         raise ValueError(f"{engine} supports guides with global params only; local params "
                          f"{list(structure.local_names)} live inside the data plate {structure.data_plate.name!r} "
                          "(per-datum latents are what PDVI is for, federated too: numpyro_fedvi.flower.PDVIStrategy "

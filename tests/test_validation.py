@@ -457,3 +457,17 @@ def test_a_federated_engine_refusing_local_params_names_another_data_plate():
         nfv.FedSVI(nested, AutoNormal(nested), clients=np.arange(6) % 2, data_plate="groups").run(
             random.key(0), 2, y, progress_bar=False)
     assert "data_plate=" not in str(err.value)   # named by the user: no hint
+
+    def students_items(y):  # student effects and item effects: whichever plate is named, one holds local params
+        mu = numpyro.sample("mu", dist.Normal(0.0, 5.0))
+        with numpyro.plate("items", y.shape[1], dim=-1):
+            b = numpyro.sample("b", dist.Normal(0.0, 1.0))
+        with numpyro.plate("students", y.shape[0], dim=-2):
+            u = numpyro.sample("u", dist.Normal(mu, 1.0))
+            with numpyro.plate("items", y.shape[1], dim=-1):
+                numpyro.sample("y", dist.Normal(u + b, 1.0), obs=y)
+
+    with pytest.raises(ValueError, match=r"live inside the data plate 'students'") as err:
+        nfv.FedSVI(students_items, AutoNormal(students_items), clients=np.arange(6) % 2).run(
+            random.key(0), 2, y, progress_bar=False)
+    assert "data_plate=" not in str(err.value)   # naming 'items' is refused too (b): no dead-end hint
