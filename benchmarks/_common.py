@@ -48,12 +48,13 @@ def block(tree):
     return jax.block_until_ready(tree)
 
 
-def start_fresh(module: str, function: str, *args) -> subprocess.Popen:
+def start_fresh(module: str, function: str, *args, env: dict | None = None) -> subprocess.Popen:
     """``module.function(*args)`` in a fresh Python process (no compiled eager op or program of this one in memory;
-    BLAS threads as in this one, a fixed hash seed), its result printed as JSON; :func:`fresh_result` reads it."""
+    BLAS threads as in this one, a fixed hash seed, ``env`` added), its result printed as JSON; :func:`fresh_result`
+    reads it."""
     code = f"import json; from {module} import {function}; print(json.dumps({function}(*{args!r})))"
     return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=RESULTS.parent.parent, env={**os.environ, "PYTHONHASHSEED": "0"})
+                            cwd=RESULTS.parent.parent, env={**os.environ, "PYTHONHASHSEED": "0", **(env or {})})
 
 
 def fresh_result(proc: subprocess.Popen, what: str = "fresh-process measurement") -> dict:
