@@ -108,9 +108,15 @@ DIVERGING_RISE = 10.0
 
 def curvature_gradient(gradient: dict, curvature: dict) -> tuple[float, str]:
     """``(size, site)``: ``max_i |g_i| / √H_i`` of a gradient (host arrays, a dict like the params), the length of a
-    diagonal Newton step in units of ``H`` (about q's posterior sd), and the site where it is largest."""
-    return _largest_site({k: np.abs(np.asarray(gradient[k], np.float64)) / np.sqrt(np.maximum(
-        np.abs(np.asarray(curvature[k], np.float64)), np.finfo(np.float64).tiny)) for k in sorted(curvature)})
+    diagonal Newton step in units of ``H`` (about q's posterior sd), and the site where it is largest.  A coordinate
+    without curvature (H_i = 0: the guide's Fisher at a point mass's location, an ``AutoDelta`` part of an
+    ``AutoGuideList``) has no such unit and is left out, as :func:`curvature_move` leaves it out (a FedSVI run at
+    its optimum read a Newton step of 1.4e149 there and was called not converged, 2026-12-02)."""
+    def step(g, h):
+        h = np.abs(np.asarray(h, np.float64))
+        return np.where(h > 0, np.abs(np.asarray(g, np.float64)) / np.sqrt(np.where(h > 0, h, 1.0)), 0.0)
+
+    return _largest_site({k: step(gradient[k], curvature[k]) for k in sorted(curvature)})
 
 
 def _largest_site(per_site: dict) -> tuple[float, str]:

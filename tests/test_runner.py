@@ -370,6 +370,9 @@ def test_a_converged_verdict_needs_a_short_newton_step_when_the_engine_reads_a_g
 
     H = {"a": np.array([4.0, 100.0]), "b": np.array(25.0)}
     assert curvature_gradient({"a": np.array([1.0, -30.0]), "b": np.array(2.0)}, H) == (3.0, "a")
+    # a coordinate without curvature (a point mass's Fisher) has no posterior-sd unit: left out, not infinite
+    assert curvature_gradient({"a": np.array([1.0, -30.0]), "b": np.array(2.0), "c": np.array([5.0, 0.1])},
+                              {**H, "c": np.array([0.0, 1e-4])}) == pytest.approx((10.0, "c"))
     still = [{"a": np.array([1.0, 2.0]), "b": np.array(0.5)}] * (2 * CONVERGENCE_SNAPSHOTS)
 
     def verdict(gradient):
