@@ -14,7 +14,9 @@ with the SAME functional core as the in-process engines (no duplicated math):
   :func:`~numpyro_fedvi.fedmm.core.client_message` on the client's own data (``data_fn(context)``) with the SAME
   model object the user runs under SVI (FedSVI) or the same family (FedMM).  The control variate V_{t,i} lives in
   ``Context.state``; its increment ``(α/p) q_i`` is committed when the server reports the reply accepted (the next
-  message to that client), so V_t = Σ_i μ_i V_{t,i} holds even when replies are dropped.
+  message to that client), so V_t = Σ_i μ_i V_{t,i} holds even when replies are dropped.  The server keeps every
+  V_{t,i} too (it sees each accepted q_i), so its state is the in-process engine's and a run resumes from it
+  (``init_state=``, ``callbacks=[nfv.Checkpoint(...)]``): the clients get their V_{t,i} back at the handshake.
 * :class:`FedLocalVIStrategy` — FedLocalVI (every solver, drift correction included) and RobustFedVI: the clients
   run the round's K local steps with the engine's solver, the server averages; a two-sync solver (LESGD, local
   dual averaging) takes two Flower rounds per engine round (``vi_solvers.Solver.halves``); after each engine round
@@ -51,6 +53,7 @@ from jax import random
 from .fedmm.core import (
     FedMMState,
     SurrogateFamily,
+    apply_client_update,
     client_message,
     client_weights,
     collect_messages,
@@ -78,7 +81,7 @@ from .pdvi import (
 )
 from .robust import RobustFedVI, dro_objective, dro_weights
 from .structure import inspect_model, private_guide
-from .inputs import InputJit, is_inexact_dtype, prepare_inputs, split_inputs
+from .inputs import InputJit, check_state_like, is_inexact_dtype, prepare_inputs, split_inputs
 from .objectives import block_loss_fn
 from .particles import counts_couplings
 from .curvature import diag_hessian
@@ -244,6 +247,12 @@ class _FedMMClient:
 
         self.message, self.objective = _shared_programs(
             (app_token, num_total, num_clients, _shapes(self.inputs), _shapes(template)), programs)
+
+    def restore(self, state, record) -> None:
+        """A resumed run: this client's control variate V_{t,i}, kept by the server, into ``Context.state`` (no
+        pending step: the server counted every accepted one)."""
+        V = from_record(record, self.x_template, check_finite=True)
+        _save(state, {"V": V, "pending": _zeros(self.x_template)}, {"pending-round": _NO_ROUND})
 
     def train(self, i, b, cfg, state):
         """``(reply arrays, metrics)``; ``state`` is the client's ``Context.state``."""
@@ -582,6 +591,7 @@ def _client_type(engine):
                     f"{type(engine).__name__}.")
 
 
+_NO_ROUND = -2  # a pending round no server round matches (accepted rounds are >= -1)
 _CLIENTS: dict = {}  # per process: (app token, partition id, N, M) -> client protocol (its compiled steps)
 _PROGRAMS: dict = {}  # per process: (app token, N, M, shapes) -> compiled client steps shared by same-shape clients
 
@@ -658,6 +668,8 @@ def make_client_app(engine, data_fn: Callable, *, stat_template=None):
             i, c = setup(context)
             if "broadcast" in msg.content:
                 _received(msg, c.broadcast_template, i)
+            if "control" in msg.content:   # a resumed run (FedMMStrategy(init_state=)): V_{t,i}, kept by the server
+                c.restore(context.state, msg.content["control"])
             return Message(RecordDict({"meta": ConfigRecord({"partition-id": i, "num-rows": c.num_rows})}),
                            reply_to=msg)
         i, c = setup(context, int(cfg["num-total"]), int(cfg["num-clients"]))
@@ -735,6 +747,7 @@ class _EngineStrategy(_strategy_base()):
         self._evaluation_due = False   # _evaluates: an engine round ended and its loss is still to be evaluated
         self._round = None
         self.phases, self.phase = 1, 0   # Flower rounds per engine round (2: LESGD, dual averaging); the next one
+        self.callbacks = ()   # run-loop callbacks cb(rounds, state, losses) after each engine round (FedMMStrategy)
         self.expect_rounds(None)
 
     # -- hooks ----------------------------------------------------------------------------------------------------
@@ -799,6 +812,15 @@ class _EngineStrategy(_strategy_base()):
         ``run`` does (None: no check)."""
         self._planned, self._rounds_done = num_rounds, 0
         self._snapshot_hooks, self._collect = self._snapshots(num_rounds or 0)
+        for cb in self.callbacks if num_rounds is not None else ():
+            if hasattr(cb, "start_run"):
+                cb.start_run(get_params=self.get_params, num_steps=num_rounds)
+
+    def _loss_logged(self) -> None:
+        """An engine round's loss was appended: the callbacks see the rounds, state and losses so far (a
+        ``Checkpoint`` saves them; their return values are ignored: Flower's round loop does not stop early)."""
+        for cb in self.callbacks:
+            cb(len(self.losses), self.state, np.asarray(self.losses))
 
     def _round_ended(self) -> None:
         """An engine round ended (taken or skipped): the convergence check's snapshot when one is due."""
@@ -924,6 +946,7 @@ class _EngineStrategy(_strategy_base()):
                 self._loss = self._round_loss(objectives)
             if self.phase == 0:   # the engine round is complete (or skipped)
                 self.losses.append(self._loss)
+                self._loss_logged()
             metrics["loss"] = self._loss
         return to_record(self._broadcast()), MetricRecord(metrics)
 
@@ -970,6 +993,7 @@ class _EngineStrategy(_strategy_base()):
                 log.warning("evaluation %d: dropped the reply of client %s: %s", k, i, reason)
         self._loss = self._round_loss(dict(sorted(objectives.items()))) if objectives else float("nan")
         self.losses.append(self._loss)
+        self._loss_logged()
         return MetricRecord({"loss": self._loss, "answered": len(objectives), "asked": self.num_clients})
 
     # -- results --------------------------------------------------------------------------------------------------
@@ -1002,17 +1026,24 @@ class FedMMStrategy(_EngineStrategy):
         and init values (any rows with the clients' trailing shapes, e.g. one synthetic row); FedMM: none.
     :param num_clients: n, the number of clients (nodes with ``partition-id`` 0..n−1).
     :param init_stat: FedMM: the initial statistic Ŝ_0 (as ``FedMM.run``); FedSVI: the guide's init (default).
+    :param init_state: resume: the ``FedMMState`` a run reached (``strategy.state``, ``nfv.load(path).state`` of a
+        ``Checkpoint``, or an in-process engine's state with the same settings and clients); the handshake gives
+        every client its control variate V_{t,i} back, so the rounds continue as the uninterrupted run's.
+    :param callbacks: run-loop callbacks ``cb(rounds, state, losses)`` called after every round (e.g.
+        ``nfv.Checkpoint(path, every=k)``: the server's state saved every k rounds); return values are ignored.
     :param timeout: seconds to wait for the nodes to come up and for each round's replies.
 
     After ``start`` (or :func:`simulate`): :meth:`result` (a ``RunResult``; its losses are the answering clients'
     objective at θ_t every ``log_every`` rounds, exact with full participation), ``state`` (the server's
-    ``FedMMState``; ``V_clients`` lives on the clients) and ``dropped``.
+    ``FedMMState``, every client's V_{t,i} in ``V_clients``, as in process) and ``dropped``.
     """
 
-    def __init__(self, engine, rng_key, *args, num_clients: int, init_stat=None, timeout: float = 600.0, **kwargs):
+    def __init__(self, engine, rng_key, *args, num_clients: int, init_stat=None, init_state: FedMMState | None = None,
+                 callbacks=(), timeout: float = 600.0, **kwargs):
         if not isinstance(engine, FedMM):
             raise TypeError(f"FedMMStrategy runs a FedMM or FedSVI engine, got {type(engine).__name__}.")
         super().__init__(engine, num_clients, timeout)
+        self.callbacks = tuple(callbacks)
         self.family = _server_family(engine)
         if isinstance(engine, FedSVI):
             if init_stat is not None:
@@ -1032,9 +1063,17 @@ class FedMMStrategy(_EngineStrategy):
         s0 = self.family.project(jax.tree.map(jnp.asarray, init_stat))
         theta0 = self.family.T(s0)
         x0 = s0 if engine.aggregate == "surrogate" else theta0
-        self.state = FedMMState(s0, theta0, jax.tree.map(jnp.zeros_like, x0), (), jnp.asarray(0, jnp.int32),
+        V_clients = jax.tree.map(lambda x: jnp.zeros((self.num_clients,) + jnp.shape(x), jnp.result_type(x)), x0)
+        self.state = FedMMState(s0, theta0, jax.tree.map(jnp.zeros_like, x0), V_clients, jnp.asarray(0, jnp.int32),
                                 rng_key, jnp.zeros((), jnp.result_type(float)),
                                 server_optimizer_init(engine.server_optimizer, x0), theta0)
+        self._resumed = init_state is not None
+        if self._resumed:   # (a state of other clients, settings or shapes is refused, naming the entry)
+            check_state_like(init_state, self.state, "FedMMStrategy", FedMMState)
+            self.state = jax.tree.map(jnp.asarray, init_state)
+            self._loss = float(self.state.objective)   # the last logged loss, reported until the next logged round
+        self._start_round = int(self.state.step)
+        self.expect_rounds(None)
         self.p = float(engine.participation.prob(self.num_clients))
         self.accepted = np.full(self.num_clients, -1, np.int64)
         self._clients = jax.jit(partial(round_clients, engine.participation, self.num_clients))
@@ -1042,12 +1081,35 @@ class FedMMStrategy(_EngineStrategy):
 
     def handshake(self, grid, timeout: float | None = None) -> None:
         """The base handshake, then the "auto" steps settled again with the clients' weights μ_i = N_i/N (their row
-        counts, known only now; :meth:`FedMM.check_settings`), as the in-process engine settles them."""
+        counts, known only now; :meth:`FedMM.check_settings`), as the in-process engine settles them; a resumed run
+        sends every client its control variate V_{t,i} (:meth:`_restore_controls`)."""
         super().handshake(grid, timeout)
+        if self._resumed:
+            self._restore_controls(grid, self.timeout if timeout is None else timeout)
         engine = self.engine
         if engine.auto_step or engine.auto_cv_step:
             engine.check_settings(self.family, self.state.s, self.num_clients, self.counts)
             self._server = self._server_program()
+
+    def _restore_controls(self, grid, timeout: float) -> None:
+        """Every client's V_{t,i} of the resumed state into its ``Context.state`` (a new Flower run starts with an
+        empty one); a client that does not confirm it fails the run (its V_{t,i} and the server's V_t would differ:
+        V_t = Σ_i μ_i V_{t,i} no longer held)."""
+        from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+
+        messages = [Message(RecordDict({"config": ConfigRecord({}), "control": to_record(
+            jax.tree.map(lambda v, i=i: v[i], self.state.V_clients))}), message_type=MessageType.QUERY,
+            dst_node_id=self.nodes[i]) for i in range(self.num_clients)]
+        confirmed, failed = set(), []
+        for reply in grid.send_and_receive(messages, timeout=timeout):
+            if reply.has_error():
+                failed.append(f"node {reply.metadata.src_node_id}: {reply.error.reason}")
+                continue
+            confirmed.add(int(reply.content["meta"]["partition-id"]))
+        missing = sorted(set(range(self.num_clients)) - confirmed)
+        if missing:
+            raise RuntimeError(f"clients {missing} did not take back their control variates for the resumed run"
+                               f"{'; ' + ' | '.join(failed) if failed else '.'}")
 
     def _server_program(self):
         """The server's half of a round, compiled with the engine's γ and α."""
@@ -1078,13 +1140,21 @@ class FedMMStrategy(_EngineStrategy):
     def _log_round(self, t):
         return t % self.engine.log_every == 0
 
+    def _round_loss(self, objectives):
+        """The base's loss, also kept in ``state.objective`` (as the in-process engine keeps the last logged one:
+        a resumed run reports it until its next logged round)."""
+        loss = super()._round_loss(objectives)
+        self.state = self.state._replace(objective=jnp.asarray(loss, self.state.objective.dtype))
+        return loss
+
     def _reply_template(self):
         return self._x()
 
     def _aggregate(self, q, received):
         t, idx, _ = self._round
         w = np.where(received, self.weights[np.minimum(idx, self.num_clients - 1)], 0.0).astype(self.weights.dtype)
-        new, ok = self._server(self.state, q, jnp.asarray(w))
+        target = np.where(received, idx, self.num_clients).astype(np.int32)   # the V_{t,i} that take their step
+        new, ok = self._server(self.state, q, jnp.asarray(w), jnp.asarray(target))
         if bool(ok):
             self.state = new
             self.accepted[idx[received]] = t
@@ -1095,11 +1165,14 @@ class FedMMStrategy(_EngineStrategy):
     def _output(self, state):
         return self.engine.output_iterate(state)
 
+    def _snapshots(self, num_rounds: int):
+        return quarter_snapshots(num_rounds, self._output, getattr(self, "_start_round", 0))
+
     def _check(self, result, snapshots):
         """FedSVI's check (``FedSVI.run``): the output's move over the last quarter, in units of the guide's Fisher
         information at the output (None for a guide without a log density at a given value, a flow)."""
         if isinstance(self.engine, FedSVI):
-            self.engine.check_convergence(result, snapshots, self._fisher)
+            self.engine.check_convergence(result, snapshots, self._fisher, self._start_round)
 
     def get_params(self, state=None):
         """Constrained guide params (FedSVI) or ``to_params(θ)`` / θ (FedMM) of ``state`` (default: the last) at
@@ -1108,13 +1181,17 @@ class FedMMStrategy(_EngineStrategy):
         return self.to_params(theta) if self.to_params is not None else theta
 
 
-def _server_round(family, step_size, alpha, p, aggregate, server_optimizer, state, q, weights):
-    """The core's server step on the stacked messages: ``(new state, ok)`` (ok: every new value finite)."""
+def _server_round(family, step_size, alpha, p, aggregate, server_optimizer, state, q, weights, target):
+    """The core's server step on the stacked messages: ``(new state, ok)`` (ok: every new value finite); the
+    clients ``target`` (the answering ones; n for the others) take their control variates' step ``(α/p) q_i``, as
+    each client commits it once told its reply was accepted."""
     H, V = collect_messages(state.V, q, weights, p, alpha)
     s, theta, server_opt, _ = server_update(state, family, H, step_size, aggregate, server_optimizer)
     ok = _finite((H, V, s, theta))
     tail = tail_average(state.tail, theta, state.step + 1)
-    return state._replace(s=s, theta=theta, V=V, step=state.step + 1, server_opt=server_opt, tail=tail), ok
+    V_clients = apply_client_update(state.V_clients, target, jax.tree.map(lambda x: (alpha / p) * x, q))
+    return state._replace(s=s, theta=theta, V=V, V_clients=V_clients, step=state.step + 1, server_opt=server_opt,
+                          tail=tail), ok
 
 
 def _finite(tree):

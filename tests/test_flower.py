@@ -3,6 +3,7 @@ client app keeps V = Σ μ_i V_i through dropped replies, bad replies are droppe
 simulation equals the in-process run."""
 
 import os
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +23,7 @@ from numpyro.infer.autoguide import AutoNormal  # noqa: E402
 import numpyro_fedvi as nfv  # noqa: E402
 from numpyro_fedvi import flower  # noqa: E402
 from numpyro_fedvi.federated import Bernoulli, ClientData, FixedSize, StochasticQuantizer  # noqa: E402
-from numpyro_fedvi.fedmm import FedMM, gmm_map_em  # noqa: E402
+from numpyro_fedvi.fedmm import FedMM, FedMMState, gmm_map_em  # noqa: E402
 from numpyro_fedvi.models.logistic import logistic  # noqa: E402
 from shared_models import oracle_particles, random_effects, random_effects_guide  # noqa: E402
 
@@ -153,6 +154,82 @@ def test_rounds_equal_the_in_process_core(participation, server_optimizer, auto)
         np.testing.assert_allclose(got, strategy.state.V[name], rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(jnp.stack([v[name] for v in V_clients]), expected.V_clients[name], rtol=2e-5,
                                    atol=2e-6)
+        # the server keeps them too (what a resumed run gives back to the clients): bitwise the clients' own
+        np.testing.assert_array_equal(strategy.state.V_clients[name], jnp.stack([v[name] for v in V_clients]))
+
+
+def _gmm_flower(participation, rounds, *, first=1, faults=None, **strategy_options):
+    """A FedMMStrategy (server Adam, as FedSVI's default) and a NEW in-memory federation (fresh client contexts, as a
+    new Flower run gets) after the handshake and ``rounds`` rounds (``first``: Flower's number of the first)."""
+    rows, s0 = _gmm_clients()
+    engine = _gmm_engine(participation, optax.adam(0.05))
+    strategy = flower.FedMMStrategy(engine, random.key(3), num_clients=NUM_CLIENTS, init_stat=s0, **strategy_options)
+    grid = _Grid(flower.make_client_app(engine, lambda ctx: rows[ctx.node_config["partition-id"]],
+                                        stat_template=s0), NUM_CLIENTS, faults)
+    strategy.handshake(grid)
+    strategy.expect_rounds(rounds)
+    for r in range(first, first + rounds):
+        strategy.aggregate_train(r, grid.send_and_receive(strategy.configure_train(r, None, None, grid)))
+    return strategy, grid
+
+
+def _late_in_round_1(node, msg, reply):
+    """Client 0's reply to round 1 arrives in another round: dropped, its control-variate step not committed."""
+    cfg = msg.content["config"]
+    if int(cfg.get("round", -1)) == 1 and node == 100:
+        reply.content["meta"] = ConfigRecord({"partition-id": 0, "round": 99})
+    return reply
+
+
+@pytest.mark.parametrize("participation", [FixedSize(2), Bernoulli(0.6)], ids=["fixed-size", "bernoulli"])
+def test_a_flower_run_resumed_from_its_checkpoint_equals_the_uninterrupted_run(tmp_path, participation):
+    """A Flower run checkpointed every 2 rounds (``callbacks=[nfv.Checkpoint]``) whose server died after round 3,
+    resumed from the checkpoint (``init_state=``) in a NEW federation (the clients' ``Context.state`` empty, as in a
+    new Flower run), equals the uninterrupted 5-round run bitwise: the server state (Ŝ, θ, V, every V_{t,i}, the
+    server Adam, the tail, the round) and the clients' own control variates; the checkpoint's losses are the whole
+    run's.  A reply dropped in round 1 (its step not committed) is in both runs."""
+    whole, whole_grid = _gmm_flower(participation, 5, faults=_late_in_round_1)
+    path = tmp_path / "server.ckpt"
+    _gmm_flower(participation, 3, faults=_late_in_round_1, callbacks=[nfv.Checkpoint(path, every=2)])
+    ckpt = nfv.load(path)
+    assert ckpt.diagnostics["num_steps"] == 2 and int(ckpt.state.step) == 2
+    rest, grid = _gmm_flower(participation, 3, init_state=ckpt.state,
+                             callbacks=[nfv.Checkpoint(path, every=3, resume_from=ckpt)])
+    assert [t for t, _, _ in whole.dropped] == [1]
+    for name in FedMMState._fields:
+        for a, b in zip(jax.tree.leaves(getattr(rest.state, name)), jax.tree.leaves(getattr(whole.state, name))):
+            np.testing.assert_array_equal(np.asarray(jax.random.key_data(a) if jax.dtypes.issubdtype(
+                a.dtype, jax.dtypes.prng_key) else a), np.asarray(jax.random.key_data(b) if jax.dtypes.issubdtype(
+                b.dtype, jax.dtypes.prng_key) else b), err_msg=name)
+    _, s0 = _gmm_clients()
+    for got, want in zip(_client_control_variates(grid, rest, s0), _client_control_variates(whole_grid, whole, s0)):
+        for name in s0:
+            np.testing.assert_array_equal(got[name], want[name])
+    final = nfv.load(path)
+    assert final.diagnostics["num_steps"] == 5
+    np.testing.assert_array_equal(np.asarray(rest.losses, np.float32), np.asarray(whole.losses, np.float32)[2:])
+    np.testing.assert_array_equal(np.asarray(final.losses), np.asarray(whole.losses, np.float32))
+
+
+def test_a_flower_run_resumes_an_in_process_state_and_refuses_another_federations():
+    """``init_state=`` an in-process FedMM state (2 rounds): one Flower round then equals the in-process third
+    (to float rounding: the clients compute unbatched); a state of another number of clients is refused."""
+    rows, s0 = _gmm_clients()
+    cd = ClientData.from_list(rows)
+    expected = _in_process(_gmm_engine(FixedSize(2)), cd, s0, 3)
+    two = _in_process(_gmm_engine(FixedSize(2)), cd, s0, 2)
+    engine = _gmm_engine(FixedSize(2))
+    strategy = flower.FedMMStrategy(engine, random.key(3), num_clients=NUM_CLIENTS, init_stat=s0, init_state=two)
+    grid = _Grid(flower.make_client_app(engine, lambda ctx: rows[ctx.node_config["partition-id"]],
+                                        stat_template=s0), NUM_CLIENTS)
+    strategy.handshake(grid)
+    strategy.aggregate_train(3, grid.send_and_receive(strategy.configure_train(3, None, None, grid)))
+    for name in ("s", "theta", "V", "V_clients", "tail"):
+        for a, b in zip(jax.tree.leaves(getattr(strategy.state, name)), jax.tree.leaves(getattr(expected, name))):
+            np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+    with pytest.raises(ValueError, match="this state is not one of this FedMMStrategy's"):
+        flower.FedMMStrategy(_gmm_engine(FixedSize(2)), random.key(3), num_clients=NUM_CLIENTS - 1, init_stat=s0,
+                             init_state=two)
 
 
 def test_bad_replies_are_dropped_and_the_control_variates_stay_consistent():
@@ -736,6 +813,45 @@ def test_simulation_equals_in_process_run_and_survives_failures():
     assert all(np.all(np.isfinite(v)) for v in faulty.params.values())
 
 
+@pytest.mark.slow   # two Flower simulations (Ray)
+def test_a_simulated_run_resumed_from_its_checkpoint_continues_the_in_process_run(tmp_path):
+    """End to end on Flower's simulation engine: FedSVI checkpointed after 2 rounds
+    (``callbacks=[nfv.Checkpoint(path, every=2)]``), then a NEW simulation (new Flower run: empty client states)
+    resumed from the checkpoint (``init_state=``) for one round equals the in-process 3-round run: params, the
+    server's V and every client's V_{t,i}; the checkpoint then holds the whole run."""
+    os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+    X, y, ids = _logistic_data()
+
+    def make():
+        return nfv.FedSVI(logistic, AutoNormal(logistic), Trace_ELBO(), clients=ids, rho=0.01,
+                          participation=FixedSize(2), cv_step=0.5, log_every=1)
+
+    def data_fn(context):
+        i = int(context.node_config["partition-id"])
+        return X[ids == i], y[ids == i]
+
+    expected = make().run(random.key(0), 3, X, y, progress_bar=False)
+    path = tmp_path / "server.ckpt"
+    engine = make()
+    flower.simulate(flower.FedMMStrategy(engine, random.key(0), X[:1], y[:1], num_clients=_M,
+                                         callbacks=[nfv.Checkpoint(path, every=2)]),
+                    flower.make_client_app(engine, data_fn), 2)
+    ckpt = nfv.load(path)
+    engine = make()
+    rest = flower.simulate(flower.FedMMStrategy(engine, random.key(0), X[:1], y[:1], num_clients=_M,
+                                                init_state=ckpt.state,
+                                                callbacks=[nfv.Checkpoint(path, every=1, resume_from=ckpt)]),
+                           flower.make_client_app(engine, data_fn), 1)
+    assert int(rest.state.step) == 3 and rest.diagnostics["dropped"] == []
+    for k in expected.params:
+        np.testing.assert_allclose(rest.params[k], expected.params[k], rtol=1e-5, atol=1e-6)
+    for name in ("V", "V_clients"):
+        for a, b in zip(jax.tree.leaves(getattr(rest.state, name)), jax.tree.leaves(getattr(expected.state, name))):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    whole = nfv.load(path)
+    assert whole.diagnostics["num_steps"] == 3 and len(whole.losses) == 3
+
+
 def test_simulate_keeps_flowers_per_round_log_to_warnings_unless_verbose(monkeypatch):
     """Flower's strategy logs a few INFO lines per round (1,622 lines for the hospitals example's 400 rounds):
     ``simulate`` runs it with the ``flwr`` logger at WARNING unless ``verbose=True``, and restores the level after
@@ -826,6 +942,36 @@ def _verdict_federation(strategy, make, rows, rounds):
         _flower_round(strategy, grid, r)
     strategy.finish(grid)   # (start does it after the last round)
     return strategy, grid
+
+
+@pytest.mark.slow   # 20 s each: in-process FedSVI and its clients' programs
+@pytest.mark.parametrize("done, more", [(10, 10), (100, 20)])
+def test_a_resumed_fedsvi_flower_run_says_whether_it_converged_as_the_resumed_engine_run_does(done, more):
+    """FedSVI (every default) resumed over Flower from an in-process state after ``done`` rounds (``init_state=``),
+    ``more`` rounds more: the same verdict as the engine's resumed ``run``.  10 + 10: the check judges the WHOLE
+    run's last quarter (snapshots a sixteenth of 20 rounds apart; counted from round 0 they would be 0 apart and it
+    could not tell); 100 + 20: the call is too short to judge the whole run's quarter, so it can tell "not
+    converged", never "converged" (counted from round 0 it would call it converged)."""
+    X, y, site = _sorted_sites()
+
+    def make():
+        return nfv.FedSVI(logistic, AutoNormal(logistic), Trace_ELBO(), clients=site)
+
+    engine = make()
+    with warnings.catch_warnings():   # (its verdict is compared below)
+        warnings.simplefilter("ignore", RuntimeWarning)
+        first = engine.run(random.key(5), done, X, y, progress_bar=False)
+        expected = engine.run(random.key(5), more, X, y, progress_bar=False, init_state=first.state).diagnostics
+    assert expected["drift"] is not None and expected["converged"] is not True
+    strategy = flower.FedMMStrategy(make(), random.key(5), X[:1], y[:1], num_clients=3, init_state=first.state)
+    strategy, _ = _verdict_federation(strategy, make, lambda i: (X[site == i], y[site == i]), more)
+    assert int(strategy.state.step) == done + more
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        got = strategy.result().diagnostics
+    assert got["drift_site"] == expected["drift_site"] and got["converged"] == expected["converged"]
+    np.testing.assert_allclose(got["drift"], expected["drift"], rtol=1e-3)
+    assert any("has not converged" in str(w.message) for w in seen) == (expected["converged"] is False)
 
 
 @pytest.mark.parametrize("kind", ["fedsvi", "pdvi", pytest.param("fedlocalvi", marks=pytest.mark.slow)])
