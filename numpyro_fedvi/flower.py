@@ -748,6 +748,7 @@ class _EngineStrategy(_strategy_base()):
         self._round = None
         self.phases, self.phase = 1, 0   # Flower rounds per engine round (2: LESGD, dual averaging); the next one
         self.callbacks = ()   # run-loop callbacks cb(rounds, state, losses) after each engine round (FedMMStrategy)
+        self._start_round = 0   # the engine rounds before this run (a resumed FedMMStrategy's state.step)
         self.expect_rounds(None)
 
     # -- hooks ----------------------------------------------------------------------------------------------------
@@ -774,7 +775,7 @@ class _EngineStrategy(_strategy_base()):
         return float(np.dot(mu, list(objectives.values())) / mu.sum())
 
     def _snapshots(self, num_rounds: int):   # (hooks, collect) of the engine's convergence check
-        return quarter_snapshots(num_rounds, self._output)
+        return quarter_snapshots(num_rounds, self._output, self._start_round)
 
     def _output(self, state):   # what the convergence check reads of the server state
         return None
@@ -1164,9 +1165,6 @@ class FedMMStrategy(_EngineStrategy):
 
     def _output(self, state):
         return self.engine.output_iterate(state)
-
-    def _snapshots(self, num_rounds: int):
-        return quarter_snapshots(num_rounds, self._output, getattr(self, "_start_round", 0))
 
     def _check(self, result, snapshots):
         """FedSVI's check (``FedSVI.run``): the output's move over the last quarter, in units of the guide's Fisher
