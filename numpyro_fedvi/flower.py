@@ -1179,6 +1179,16 @@ class FedMMStrategy(_EngineStrategy):
         return self.to_params(theta) if self.to_params is not None else theta
 
 
+def _refuse_resume(strategy: str, kwargs: dict, client_state: str) -> None:
+    """A strategy that cannot resume refuses ``init_state=`` / ``callbacks=`` by name (its other keywords are the
+    model's, which would otherwise report them as unexpected model arguments)."""
+    given = sorted({"init_state", "callbacks"} & set(kwargs))
+    if given:
+        raise TypeError(f"{strategy} takes no {' / '.join(f'{k}=' for k in given)}: a Flower run of it cannot be "
+                        f"resumed yet ({client_state} live only in Flower's per-node Context.state, which a new "
+                        "run starts empty); FedMMStrategy (FedSVI, FedMM) resumes and checkpoints.")
+
+
 def _server_round(family, step_size, alpha, p, aggregate, server_optimizer, state, q, weights, target):
     """The core's server step on the stacked messages: ``(new state, ok)`` (ok: every new value finite); the
     clients ``target`` (the answering ones; n for the others) take their control variates' step ``(α/p) q_i``, as
@@ -1226,6 +1236,8 @@ class FedLocalVIStrategy(_EngineStrategy):
     def __init__(self, engine, rng_key, *args, num_clients: int, timeout: float = 600.0, **kwargs):
         if not isinstance(engine, FedLocalVI):
             raise TypeError(f"FedLocalVIStrategy runs a FedLocalVI engine, got {type(engine).__name__}.")
+        _refuse_resume("FedLocalVIStrategy", kwargs, "its clients' Scaffnew control variates and the server's "
+                       "refresh bookkeeping")
         super().__init__(engine, num_clients, timeout)
         if engine.num_clients != self.num_clients:
             raise ValueError(f"the engine has {engine.num_clients} clients, num_clients={num_clients}.")
@@ -1433,6 +1445,7 @@ class PDVIStrategy(_EngineStrategy):
                  timeout: float = 600.0, **kwargs):
         if not isinstance(engine, PDVI):
             raise TypeError(f"PDVIStrategy runs a PDVI engine, got {type(engine).__name__}.")
+        _refuse_resume("PDVIStrategy", kwargs, "its clients' local rows and duals")
         super().__init__(engine, num_clients, timeout)
         if not 1 <= engine.partitions_per_step <= self.num_clients:
             raise ValueError(f"partitions_per_step must be in [1, {self.num_clients}], got "

@@ -718,6 +718,19 @@ def test_pdvi_strategy_refuses_what_it_cannot_run():
                                         dual_granularity="datum"), lambda ctx: None)
 
 
+def test_strategies_that_cannot_resume_refuse_init_state_and_callbacks_by_name():
+    """FedLocalVIStrategy and PDVIStrategy take the model's keyword arguments: ``init_state=`` / ``callbacks=``
+    would reach the model as unexpected arguments; they are refused naming what cannot be resumed and the strategy
+    that can."""
+    X, y, site = _sorted_sites()
+    fedlocalvi = nfv.FedLocalVI(logistic, AutoNormal(logistic), Trace_ELBO(), clients=site, step_size=0.1)
+    with pytest.raises(TypeError, match=r"FedLocalVIStrategy takes no init_state=: .*Scaffnew.*FedMMStrategy"):
+        flower.FedLocalVIStrategy(fedlocalvi, random.key(0), X[:1], y[:1], num_clients=3, init_state=object())
+    pdvi = nfv.PDVI(random_effects, random_effects_guide, num_partitions=3, eta=0.1)
+    with pytest.raises(TypeError, match=r"PDVIStrategy takes no callbacks=: .*local rows and duals"):
+        flower.PDVIStrategy(pdvi, random.key(0), np.zeros(1, np.float32), num_clients=3, callbacks=[print])
+
+
 # --- end to end on Flower's simulation engine (Ray, loopback) --------------------------------------------------------
 _N, _D, _M, _ROUNDS = 60, 3, 3, 3
 
