@@ -845,22 +845,31 @@ class _EngineStrategy(_strategy_base()):
         payload = to_record(self._broadcast())
         messages = [Message(RecordDict({"config": ConfigRecord({}), "broadcast": payload}),
                             message_type=MessageType.QUERY, dst_node_id=n) for n in node_ids]
-        counts, failed = {}, []
-        for reply in grid.send_and_receive(messages, timeout=timeout):
-            if reply.has_error():
-                log.warning("node %s failed the handshake: %s", reply.metadata.src_node_id, reply.error.reason)
-                failed.append(f"node {reply.metadata.src_node_id}: {reply.error.reason}")
-                continue
-            meta = reply.content["meta"]
-            i = int(meta["partition-id"])
-            self.nodes[i], counts[i] = reply.metadata.src_node_id, int(meta["num-rows"])
-        missing = sorted(set(range(self.num_clients)) - set(counts))
-        if missing:
-            raise RuntimeError(f"clients {missing} did not answer the handshake (their row counts fix the weights "
-                               f"μ_i = N_i/N of every client){'; ' + ' | '.join(failed) if failed else '.'}")
+        replies = self._every_client_answers(grid.send_and_receive(messages, timeout=timeout), "the handshake",
+                                             "did not answer the handshake (their row counts fix the weights "
+                                             "μ_i = N_i/N of every client)")
+        counts = {}
+        for i, reply in replies.items():
+            self.nodes[i], counts[i] = reply.metadata.src_node_id, int(reply.content["meta"]["num-rows"])
         self._client_of = {node: i for i, node in self.nodes.items()}
         self.counts = np.asarray([counts[i] for i in range(self.num_clients)], np.int32)
         self.weights = np.asarray(client_weights(self.counts))
+
+    def _every_client_answers(self, replies, exchange: str, why: str) -> dict:
+        """``{client: reply}`` of an exchange every client must answer (``partition-id`` in the reply's meta); a
+        failed reply is logged, and a client without an answer raises ``RuntimeError``: "clients [...] <why>", with
+        the failures."""
+        answered, failed = {}, []
+        for reply in replies:
+            if reply.has_error():
+                log.warning("node %s failed %s: %s", reply.metadata.src_node_id, exchange, reply.error.reason)
+                failed.append(f"node {reply.metadata.src_node_id}: {reply.error.reason}")
+                continue
+            answered[int(reply.content["meta"]["partition-id"])] = reply
+        missing = sorted(set(range(self.num_clients)) - set(answered))
+        if missing:
+            raise RuntimeError(f"clients {missing} {why}{'; ' + ' | '.join(failed) if failed else '.'}")
+        return answered
 
     def _query(self, grid, clients, broadcast, template, timeout: float, config=lambda i: {}) -> dict:
         """Send ``broadcast`` (and ``config(i)``) to ``clients`` as QUERY messages: ``{client: reply}`` of the
@@ -1101,16 +1110,8 @@ class FedMMStrategy(_EngineStrategy):
         messages = [Message(RecordDict({"config": ConfigRecord({}), "control": to_record(
             jax.tree.map(lambda v, i=i: v[i], self.state.V_clients))}), message_type=MessageType.QUERY,
             dst_node_id=self.nodes[i]) for i in range(self.num_clients)]
-        confirmed, failed = set(), []
-        for reply in grid.send_and_receive(messages, timeout=timeout):
-            if reply.has_error():
-                failed.append(f"node {reply.metadata.src_node_id}: {reply.error.reason}")
-                continue
-            confirmed.add(int(reply.content["meta"]["partition-id"]))
-        missing = sorted(set(range(self.num_clients)) - confirmed)
-        if missing:
-            raise RuntimeError(f"clients {missing} did not take back their control variates for the resumed run"
-                               f"{'; ' + ' | '.join(failed) if failed else '.'}")
+        self._every_client_answers(grid.send_and_receive(messages, timeout=timeout), "the control-variate restore",
+                                   "did not take back their control variates for the resumed run")
 
     def _server_program(self):
         """The server's half of a round, compiled with the engine's γ and α."""

@@ -231,6 +231,17 @@ def test_a_flower_run_resumes_an_in_process_state_and_refuses_another_federation
         flower.FedMMStrategy(_gmm_engine(FixedSize(2)), random.key(3), num_clients=NUM_CLIENTS - 1, init_stat=s0,
                              init_state=two)
 
+    def refuse_control(node, msg, reply):   # client 1 fails to store its control variate
+        return _Reply(None, Error(code=0, reason="disk full"), node) if "control" in msg.content and node == 101 \
+            else reply
+
+    resumed = flower.FedMMStrategy(_gmm_engine(FixedSize(2)), random.key(3), num_clients=NUM_CLIENTS, init_stat=s0,
+                                   init_state=two)
+    grid = _Grid(flower.make_client_app(engine, lambda ctx: rows[ctx.node_config["partition-id"]],
+                                        stat_template=s0), NUM_CLIENTS, refuse_control)
+    with pytest.raises(RuntimeError, match=r"clients \[1\] did not take back their control variates .*disk full"):
+        resumed.handshake(grid)
+
 
 def test_bad_replies_are_dropped_and_the_control_variates_stay_consistent():
     """A raising client, a NaN reply, a reply to another round and a malformed record are dropped and logged; the
