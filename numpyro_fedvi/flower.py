@@ -23,6 +23,9 @@ with the SAME functional core as the in-process engines (no duplicated math):
   an EVALUATE exchange gives ``FedLocalVI.update``'s loss (every client's objective at the new output iterate);
   the engines' default ``step_size="auto"`` refreshes its preconditioner with QUERY messages (the clients' Hessian
   diagonals, then their eigenvalues — RobustFedVI's groups: singular values: ``FedLocalVIStrategy._refresh``).
+  The server keeps every client's control variate h_m as the in-process state does (it takes each averaged
+  client's Scaffnew step on the pre-sync value it received; at a refresh the clients report their rescaled h_m),
+  so a run resumes from its state (``init_state=``, ``callbacks=[nfv.Checkpoint(...)]``) as FedMM's does.
 * :class:`PDVIStrategy` — PD-VI / P²D-VI in federated form: a client is one block with its local rows and dual
   in ``Context.state``; the server runs :func:`~numpyro_fedvi.pdvi.consensus_update` on their λ_i.
 * :func:`make_server_app` and :func:`simulate` (Flower's simulation engine on loopback, telemetry off).
@@ -248,7 +251,7 @@ class _FedMMClient:
         self.message, self.objective = _shared_programs(
             (app_token, num_total, num_clients, _shapes(self.inputs), _shapes(template)), programs)
 
-    def restore(self, state, record) -> None:
+    def restore(self, state, record, cfg) -> None:
         """A resumed run: this client's control variate V_{t,i}, kept by the server, into ``Context.state`` (no
         pending step: the server counted every accepted one)."""
         V = from_record(record, self.x_template, check_finite=True)
@@ -374,7 +377,8 @@ class _FedLocalVIClient:
 
     def query(self, i, b, cfg, state):
         """A ``step_size="auto"`` refresh: ``cfg["query"]`` is ``"curvature"`` (this client's Hessian diagonal) or
-        ``"eigenvalue"`` (its λ_m)."""
+        ``"eigenvalue"`` (its λ_m); ``"coupling"``, RobustFedVI's coupling term; ``"control"``, its h_m rescaled to
+        the refreshed preconditioner (the server keeps it in ``state.control``)."""
         kind = cfg.get("query")
         if kind == "curvature":
             return {"curvature": self.curvature((b, i), self.inputs)}
@@ -382,6 +386,8 @@ class _FedLocalVIClient:
             return {"coupling": self.coupling((b, i), self.inputs)}
         if kind == "eigenvalue":
             return {"eigenvalue": self.eigenvalue((b, i), self.inputs)}
+        if kind == "control":   # the h_m this client's next round will use (nothing stored: the round computes it)
+            return {"control": self._control(i, b, cfg, self._saved(state))[0]}
         raise ValueError(f"unknown FedLocalVI query {kind!r}.")
 
     def _round(self, b, h, m, inputs):
@@ -403,21 +409,29 @@ class _FedLocalVIClient:
         new = self.base.halves[1](st, op, carry, jax.tree.map(lambda a: a[None], b["x"]))
         return jax.tree.map(lambda a: a[0], new.z), new.output
 
-    def train(self, i, b, cfg, state):
+    def _saved(self, state):
+        """``(h, presync, presync round, rescaled round, control η)`` kept in ``Context.state`` (a new client: h = 0,
+        no presync value: round -1)."""
+        if _STATE not in state:
+            return _zeros(self.z_template), None, -1, -1, math.nan
+        saved = from_record(state[_STATE], {"h": self.z_template, "presync": self.z_template})
+        meta = state[_META]
+        return (saved["h"], saved["presync"], int(meta["round"]), int(meta.get("rescaled-round", -1)),
+                float(meta.get("control-eta", math.nan)))
+
+    def _control(self, i, b, cfg, saved):
+        """This client's h_m for the round of broadcast ``b`` (phase 0), from its ``saved`` state: ``(h, presync
+        round, rescaled round)``.  Scaffnew's step with the server's average of the round its presync value came from
+        (when the server accepted that reply: ``cfg["accepted-round"]``; a reply left out of the average takes no
+        step, so Σ_m h_m = 0 still holds), then h in the units of this round's η D V."""
         e = self.engine
-        phase = int(cfg.get("phase", 0))
-        keep = {"h": self.z_template, "presync": self.z_template}
-        saved = from_record(state[_STATE], keep) if _STATE in state else None
-        h, presync = (saved["h"], saved["presync"]) if saved else (_zeros(self.z_template), None)
-        presync_round = int(state[_META]["round"]) if saved else -1   # -1: no presync value to use
-        rescaled = int(state[_META].get("rescaled-round", -1)) if saved else -1
-        control_eta = float(state[_META].get("control-eta", math.nan)) if saved else math.nan
-        if phase == 0 and presync_round >= 0 and int(b["round"]) == presync_round + 1:
-            # Scaffnew's step with the server's average of the round this client's presync value came from
+        h, presync, presync_round, rescaled, control_eta = saved
+        accepted = int(cfg.get("accepted-round", presync_round))
+        if presync_round >= 0 and int(b["round"]) == presync_round + 1 and accepted == presync_round:
             h = vs.control_update(h, presync, b["z"], e.local_steps, e.step_size, e.control_step, b.get("offset"))
             presync_round = -1   # taken: a repeated phase 0 (a skipped round) does not take it twice
-        rescale = phase == 0 and int(cfg.get("rescale", 0)) and e.drift_correction and rescaled != int(b["round"])
-        if phase == 0 and e.auto_step and math.isfinite(control_eta):
+        rescale = int(cfg.get("rescale", 0)) and e.drift_correction and rescaled != int(b["round"])
+        if e.auto_step and math.isfinite(control_eta):
             # h lives in the units of η D V: the rounds the server did not take since h was last expressed halved η,
             # and h with them (FedLocalVI.halved_step); a refresh's old η is the halved one
             target = b["old_eta"] if rescale else b["eta"]
@@ -425,6 +439,22 @@ class _FedLocalVIClient:
         if rescale:
             # the refresh after the previous round (in process: after its Scaffnew step), once per round
             h, rescaled = self.rescale((b, h, i), self.inputs), int(b["round"])
+        return h, presync_round, rescaled
+
+    def restore(self, state, record, cfg) -> None:
+        """A resumed run: this client's h_m, kept by the server (``state.control``: its Scaffnew steps taken, in the
+        units of the state's η D V, those of the next round), into ``Context.state``."""
+        h = from_record(record, self.z_template, check_finite=True)
+        _save(state, {"h": h, "presync": _zeros(self.z_template)},
+              {"round": -1, "carry-round": -1, "rescaled-round": -1, "control-eta": math.nan})
+
+    def train(self, i, b, cfg, state):
+        e = self.engine
+        phase = int(cfg.get("phase", 0))
+        saved = self._saved(state)
+        h, presync, presync_round, rescaled, _ = saved
+        if phase == 0:
+            h, presync_round, rescaled = self._control(i, b, cfg, saved)
         meta = {"rescaled-round": rescaled, "control-eta": float(b["eta"]) if e.auto_step else math.nan}
         h_used = h if e.drift_correction else None
         if phase == 0 and self.base.halves is not None:
@@ -668,8 +698,8 @@ def make_client_app(engine, data_fn: Callable, *, stat_template=None):
             i, c = setup(context)
             if "broadcast" in msg.content:
                 _received(msg, c.broadcast_template, i)
-            if "control" in msg.content:   # a resumed run (FedMMStrategy(init_state=)): V_{t,i}, kept by the server
-                c.restore(context.state, msg.content["control"])
+            if "control" in msg.content:   # a resumed run (init_state=): its control variate, kept by the server
+                c.restore(context.state, msg.content["control"], cfg)
             return Message(RecordDict({"meta": ConfigRecord({"partition-id": i, "num-rows": c.num_rows})}),
                            reply_to=msg)
         i, c = setup(context, int(cfg["num-total"]), int(cfg["num-clients"]))
@@ -747,8 +777,8 @@ class _EngineStrategy(_strategy_base()):
         self._evaluation_due = False   # _evaluates: an engine round ended and its loss is still to be evaluated
         self._round = None
         self.phases, self.phase = 1, 0   # Flower rounds per engine round (2: LESGD, dual averaging); the next one
-        self.callbacks = ()   # run-loop callbacks cb(rounds, state, losses) after each engine round (FedMMStrategy)
-        self._start_round = 0   # the engine rounds before this run (a resumed FedMMStrategy's state.step)
+        self.callbacks = ()   # run-loop callbacks cb(rounds, state, losses) after each engine round
+        self._start_round = 0   # the engine rounds before this run (a resumed run's state.step / state.round)
         self.expect_rounds(None)
 
     # -- hooks ----------------------------------------------------------------------------------------------------
@@ -854,6 +884,24 @@ class _EngineStrategy(_strategy_base()):
         self._client_of = {node: i for i, node in self.nodes.items()}
         self.counts = np.asarray([counts[i] for i in range(self.num_clients)], np.int32)
         self.weights = np.asarray(client_weights(self.counts))
+
+    def _client_record(self, i: int):   # a resumed run: client i's part of the state, (arrays, config) or None
+        return None
+
+    def _restore_clients(self, grid, timeout: float) -> None:
+        """A resumed run: every client's own part of the state (its control variate, kept by the server:
+        :meth:`_client_record`) into its ``Context.state`` (a new Flower run starts with an empty one); a client that
+        does not confirm it fails the run (its control variate and the server's would differ)."""
+        from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+
+        records = {i: self._client_record(i) for i in range(self.num_clients)}
+        if all(r is None for r in records.values()):
+            return
+        messages = [Message(RecordDict({"config": ConfigRecord(cfg), "control": to_record(arrays)}),
+                            message_type=MessageType.QUERY, dst_node_id=self.nodes[i])
+                    for i, (arrays, cfg) in records.items()]
+        self._every_client_answers(grid.send_and_receive(messages, timeout=timeout), "the control-variate restore",
+                                   "did not take back their control variates for the resumed run")
 
     def _every_client_answers(self, replies, exchange: str, why: str) -> dict:
         """``{client: reply}`` of an exchange every client must answer (``partition-id`` in the reply's meta); a
@@ -1092,26 +1140,18 @@ class FedMMStrategy(_EngineStrategy):
     def handshake(self, grid, timeout: float | None = None) -> None:
         """The base handshake, then the "auto" steps settled again with the clients' weights μ_i = N_i/N (their row
         counts, known only now; :meth:`FedMM.check_settings`), as the in-process engine settles them; a resumed run
-        sends every client its control variate V_{t,i} (:meth:`_restore_controls`)."""
+        sends every client its control variate V_{t,i} (:meth:`_restore_clients`)."""
         super().handshake(grid, timeout)
         if self._resumed:
-            self._restore_controls(grid, self.timeout if timeout is None else timeout)
+            self._restore_clients(grid, self.timeout if timeout is None else timeout)
         engine = self.engine
         if engine.auto_step or engine.auto_cv_step:
             engine.check_settings(self.family, self.state.s, self.num_clients, self.counts)
             self._server = self._server_program()
 
-    def _restore_controls(self, grid, timeout: float) -> None:
-        """Every client's V_{t,i} of the resumed state into its ``Context.state`` (a new Flower run starts with an
-        empty one); a client that does not confirm it fails the run (its V_{t,i} and the server's V_t would differ:
-        V_t = Σ_i μ_i V_{t,i} no longer held)."""
-        from flwr.app import ConfigRecord, Message, MessageType, RecordDict
-
-        messages = [Message(RecordDict({"config": ConfigRecord({}), "control": to_record(
-            jax.tree.map(lambda v, i=i: v[i], self.state.V_clients))}), message_type=MessageType.QUERY,
-            dst_node_id=self.nodes[i]) for i in range(self.num_clients)]
-        self._every_client_answers(grid.send_and_receive(messages, timeout=timeout), "the control-variate restore",
-                                   "did not take back their control variates for the resumed run")
+    def _client_record(self, i):
+        """V_{t,i} (the server counted every accepted step)."""
+        return jax.tree.map(lambda v: v[i], self.state.V_clients), {}
 
     def _server_program(self):
         """The server's half of a round, compiled with the engine's γ and α."""
@@ -1187,7 +1227,8 @@ def _refuse_resume(strategy: str, kwargs: dict, client_state: str) -> None:
     if given:
         raise TypeError(f"{strategy} takes no {' / '.join(f'{k}=' for k in given)}: a Flower run of it cannot be "
                         f"resumed yet ({client_state} live only in Flower's per-node Context.state, which a new "
-                        "run starts empty); FedMMStrategy (FedSVI, FedMM) resumes and checkpoints.")
+                        "run starts empty); FedMMStrategy (FedSVI, FedMM) and FedLocalVIStrategy (FedLocalVI, "
+                        "RobustFedVI) resume and checkpoint.")
 
 
 def _server_round(family, step_size, alpha, p, aggregate, server_optimizer, state, q, weights, target):
@@ -1224,22 +1265,34 @@ class FedLocalVIStrategy(_EngineStrategy):
     there (the full-data negative ELBO when all answer, as in process); RobustFedVI's is the robust objective ψ(θ)
     when every group answered (NaN otherwise: ψ needs every group's loss).  A round that is not taken (non-finite
     replies) is repeated over Flower and its loss is the one at the kept iterate.  ``step_size="auto"``: the
-    preconditioner (η, H) is estimated at the handshake and refreshed before the round after rounds 1, 2, 4, …
-    (:meth:`_refresh`); it travels with every broadcast.
+    preconditioner (η, H) is estimated at the handshake and refreshed after rounds 1, 2, 4, …, before their loss is
+    reported (:meth:`_refresh`); it travels with every broadcast.
 
     :param engine: a ``FedLocalVI`` / ``RobustFedVI`` built with ``clients=`` / ``num_clients=`` (blocks of the
         data plate).
     :param rng_key: the run's key (as ``engine.run``).
     :param args: model arguments used only to trace the model (shapes; e.g. one row).
     :param num_clients: M.
+    :param init_state: resume: the state a run reached (``strategy.state``, ``nfv.load(path).state`` of a
+        ``Checkpoint``, or an in-process engine's state with the same settings and clients); the handshake gives
+        every client its control variate h_m back, so the rounds continue as the uninterrupted run's.
+    :param callbacks: run-loop callbacks ``cb(rounds, state, losses)`` called after every engine round, once its
+        loss is in (e.g. ``nfv.Checkpoint(path, every=k)``); return values are ignored.
+    :param timeout: seconds to wait for the nodes to come up and for each exchange's replies.
+
+    The server keeps what the in-process state holds: ``state.control`` is every client's h_m after the round's
+    Scaffnew step (taken by the server on the pre-sync values it received, as each client takes it when the next
+    z̄ arrives — a client whose reply was left out of the average takes none, the server tells it so), halved with
+    η at a round not taken and, at a ``step_size="auto"`` refresh, rescaled by the clients (one more query: the
+    refresh after round r is made before round r's loss is reported, as ``update`` makes it).
     """
 
-    def __init__(self, engine, rng_key, *args, num_clients: int, timeout: float = 600.0, **kwargs):
+    def __init__(self, engine, rng_key, *args, num_clients: int, init_state: vs.VIState | None = None,
+                 callbacks=(), timeout: float = 600.0, **kwargs):
         if not isinstance(engine, FedLocalVI):
             raise TypeError(f"FedLocalVIStrategy runs a FedLocalVI engine, got {type(engine).__name__}.")
-        _refuse_resume("FedLocalVIStrategy", kwargs, "its clients' Scaffnew control variates and the server's "
-                       "refresh bookkeeping")
         super().__init__(engine, num_clients, timeout)
+        self.callbacks = tuple(callbacks)
         if engine.num_clients != self.num_clients:
             raise ValueError(f"the engine has {engine.num_clients} clients, num_clients={num_clients}.")
         setup_key, rng_key = random.split(rng_key)
@@ -1249,6 +1302,13 @@ class FedLocalVIStrategy(_EngineStrategy):
         self.state = engine.initial_state(z0, rng_key)
         if engine.auto_step:   # no estimate yet (η = NaN), in the estimate's types: FedLocalVI.init's placeholder
             self.state = self.state._replace(precond=engine._no_estimate(self.state))
+        self._resumed = init_state is not None
+        if self._resumed:   # (a state of other clients, settings or shapes is refused, naming the entry)
+            check_state_like(init_state, self.state, "FedLocalVIStrategy", vs.VIState)
+            self.state = jax.tree.map(jnp.asarray, init_state)
+        self._start_round = int(self.state.round)
+        self.expect_rounds(None)
+        self.accepted = np.full(self.num_clients, -1, np.int64)   # per client: the last round its reply was averaged
         base = engine.base_solver()
         self.phases = 1 if base.halves is None else 2
         self._template = _local_broadcast_template(z0, base, engine.auto_step, bool(engine.drift_correction))
@@ -1256,20 +1316,36 @@ class FedLocalVIStrategy(_EngineStrategy):
         self._mean = jax.jit(_client_average)
         self._sync_offset = jax.jit(lambda presync, z, received: vs.sync_offset(
             presync, jax.tree.map(lambda a: a[None], z), lambda a: _client_average({"z": a}, received)[0][0]))
-        # step_size="auto": the preconditioner before the last refresh, the round of the last refresh attempt and
-        # the round whose clients rescale their control variates to the new one
-        self._old_precond, self._refreshed_round, self._rescale_round = None, None, None
+        # step_size="auto": the preconditioner before the last refresh, the round of the last refresh attempt (a
+        # state holds the refresh after its round, as in process) and the round whose clients rescale their control
+        # variates to the new one
+        self._old_precond, self._refreshed_round, self._rescale_round = None, int(self.state.round), None
 
     # -- step_size="auto": FedLocalVI._refreshed with the clients' parts ----------------------------------------------
     def handshake(self, grid, timeout: float | None = None) -> None:
-        """The set-up handshake, then (``step_size="auto"``) the initial preconditioner, as ``FedLocalVI.init``."""
+        """The set-up handshake, then a resumed run's control variates back to the clients and (``step_size=
+        "auto"``, no estimate yet) the initial preconditioner, as ``FedLocalVI.init``."""
         super().handshake(grid, timeout)
-        if self.engine.auto_step:
-            self._refresh(grid, self.timeout if timeout is None else timeout)
+        timeout = self.timeout if timeout is None else timeout
+        if self._resumed:
+            self._restore_clients(grid, timeout)
+        if self.engine.auto_step and not math.isfinite(float(self.state.precond["eta"])):
+            self._refresh(grid, timeout)
+
+    def _client_record(self, i):
+        """h_m, its Scaffnew steps taken, in the units of the state's η D V."""
+        return None if self.state.control is None else (jax.tree.map(lambda h: h[i], self.state.control), {})
 
     def configure_train(self, server_round, arrays, config, grid):
         self._refresh_if_due(grid, self.timeout)
         return super().configure_train(server_round, arrays, config, grid)
+
+    def configure_evaluate(self, server_round, arrays, config, grid):
+        """The refresh due after the engine round (``update`` makes it inside the round), then the round's
+        EVALUATE messages: the state the callbacks see holds it, as in process."""
+        if self._evaluation_due:
+            self._refresh_if_due(grid, self.timeout)
+        return super().configure_evaluate(server_round, arrays, config, grid)
 
     def _refresh_if_due(self, grid, timeout):
         r = int(self.state.round)
@@ -1282,9 +1358,10 @@ class FedLocalVIStrategy(_EngineStrategy):
         RobustFedVI: weighted by w̄/N, on w τ plus the groups' largest coupling term, one more query), then
         ``η = STEP_SCALE / max λ_m`` from up to 8 evenly spaced clients' ``λ_m`` with that ``H``
         (``engine._client_lambda``: FedLocalVI's eigenvalues, RobustFedVI's singular values, the engine's keys); the
-        clients rescale their control variates in the next round.  The initial estimate
-        needs every reply and finite values (``FedLocalVI.init``'s errors); a later one that fails keeps the last
-        estimate (logged)."""
+        clients rescale their control variates in the next round, and tell the server now what they will be
+        (``state.control``).  The initial estimate
+        needs every reply and finite values (``FedLocalVI.init``'s errors); a later one that fails (a missing
+        reply, a non-finite value) keeps the last estimate (logged)."""
         r, initial = int(self.state.round), not math.isfinite(float(self.state.precond["eta"]))
         self._refreshed_round = r
         theta = self.engine._iterate(self.state, "last")   # the primal z̄ (dual averaging keeps a dual sum in z)
@@ -1318,19 +1395,31 @@ class FedLocalVIStrategy(_EngineStrategy):
                 raise FloatingPointError(NON_FINITE_INITIAL_ESTIMATE)
             log.warning("round %d: step_size='auto' refresh not finite; the last estimate is kept", r)
             return
-        new = {"eta": eta, "curvature": curvature}
+        new, control = {"eta": eta, "curvature": curvature}, self.state.control
+        if control is not None and not initial:   # every client's h_m in the new units (nothing stored there yet)
+            b = {**self._broadcast(), "eta": eta, "curvature": curvature, "old_eta": self.state.precond["eta"],
+                 "old_curvature": self.state.precond["curvature"]}
+            rescaled = self._query(grid, everyone, b, {"control": theta}, timeout,
+                                   lambda i: {**self._config(i), "query": "control", "rescale": 1})
+            if sorted(rescaled) != everyone:
+                log.warning("round %d: step_size='auto' refresh incomplete (clients %s did not rescale their control "
+                            "variates); the last estimate is kept", r, sorted(set(everyone) - set(rescaled)))
+                return
+            control = jax.tree.map(lambda *h: jnp.stack(h), *[rescaled[m]["control"] for m in everyone])
         self._old_precond = new if initial else self.state.precond
         self._rescale_round = None if initial else r
-        self.state = self.state._replace(precond=new)
+        self.state = self.state._replace(precond=new, control=control)
 
     def _halve_step(self):
         """``step_size="auto"``: a round with non-finite values or a collapsed positive param
-        (:meth:`~numpyro_fedvi.fedlocalvi.FedLocalVI.collapsed`) is not taken and η halves (as in process)."""
+        (:meth:`~numpyro_fedvi.fedlocalvi.FedLocalVI.collapsed`) is not taken and η halves, the control variates
+        with it (as in process: ``FedLocalVI.halved_step``)."""
         if self.engine.auto_step:
-            self.state = self.state._replace(precond={**self.state.precond, "eta": self.state.precond["eta"] / 2})
+            self.state = self.engine.halved_step(self.state)
 
     def _config(self, i):
-        return {"rescale": int(self._rescale_round is not None and int(self.state.round) == self._rescale_round)}
+        return {"rescale": int(self._rescale_round is not None and int(self.state.round) == self._rescale_round),
+                "accepted-round": int(self.accepted[i])}
 
     def _active(self):
         return int(self.state.round), np.arange(self.num_clients), np.ones(self.num_clients, bool)
@@ -1371,9 +1460,20 @@ class FedLocalVIStrategy(_EngineStrategy):
             return False
         if self.engine.drift_correction:  # the average's rounding, for the clients' Scaffnew step (as in process)
             self._offset = self._sync_offset(replies["z"], z, jnp.asarray(received))
+            new = new._replace(control=self._control_step(replies["z"], z, received))
         self.state = self.engine.with_tail(new)
+        self.accepted[received] = int(self._round[0])
         self.phase = 0
         return True
+
+    def _control_step(self, presync, synced, received):
+        """``state.control`` after the round: Scaffnew's step of every client whose reply was averaged, the same
+        (eager) operations each client makes when the next z̄ arrives; the others keep theirs."""
+        e = self.engine
+        stepped = vs.control_update(self.state.control, presync, synced, e.local_steps, e.step_size, e.control_step,
+                                    self._offset)
+        return jax.tree.map(lambda n, o: jnp.where(jnp.reshape(received, (-1,) + (1,) * (n.ndim - 1)), n, o),
+                            stepped, self.state.control)
 
     _evaluates = True   # FedLocalVI.update's loss is at the iterate a round ends at
 

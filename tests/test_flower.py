@@ -2,6 +2,7 @@
 client app keeps V = Σ μ_i V_i through dropped replies, bad replies are dropped and logged, and an end-to-end
 simulation equals the in-process run."""
 
+import collections
 import os
 import warnings
 
@@ -73,6 +74,7 @@ class _Grid:
         self.app, self.faults = app, faults or (lambda node, msg, reply: reply)
         self.contexts = {100 + i: Context(run_id=1, node_id=100 + i, node_config={"partition-id": i},
                                           state=RecordDict(), run_config={}) for i in range(num_nodes)}
+        self.sent = collections.Counter()   # messages delivered, per message type
 
     def get_node_ids(self):
         return list(self.contexts)
@@ -83,6 +85,7 @@ class _Grid:
         out = []
         for msg in messages:
             node = msg.metadata.dst_node_id
+            self.sent[msg.metadata.message_type] += 1
             try:
                 reply = self.app(Message(msg.content, dst_node_id=node, message_type=msg.metadata.message_type),
                                  self.contexts[node])
@@ -436,10 +439,10 @@ def test_fedlocalvi_rounds_equal_the_in_process_engine(method, drift):
 @pytest.mark.slow   # 52 s; the default run keeps FedLocalVI over Flower with a float step (lesgd-scaffnew below)
 def test_fedlocalvi_default_step_size_over_flower_equals_in_process():
     """FedLocalVI with its default ``step_size="auto"`` (preconditioned operator, η and H refreshed after rounds 1,
-    2, 4) and Scaffnew drift correction over Flower: the initial estimate at the handshake, the refreshes at the
-    next round's configure (every client's Hessian diagonal summed with μ_m, the eigenvalues of the evenly spaced
-    clients maxed) and the clients' control-variate rescaling equal four in-process ``update`` rounds: η, H, z̄,
-    the output mean and every h_m.  A round with a non-finite reply is not taken and η halves (as in process)."""
+    2, 4) and Scaffnew drift correction over Flower: the initial estimate at the handshake, the refreshes after
+    each round, before its loss (every client's Hessian diagonal summed with μ_m, the eigenvalues of the evenly
+    spaced clients maxed) and the clients' control-variate rescaling equal four in-process ``update`` rounds: η, H,
+    z̄, the output mean and every h_m (the clients' and the server's ``state.control``).  A round with a non-finite reply is not taken and η halves (as in process)."""
     X, y, site = _sorted_sites()
 
     def make():
@@ -450,8 +453,10 @@ def test_fedlocalvi_default_step_size_over_flower_equals_in_process():
     strategy.handshake(grid)
     for r in range(1, 5):
         _flower_round(strategy, grid, r)
-    messages = strategy.configure_train(5, None, None, grid)   # the refresh after round 4, then round 5's messages
+    messages = strategy.configure_train(5, None, None, grid)   # round 5's messages (the refresh after 4 is made)
     assert strategy.dropped == [] and int(strategy.state.round) == 4
+    for a, b in zip(jax.tree.leaves(strategy.state.control), jax.tree.leaves(state.control)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(strategy.losses, losses, rtol=1e-5)
     assert [int(m.content["config"]["rescale"]) for m in messages] == [1, 1, 1]
     s = strategy.state
@@ -491,6 +496,8 @@ def test_fedlocalvi_default_step_size_over_flower_equals_in_process():
         h = flower.from_record(ctx.state["numpyro_fedvi.state"], {"h": template, "presync": template})["h"]
         for a, c in zip(jax.tree.leaves(h), jax.tree.leaves(state.control)):
             np.testing.assert_allclose(a, c[m] / 4, rtol=1e-4, atol=1e-6)
+        # the server's copy halved with η too (FedLocalVI.halved_step): what the client uses
+        _assert_bitwise(jax.tree.map(lambda c: c[m], strategy.state.control), h, f"client {m}'s h")
 
 
 @pytest.mark.slow   # 54 s
@@ -509,7 +516,7 @@ def test_robust_default_step_size_over_flower_equals_in_process():
     strategy.handshake(grid)
     for r in range(1, 9):   # 4 engine rounds of 2 Flower rounds
         _flower_round(strategy, grid, r)
-    messages = strategy.configure_train(9, None, None, grid)   # the refresh after round 4, then round 5's
+    messages = strategy.configure_train(9, None, None, grid)   # round 5's (the refresh after 4 is made)
     assert strategy.dropped == [] and int(strategy.state.round) == 4
     np.testing.assert_allclose(strategy.losses, losses, rtol=1e-5)   # ψ(θ) after each round, as update's
     assert np.all(np.asarray(strategy.state.precond["curvature"]["w"]) > 0.5)   # τ + the groups' largest coupling
@@ -523,6 +530,112 @@ def test_robust_default_step_size_over_flower_equals_in_process():
         h = flower.from_record(ctx.state["numpyro_fedvi.state"], {"h": template, "presync": template})["h"]
         for a, b in zip(jax.tree.leaves(h), jax.tree.leaves(jax.tree.map(lambda c: c[m], state.control))):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def _fedlocalvi_flower(engine, app, X, y, rounds, *, faults=None, first=1, **strategy_options):
+    """A FedLocalVIStrategy over a NEW in-memory federation (fresh client contexts, as a new Flower run gets) of the
+    3 sorted sites, after the handshake and ``rounds`` engine rounds (Flower's numbers from ``first``)."""
+    strategy = flower.FedLocalVIStrategy(engine, random.key(5), X[:1], y[:1], num_clients=3, **strategy_options)
+    grid = _Grid(app, 3, faults)
+    strategy.handshake(grid)
+    strategy.expect_rounds(rounds)
+    for r in range(first, first + rounds * strategy.phases):
+        _flower_round(strategy, grid, r)
+    return strategy, grid
+
+
+def _client_saved(grid, template):
+    """Every client's ``Context.state``: (its arrays h and presync, its meta)."""
+    return [(flower.from_record(ctx.state["numpyro_fedvi.state"], {"h": template, "presync": template}),
+             dict(ctx.state["numpyro_fedvi.meta"])) for ctx in grid.contexts.values()]
+
+
+def _assert_bitwise(got, want, what):
+    for name, a, b in zip(range(10**6), jax.tree.leaves(got), jax.tree.leaves(want)):
+        if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+            a, b = random.key_data(a), random.key_data(b)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{what} leaf {name}")
+
+
+def _client_0_late_in_round_1(node, msg, reply):
+    """Client 0's reply to engine round 1 arrives in another round: dropped, left out of z̄."""
+    cfg = msg.content["config"]
+    if int(cfg.get("round", -1)) == 1 and node == 100 and msg.metadata.message_type == MessageType.TRAIN:
+        reply.content["meta"] = ConfigRecord({"partition-id": 0, "round": 99, "phase": 0})
+    return reply
+
+
+def test_a_fedlocalvi_flower_run_resumed_from_its_checkpoint_equals_the_uninterrupted_run(tmp_path):
+    """FedLocalVI with its defaults (step_size="auto", Scaffnew; K = 3) over Flower, checkpointed every 2 rounds
+    (``callbacks=[nfv.Checkpoint]``), its server dead after round 3, resumed from the checkpoint in a NEW federation
+    (empty client contexts): equals the uninterrupted 6-round run bitwise — the server state (z̄, output, tail, every
+    h_m, η and H: the refresh after round 2 is in the checkpoint, the one after round 4 crosses the resume), the
+    losses and what every client keeps.  Client 0's reply to round 1 is dropped in both runs: it takes no Scaffnew
+    step for that round (the server tells it: Σ_m h_m = 0 still holds), and the server's ``state.control`` is, every
+    round, the h_m each client computes when the next z̄ arrives."""
+    X, y, site = _sorted_sites()
+    engine = nfv.FedLocalVI(logistic, AutoNormal(logistic), Trace_ELBO(), clients=site, local_steps=3)
+    app = flower.make_client_app(engine, lambda ctx: (X[site == ctx.node_config["partition-id"]],
+                                                      y[site == ctx.node_config["partition-id"]]))
+    whole, whole_grid = _fedlocalvi_flower(engine, app, X, y, 6, faults=_client_0_late_in_round_1)
+    assert [t for t, _, _ in whole.dropped] == [1] and whole.skipped_rounds == 0
+    template = jax.tree.map(lambda a: a[0], whole.state.z)   # (rounds 5 and 6: two Scaffnew steps since a refresh)
+    b = whole._broadcast()
+    for m, (saved, meta) in enumerate(_client_saved(whole_grid, template)):   # the next round's h_m, as the server's
+        h = nfv.vi_solvers.control_update(saved["h"], saved["presync"], b["z"], engine.local_steps, engine.step_size,
+                                          engine.control_step, b["offset"])
+        _assert_bitwise(h, jax.tree.map(lambda c: c[m], whole.state.control), f"client {m}'s h")
+    for c in jax.tree.leaves(whole.state.control):   # Scaffnew's Σ_m h_m = 0 (a dropped reply takes no step)
+        np.testing.assert_allclose(np.sum(np.asarray(c), axis=0), 0.0, atol=1e-6 * np.max(np.abs(c)))
+
+    path = tmp_path / "server.ckpt"
+    _fedlocalvi_flower(engine, app, X, y, 3, faults=_client_0_late_in_round_1,
+                       callbacks=[nfv.Checkpoint(path, every=2)])
+    ckpt = nfv.load(path)
+    assert ckpt.diagnostics["num_steps"] == 2 and int(ckpt.state.round) == 2
+    rest, grid = _fedlocalvi_flower(engine, app, X, y, 4, first=7, init_state=ckpt.state,
+                                    callbacks=[nfv.Checkpoint(path, every=4, resume_from=ckpt)])
+    # handshake, restore, then one refresh (after round 4: curvature, eigenvalues, rescaled controls): the refresh
+    # after round 2 is in the checkpoint, not made again
+    assert grid.sent[MessageType.QUERY] == 3 * 5
+    _assert_bitwise(rest.state, whole.state, "server state")
+    for (got, got_meta), (want, want_meta) in zip(_client_saved(grid, template), _client_saved(whole_grid, template)):
+        _assert_bitwise(got, want, "client state")
+        assert got_meta == want_meta
+    np.testing.assert_array_equal(np.asarray(rest.losses), np.asarray(whole.losses)[2:])
+    np.testing.assert_array_equal(np.asarray(nfv.load(path).losses), np.asarray(whole.losses, np.float32))
+    result = rest.result()
+    assert result.diagnostics["num_steps"] == 4 and int(result.state.round) == 6
+
+
+@pytest.mark.slow   # 12 s: the in-process engine's compile
+def test_a_fedlocalvi_flower_run_resumes_an_in_process_state():
+    """``init_state=`` an in-process FedLocalVI state after 3 rounds (every default: η, H and every h_m of the
+    refresh after round 2): one Flower round, then the refresh after round 4 (the clients rescale their h_m and
+    report them), equals the in-process fourth round to float rounding: z̄, the output, the tail, η, H and
+    ``state.control``; and the server's h_m are what the clients use in round 5."""
+    X, y, site = _sorted_sites()
+
+    def make():
+        return nfv.FedLocalVI(logistic, AutoNormal(logistic), Trace_ELBO(), clients=site, local_steps=3)
+
+    expected, state, losses, engine, _, _ = _fedlocalvi_pair(make, X, y, site, rounds=4)
+    three = expected.init(random.key(5), X, y)
+    for _ in range(3):
+        three, _ = expected.update(three, X, y)
+    app = flower.make_client_app(engine, lambda ctx: (X[site == ctx.node_config["partition-id"]],
+                                                      y[site == ctx.node_config["partition-id"]]))
+    strategy, grid = _fedlocalvi_flower(engine, app, X, y, 1, init_state=three)
+    s = strategy.state
+    assert int(s.round) == 4 and strategy.dropped == []
+    np.testing.assert_allclose(strategy.losses, losses[3:], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves((s.z, s.output, s.tail, s.precond, s.control)),
+                    jax.tree.leaves((state.z, state.output, state.tail, state.precond, state.control))):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    grid.send_and_receive(strategy.configure_train(2, None, None, grid))
+    template = jax.tree.map(lambda a: a[0], s.z)
+    for m, (saved, _) in enumerate(_client_saved(grid, template)):
+        _assert_bitwise(jax.tree.map(lambda c: c[m], s.control), saved["h"], f"client {m}'s h")
 
 
 @pytest.mark.slow
@@ -730,15 +843,18 @@ def test_pdvi_strategy_refuses_what_it_cannot_run():
 
 
 def test_strategies_that_cannot_resume_refuse_init_state_and_callbacks_by_name():
-    """FedLocalVIStrategy and PDVIStrategy take the model's keyword arguments: ``init_state=`` / ``callbacks=``
-    would reach the model as unexpected arguments; they are refused naming what cannot be resumed and the strategy
-    that can."""
+    """PDVIStrategy takes the model's keyword arguments: ``init_state=`` / ``callbacks=`` would reach the model as
+    unexpected arguments; they are refused naming what cannot be resumed and the strategies that can.
+    FedLocalVIStrategy takes them, and refuses a state that is not one of its runs'."""
     X, y, site = _sorted_sites()
     fedlocalvi = nfv.FedLocalVI(logistic, AutoNormal(logistic), Trace_ELBO(), clients=site, step_size=0.1)
-    with pytest.raises(TypeError, match=r"FedLocalVIStrategy takes no init_state=: .*Scaffnew.*FedMMStrategy"):
-        flower.FedLocalVIStrategy(fedlocalvi, random.key(0), X[:1], y[:1], num_clients=3, init_state=object())
+    plain = nfv.FedLocalVI(logistic, AutoNormal(logistic), Trace_ELBO(), clients=site, step_size=0.1,
+                           drift_correction=None)   # its state holds no control variates
+    other = flower.FedLocalVIStrategy(plain, random.key(0), X[:1], y[:1], num_clients=3).state
+    with pytest.raises(ValueError, match="this state is not one of this FedLocalVIStrategy's"):
+        flower.FedLocalVIStrategy(fedlocalvi, random.key(0), X[:1], y[:1], num_clients=3, init_state=other)
     pdvi = nfv.PDVI(random_effects, random_effects_guide, num_partitions=3, eta=0.1)
-    with pytest.raises(TypeError, match=r"PDVIStrategy takes no callbacks=: .*local rows and duals"):
+    with pytest.raises(TypeError, match=r"PDVIStrategy takes no callbacks=: .*local rows and duals.*FedLocalVIStr"):
         flower.PDVIStrategy(pdvi, random.key(0), np.zeros(1, np.float32), num_clients=3, callbacks=[print])
 
 
