@@ -442,7 +442,8 @@ def test_fedlocalvi_default_step_size_over_flower_equals_in_process():
     2, 4) and Scaffnew drift correction over Flower: the initial estimate at the handshake, the refreshes after
     each round, before its loss (every client's Hessian diagonal summed with μ_m, the eigenvalues of the evenly
     spaced clients maxed) and the clients' control-variate rescaling equal four in-process ``update`` rounds: η, H,
-    z̄, the output mean and every h_m (the clients' and the server's ``state.control``).  A round with a non-finite reply is not taken and η halves (as in process)."""
+    z̄, the output mean and every h_m (the clients' and the server's ``state.control``).  A round with a non-finite
+    reply is not taken and η halves (as in process)."""
     X, y, site = _sorted_sites()
 
     def make():
@@ -497,7 +498,7 @@ def test_fedlocalvi_default_step_size_over_flower_equals_in_process():
         for a, c in zip(jax.tree.leaves(h), jax.tree.leaves(state.control)):
             np.testing.assert_allclose(a, c[m] / 4, rtol=1e-4, atol=1e-6)
         # the server's copy halved with η too (FedLocalVI.halved_step): what the client uses
-        _assert_bitwise(jax.tree.map(lambda c: c[m], strategy.state.control), h, f"client {m}'s h")
+        _assert_bitwise(jax.tree.map(lambda c, m=m: c[m], strategy.state.control), h, f"client {m}'s h")
 
 
 @pytest.mark.slow   # 54 s
@@ -584,7 +585,7 @@ def test_a_fedlocalvi_flower_run_resumed_from_its_checkpoint_equals_the_uninterr
     for m, (saved, meta) in enumerate(_client_saved(whole_grid, template)):   # the next round's h_m, as the server's
         h = nfv.vi_solvers.control_update(saved["h"], saved["presync"], b["z"], engine.local_steps, engine.step_size,
                                           engine.control_step, b["offset"])
-        _assert_bitwise(h, jax.tree.map(lambda c: c[m], whole.state.control), f"client {m}'s h")
+        _assert_bitwise(h, jax.tree.map(lambda c, m=m: c[m], whole.state.control), f"client {m}'s h")
     for c in jax.tree.leaves(whole.state.control):   # Scaffnew's Σ_m h_m = 0 (a dropped reply takes no step)
         np.testing.assert_allclose(np.sum(np.asarray(c), axis=0), 0.0, atol=1e-6 * np.max(np.abs(c)))
 
@@ -635,7 +636,7 @@ def test_a_fedlocalvi_flower_run_resumes_an_in_process_state():
     grid.send_and_receive(strategy.configure_train(2, None, None, grid))
     template = jax.tree.map(lambda a: a[0], s.z)
     for m, (saved, _) in enumerate(_client_saved(grid, template)):
-        _assert_bitwise(jax.tree.map(lambda c: c[m], s.control), saved["h"], f"client {m}'s h")
+        _assert_bitwise(jax.tree.map(lambda c, m=m: c[m], s.control), saved["h"], f"client {m}'s h")
 
 
 @pytest.mark.slow
