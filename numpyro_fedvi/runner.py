@@ -67,6 +67,17 @@ class RunResult(SVIRunResult):
         diagnostics = fields.pop("diagnostics", self.diagnostics)
         return RunResult(*super()._replace(**fields), diagnostics)
 
+    @property
+    def stop_reason(self) -> str | None:
+        """``diagnostics["stop_reason"]``: why the run stopped (``"completed"``, ``"interrupted"``, ...)."""
+        return self.diagnostics.get("stop_reason")
+
+    @property
+    def converged(self) -> bool | None:
+        """``diagnostics["converged"]``: the engine's convergence verdict on the run's last quarter (None: not
+        checked — an engine without a check, or a run too short to tell)."""
+        return self.diagnostics.get("converged")
+
 
 def tree_all_finite(tree) -> jax.Array:
     """True when every floating leaf of ``tree`` is finite."""

@@ -78,6 +78,10 @@ def test_result_surface_like_svi_run_result():
     np.testing.assert_array_equal(np.asarray(params["x"]), 2 * np.asarray(state["x"]))
     assert len(res) == 3 and res._fields == ("params", "state", "losses")
     assert set(res.diagnostics) >= {"num_steps", "stop_reason", "non_finite_step"}
+    # the verdicts a user reads first, as attributes (None where the run did not check convergence)
+    assert res.stop_reason == "completed" and res.converged is None
+    checked = res._replace(diagnostics={**res.diagnostics, "stop_reason": "interrupted", "converged": False})
+    assert checked.stop_reason == "interrupted" and checked.converged is False
 
 
 @pytest.mark.parametrize("num_steps", [0, -3, 2.5, "10"])
