@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import re
 
 import jax
 import jax.numpy as jnp
@@ -486,9 +487,12 @@ def _setup_hint(message: str) -> str | None:
                 "(MPSGD then fits those latents jointly), or fit the local latents with PDVI and AutoNormal (local "
                 "params per block).")
     if "cannot handle discrete sample site" in message:
-        return ("A discrete latent must be summed out: mark it infer={'enumerate': 'parallel'} in the model (MPSGD "
-                "sums enumerated latents out of its potential) and build the guide on the model without it, "
-                "AutoLocationScale(handlers.block(model, hide=[name])).")
+        found = re.search(r"discrete sample site '([^']+)'", message)
+        name = repr(found.group(1)) if found else "name"
+        return (f"A discrete latent is summed out, not fitted: build the guide on the model without it, "
+                f"AutoLocationScale(handlers.block(model, hide=[{name}])), and keep it marked "
+                "infer={'enumerate': 'parallel'} in the model (config_enumerate does it): MPSGD sums enumerated "
+                "latents out of its potential.")
     return None
 
 

@@ -438,8 +438,15 @@ class MPSGD:
         data_plates = set(observation_plates(tr))
         if not data_plates:
             return
-        local = sum(_unconstrained_size(s) for s in tr.values() if s["type"] == "sample" and not s["is_observed"]
-                    and data_plates & {f.name for f in s["cond_indep_stack"]})
+        sites = {name: _unconstrained_size(s) for name, s in tr.items() if s["type"] == "sample"
+                 and not s["is_observed"] and data_plates & {f.name for f in s["cond_indep_stack"]}}
+        local = sum(sites.values())
+        imputed = [name for name in imputation_sites(tr) if name in sites]
+        # obs_mask=: one imputed coordinate per entry of y, observed or not (only the missing ones enter the model)
+        masked = (f" ({sum(sites[k] for k in imputed)} of them numpyro's obs_mask= imputations {imputed}: one per "
+                  "entry of the observation, missing or not; the same model with the observation under "
+                  "numpyro.handlers.mask(mask=observed) instead, the missing entries filled with any finite value, "
+                  "has none of them and the same posterior for the other latents)" if imputed else "")
         if local >= PER_DATUM_WARN_DIM:
             cost = ("a random d×d rotation, O(d³): 0.02 / 0.09 / 0.8 s per step at d = 500 / 1,000 / 2,000 on one "
                     "core, whatever the scale type" if self.adaptive and self.draws == "spherical" else "")
@@ -447,8 +454,8 @@ class MPSGD:
             draws = (n if isinstance(n, (int, np.integer)) else "N_k") if n else (
                 2 * max(self.dim, MIN_RADII) if self.adaptive else 1)
             warn(f"MPSGD: {local} of the d = {self.dim} latent coordinates are per-datum (sites in the plate "
-                 f"{sorted(data_plates)} of the observations); MPSGD optimises them in one vector, so d and the "
-                 f"cost of a step grow with N: {draws} gradient evaluations of the whole model per step"
+                 f"{sorted(data_plates)} of the observations){masked}; MPSGD optimises them in one vector, so d and "
+                 f"the cost of a step grow with N: {draws} gradient evaluations of the whole model per step"
                  f"{', ' + cost if cost else ''}{', and a d×d scale' if self.scale_type != 'diag' else ''}. "
                  "PDVI is made for per-datum latents.", UserWarning)
 

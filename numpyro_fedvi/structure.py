@@ -831,8 +831,10 @@ def inspect_global_model(engine: str, model, guide, rng_key, args, kwargs, *, da
         raise ValueError(f"{engine} supports guides with global params only; the model's obs_mask= makes the missing "
                          f"observations per-datum latents {imputed} (imputed), whose params "
                          f"{list(structure.local_names)} live inside the data plate {structure.data_plate.name!r}. Fit "
-                         "the rows whose observations are present (the posterior of the other latents is the same when "
-                         "the missing values enter nothing else), or use PDVI, which keeps per-datum latents.")
+                         "the rows whose observations are present — the same model with the observation under "
+                         "numpyro.handlers.mask(mask=observed) instead of obs_mask= (the missing entries of y filled "
+                         "with any finite value) gives the other latents the same posterior when the missing values "
+                         "enter nothing else — or use PDVI, which keeps per-datum latents.")
     if structure.local_names:
         hint = "" if data_plate is not None else _other_data_plates(model, guide, rng_key, args, kwargs,
                                                                    structure.data_plate.name)

@@ -482,9 +482,9 @@ def test_numpyro_set_up_errors_say_what_to_do():
         MPSGD(local, AutoLocationScale(local)).init(random.key(0), y, batch=5)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # NumPyro's note on unmarked discrete sites
-        with pytest.raises(ValueError, match=r"cannot handle discrete sample site 'k'\. A discrete latent must be "
-                                             r"summed out: mark it infer=\{'enumerate': 'parallel'\} .*"
-                                             r"AutoLocationScale\(handlers\.block\(model, hide=\[name\]\)\)"):
+        with pytest.raises(ValueError, match=r"cannot handle discrete sample site 'k'\. A discrete latent is summed "
+                                             r"out, not fitted: .*AutoLocationScale\(handlers\.block\(model, "
+                                             r"hide=\['k'\]\)\), and keep it marked infer=\{'enumerate': "):
             MPSGD(discrete, AutoLocationScale(discrete)).init(random.key(0), y)
 
 
@@ -506,6 +506,26 @@ def test_per_datum_latents_warn_with_the_cost_of_a_step():
         message = next(str(w.message) for w in record if "per-datum" in str(w.message))
         assert "402 gradient evaluations" in message and ("O(d³)" in message) == rotation
         assert "d×d scale" not in message
+
+
+def test_per_datum_warning_names_obs_mask_imputations_and_the_mask_handler():
+    """``obs_mask=`` makes one imputed coordinate per entry of y, observed or not: the warning counts them and names
+    ``handlers.mask``, whose model has none (a new user's N = 1,000 with 157 missing: d = 1,003, 20 s per 100 steps
+    against ~0 s for the same model under ``handlers.mask``)."""
+    def regression(x, y, observed):
+        w = numpyro.sample("w", dist.Normal(0.0, 1.0))
+        with numpyro.plate("data", x.shape[0]):
+            numpyro.sample("y", dist.Normal(w * x, 1.0), obs=y, obs_mask=observed)
+
+    x = np.linspace(-1.0, 1.0, 300).astype(np.float32)
+    observed = np.arange(300) % 7 != 0
+    engine = MPSGD(regression, AutoLocationScale(regression, scale="diag"))
+    with pytest.warns(UserWarning, match="per-datum") as record:
+        engine._setup(random.key(0), (x, 2 * x, observed), {})
+    message = next(str(w.message) for w in record if "per-datum" in str(w.message))
+    assert "300 of the d = 301 latent coordinates are per-datum" in message
+    assert "300 of them numpyro's obs_mask= imputations ['y_unobserved']" in message
+    assert "numpyro.handlers.mask(mask=observed)" in message
 
 
 def test_per_datum_warning_counts_unconstrained_coordinates():

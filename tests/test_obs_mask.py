@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import numpyro
 import numpyro.distributions as dist
+import pytest
 from jax import random
 from numpyro.infer import Trace_ELBO
 from numpyro.infer.autoguide import AutoMultivariateNormal, AutoNormal
@@ -92,6 +93,28 @@ def test_fedsvi_with_a_joint_guide_reaches_the_exact_posterior():
     junk = 1 + np.flatnonzero(OBSERVED)
     np.testing.assert_allclose(np.asarray(post.mean)[junk], 0.0, atol=0.3)
     np.testing.assert_allclose(np.sqrt(np.diag(np.asarray(post.covariance_matrix)))[junk], 1.0, atol=0.3)
+
+
+def masked_model(x, y=None, mask=None):
+    """``model`` with the observation under ``handlers.mask`` instead of ``obs_mask=``: no imputed latents."""
+    b = numpyro.sample("b", dist.Normal(0.0, PRIOR_SD))
+    with numpyro.plate("data", x.shape[0]), numpyro.handlers.mask(mask=mask):
+        numpyro.sample("y", dist.Normal(b * x, 1.0), obs=y)
+
+
+def test_a_federated_engine_refuses_imputed_per_datum_latents_and_its_advice_gives_the_posterior():
+    """FedSVI with AutoNormal on the obs_mask model: its imputed entries would be per-datum params; refused, naming
+    ``handlers.mask``; the same model written that way (missing y filled with 0) reaches the conjugate posterior."""
+    with pytest.raises(ValueError, match=r"obs_mask= makes the missing observations per-datum latents "
+                                         r"\['y_unobserved'\].*numpyro\.handlers\.mask\(mask=observed\) instead"):
+        nfv.FedSVI(model, AutoNormal(model), Trace_ELBO(), clients=np.arange(N) % 2).run(
+            random.key(0), 2, X, Y, OBSERVED, progress_bar=False)
+    guide = AutoNormal(masked_model)
+    result = nfv.FedSVI(masked_model, guide, Trace_ELBO(), clients=np.arange(N) % 2).run(
+        random.key(0), 1500, X, Y, OBSERVED, progress_bar=False)
+    mean, sd = exact_b()
+    assert abs(float(result.params["b_auto_loc"]) - mean) < 0.1 * sd
+    assert abs(float(result.params["b_auto_scale"]) / sd - 1) < 0.1
 
 
 def test_importance_weights_leave_the_masked_out_entries_out():
