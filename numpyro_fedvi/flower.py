@@ -27,7 +27,8 @@ with the SAME functional core as the in-process engines (no duplicated math):
   client's Scaffnew step on the pre-sync value it received; at a refresh the clients report their rescaled h_m),
   so a run resumes from its state (``init_state=``, ``callbacks=[nfv.Checkpoint(...)]``) as FedMM's does.
 * :class:`PDVIStrategy` — PD-VI / P²D-VI in federated form: a client is one block with its local rows and dual
-  in ``Context.state``; the server runs :func:`~numpyro_fedvi.pdvi.consensus_update` on their λ_i.
+  in ``Context.state``; the server runs :func:`~numpyro_fedvi.pdvi.consensus_update` on their λ_i and keeps a copy
+  of the duals (a guide with global params only resumes from the server's state).
 * :func:`make_server_app` and :func:`simulate` (Flower's simulation engine on loopback, telemetry off).
 * :func:`to_record` / :func:`from_record` — the pytree ↔ ``ArrayRecord`` codec (typed PRNG keys as key data; a
   malformed record is rejected by name).
@@ -73,6 +74,7 @@ from .fedmm.engine import FedMM, strong_types
 from .fedmm.fedsvi import FedSVI
 from .pdvi import (
     PDVI,
+    PDVIState,
     _accum,
     _check_eta,
     check_drift,
@@ -526,10 +528,7 @@ class _PDVIClient:
         mu_sel = jax.tree.map(lambda m: m[None], mu)
         lam, rows, values = oracle(jnp.reshape(unit, (1,)), jnp.ones((1,), bool), b["lam0"], mu_sel, b["eta"], rows,
                                    oracle_key)
-        lam = jax.tree.map(lambda a: a[0], lam)
-        delta = jax.tree.map(lambda l, l0: _accum(l) - l0, lam, b["lam0"])
-        new_mu = jax.tree.map(lambda m, d, eta: m + dual_step(d, eta), mu, delta, b["eta"])
-        return lam, rows, new_mu, values[0]
+        return jax.tree.map(lambda a: a[0], lam), rows, values[0]
 
     def _saved(self, state, accepted_round: int):
         """``(μ_i, φ_i)`` with the pending step committed when its reply was accepted."""
@@ -540,9 +539,17 @@ class _PDVIClient:
             return saved["pending_mu"], saved["pending_rows"]
         return saved["mu"], saved["rows"]
 
+    def restore(self, state, record, cfg) -> None:
+        """A resumed run (a guide with global params only): this client's dual μ_i, kept by the server
+        (``state.mu``: its accepted steps taken), into ``Context.state``."""
+        mu = from_record(record, self.lam_template, check_finite=True)
+        _save(state, {"mu": mu, "rows": self.rows0, "pending_mu": mu, "pending_rows": self.rows0},
+              {"pending-round": _NO_ROUND})
+
     def train(self, i, b, cfg, state):
         mu, rows = self._saved(state, int(cfg["accepted-round"]))
-        lam, new_rows, new_mu, value = self.solve((b, mu, rows, i), self.inputs)
+        lam, new_rows, value = self.solve((b, mu, rows, i), self.inputs)
+        new_mu = _dual_step(mu, lam, b["lam0"], b["eta"])
         _save(state, {"mu": mu, "rows": rows, "pending_mu": new_mu, "pending_rows": new_rows},
               {"pending-round": int(cfg["round"])})
         return {"lam": lam}, {"objective": float(value)}
@@ -1220,17 +1227,6 @@ class FedMMStrategy(_EngineStrategy):
         return self.to_params(theta) if self.to_params is not None else theta
 
 
-def _refuse_resume(strategy: str, kwargs: dict, client_state: str) -> None:
-    """A strategy that cannot resume refuses ``init_state=`` / ``callbacks=`` by name (its other keywords are the
-    model's, which would otherwise report them as unexpected model arguments)."""
-    given = sorted({"init_state", "callbacks"} & set(kwargs))
-    if given:
-        raise TypeError(f"{strategy} takes no {' / '.join(f'{k}=' for k in given)}: a Flower run of it cannot be "
-                        f"resumed yet ({client_state} live only in Flower's per-node Context.state, which a new "
-                        "run starts empty); FedMMStrategy (FedSVI, FedMM) and FedLocalVIStrategy (FedLocalVI, "
-                        "RobustFedVI) resume and checkpoint.")
-
-
 def _server_round(family, step_size, alpha, p, aggregate, server_optimizer, state, q, weights, target):
     """The core's server step on the stacked messages: ``(new state, ok)`` (ok: every new value finite); the
     clients ``target`` (the answering ones; n for the others) take their control variates' step ``(α/p) q_i``, as
@@ -1540,14 +1536,21 @@ class PDVIStrategy(_EngineStrategy):
     :param args: model arguments used only to trace the model (shapes; e.g. one row).
     :param num_clients: n, the number of blocks.
     :param init_params: constrained global init values (as ``engine.run``).
+    :param init_state: resume (a guide with global params only): the ``PDVIState`` a run reached
+        (``strategy.state``, ``nfv.load(path).state`` of a ``Checkpoint``); the handshake gives every client its
+        dual μ_i back.  The server keeps the duals in ``state.mu`` (it takes each accepted unit's dual step
+        ``μ_i + (λ_i − λ_0)/η`` on the λ_i it received, as the client commits it; at a refresh, the clients' fresh
+        duals).  A guide with local params keeps its local rows φ_i on the clients only: refused.
+    :param callbacks: run-loop callbacks ``cb(rounds, state, losses)`` after every round (e.g.
+        ``nfv.Checkpoint(path, every=k)``); the same condition.
     """
 
     def __init__(self, engine, rng_key, *args, num_clients: int, init_params: dict | None = None,
-                 timeout: float = 600.0, **kwargs):
+                 init_state: PDVIState | None = None, callbacks=(), timeout: float = 600.0, **kwargs):
         if not isinstance(engine, PDVI):
             raise TypeError(f"PDVIStrategy runs a PDVI engine, got {type(engine).__name__}.")
-        _refuse_resume("PDVIStrategy", kwargs, "its clients' local rows and duals")
         super().__init__(engine, num_clients, timeout)
+        self.callbacks = tuple(callbacks)
         if not 1 <= engine.partitions_per_step <= self.num_clients:
             raise ValueError(f"partitions_per_step must be in [1, {self.num_clients}], got "
                              f"{engine.partitions_per_step}.")
@@ -1559,7 +1562,20 @@ class PDVIStrategy(_EngineStrategy):
                                        block_oracle=True, coupling=counts_couplings(engine.oracle_loss))
         lam0 = self.structure.init_global
         eta = _eta_template(engine, lam0)
-        self.state = pdvi_init(lam0, 1, None, eta, rng_key)._replace(mu=None)
+        self.state = pdvi_init(lam0, self.num_clients, None, eta, rng_key)   # the duals μ_i of every client
+        self._resumed = init_state is not None
+        if (self._resumed or self.callbacks) and self.structure.local_names:
+            given = " / ".join(k for k, v in (("init_state=", self._resumed), ("callbacks=", self.callbacks)) if v)
+            raise TypeError(f"PDVIStrategy takes no {given} for this guide: a Flower run of it cannot be resumed "
+                            f"(its local params {list(self.structure.local_names)} — the clients' local rows — live "
+                            "only in Flower's per-node Context.state, which a new run starts empty). A guide with "
+                            "global params only resumes (the server keeps the clients' duals), as FedMMStrategy "
+                            "(FedSVI, FedMM) and FedLocalVIStrategy (FedLocalVI, RobustFedVI) do.")
+        if self._resumed:   # (a state of other clients, settings or shapes is refused, naming the entry)
+            check_state_like(init_state, self.state, "PDVIStrategy", PDVIState)
+            self.state = jax.tree.map(jnp.asarray, init_state)
+        self._start_round = int(self.state.step)
+        self.expect_rounds(None)
         self.accepted = np.full(self.num_clients, -1, np.int64)
         self._select = jax.jit(lambda key, step: engine._select_units(self.num_clients, key, step))
         self._refresh_steps, self._refreshed_step = set(engine.refresh_schedule(self.num_clients)), 0
@@ -1567,10 +1583,21 @@ class PDVIStrategy(_EngineStrategy):
         self._curvature_total = None   # H of the last η estimate (the convergence check's units)
 
     def handshake(self, grid, timeout: float | None = None) -> None:
-        """The set-up handshake, then (``eta="auto"``) η from the curvature of the clients ``eta_units`` names."""
+        """The set-up handshake, then (``eta="auto"``) η from the curvature of the clients ``eta_units`` names; a
+        resumed run gives every client its dual back instead (and measures the curvature for the convergence
+        check's units only: η is the state's)."""
         super().handshake(grid, timeout)
-        if self.engine.eta_spec == "auto":
-            self.state = self.state._replace(eta=self._auto_eta(grid, self.timeout if timeout is None else timeout))
+        timeout = self.timeout if timeout is None else timeout
+        if self._resumed:
+            self._restore_clients(grid, timeout)
+            if self.engine.eta_spec == "auto":
+                self._curvature_eta(grid, random.fold_in(self.state.rng_key, self.state.step), timeout)
+        elif self.engine.eta_spec == "auto":
+            self.state = self.state._replace(eta=self._auto_eta(grid, timeout))
+
+    def _client_record(self, i):
+        """μ_i (its accepted steps taken)."""
+        return jax.tree.map(lambda m: m[i], self.state.mu), {}
 
     def _auto_eta(self, grid, timeout):
         eta = self._curvature_eta(grid, self._eta_key, timeout)
@@ -1622,13 +1649,15 @@ class PDVIStrategy(_EngineStrategy):
         duals = self._query(grid, everyone, {**self._broadcast(), "eta": eta, "rng_key": key},
                             {"mu": s.lam0}, timeout, lambda i: {"query": "dual", "refresh-round": refresh_round,
                                                                 "accepted-round": int(self.accepted[i])})
+        mu = s.mu
         if sorted(duals) == everyone:
-            mean = {k: jnp.mean(jnp.stack([duals[i]["mu"][k] for i in everyone]), 0) for k in s.h}
+            mu = {k: jnp.stack([duals[i]["mu"][k] for i in everyone]) for k in s.h}
+            mean = {k: jnp.mean(mu[k], 0) for k in s.h}
             self.accepted[:] = refresh_round
         else:
             log.warning("iteration %d: dual refresh without every client; the duals are kept", t)
             mean = {k: s.h[k] / s.eta[k] for k in s.h}
-        self.state = s._replace(eta=eta, h={k: eta[k] * mean[k] for k in s.h})
+        self.state = s._replace(eta=eta, h={k: eta[k] * mean[k] for k in s.h}, mu=mu)
 
     def _active(self):
         t = int(self.state.step)
@@ -1651,7 +1680,12 @@ class PDVIStrategy(_EngineStrategy):
         ok = bool(received.any())
         lam0, h, eta, _ = self._consensus(self.state.lam0, self.state.h, self.state.eta, replies["lam"],
                                           jnp.asarray(received), jnp.asarray(ok))
-        self.state = self.state._replace(lam0=lam0, h=h, eta=eta, step=self.state.step + 1)
+        mu = self.state.mu
+        for k in np.flatnonzero(received & ok):   # the committed units, one by one: their clients' operations
+            step = _dual_step(jax.tree.map(lambda m, i=int(idx[k]): m[i], mu),
+                              jax.tree.map(lambda a, k=k: a[k], replies["lam"]), self.state.lam0, self.state.eta)
+            mu = jax.tree.map(lambda m, new, i=int(idx[k]): m.at[i].set(new), mu, step)
+        self.state = self.state._replace(lam0=lam0, h=h, eta=eta, mu=mu, step=self.state.step + 1)
         self.accepted[idx[received]] = t
         return ok
 
@@ -1672,6 +1706,14 @@ class PDVIStrategy(_EngineStrategy):
         lam0 = (self.state if state is None else state).lam0
         return self.structure.constrain_global({k: v.astype(self.structure.init_global[k].dtype)
                                                 for k, v in lam0.items()})
+
+
+def _dual_step(mu, lam, lam0, eta):
+    """A unit's dual step ``μ_i + (λ_i − λ_0)/η`` (Algorithm 1), made EAGERLY and unit by unit by the client and by
+    the server: the same floating-point operations, so the server's copy of the duals is bitwise the clients'
+    (inside the client's compiled oracle, or on the server's stacked duals, XLA divides by a broadcast η as a
+    product with its reciprocal: an ulp apart)."""
+    return jax.tree.map(lambda m, l, l0, e: m + dual_step(_accum(l) - l0, e), mu, lam, lam0, eta)
 
 
 def make_server_app(strategy, num_rounds: int):

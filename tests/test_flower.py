@@ -763,14 +763,16 @@ def test_pdvi_over_flower_with_one_autoguide_engine_for_the_server_and_the_clien
         np.testing.assert_allclose(strategy.state.lam0[k], state.lam0[k], rtol=2e-5, atol=2e-6)
 
 
-def _pdvi_client_states(strategy, grid):
-    """Every client's (μ_i, φ_i) as the server sees it: committed, or pending when its last reply was accepted."""
+def _pdvi_client_states(strategy, grid, local=None):
+    """Every client's (μ_i, φ_i) as the server sees it: committed, or pending when its last reply was accepted
+    (``local``: its rows' template; default the random-effects model's)."""
     lam0 = strategy.state.lam0
-    template = {"mu": lam0, "rows": {"a": jnp.zeros(10)}, "pending_mu": lam0, "pending_rows": {"a": jnp.zeros(10)}}
+    local = {"a": jnp.zeros(10)} if local is None else local
+    template = {"mu": lam0, "rows": local, "pending_mu": lam0, "pending_rows": local}
     mus, rows = [], []
     for i, ctx in enumerate(grid.contexts.values()):
         if "numpyro_fedvi.state" not in ctx.state:   # never selected
-            mu, row = jax.tree.map(jnp.zeros_like, lam0), {"a": np.zeros(10)}
+            mu, row = jax.tree.map(jnp.zeros_like, lam0), local
         else:
             saved = flower.from_record(ctx.state["numpyro_fedvi.state"], template)
             done = int(ctx.state["numpyro_fedvi.meta"]["pending-round"]) == strategy.accepted[i]
@@ -843,10 +845,10 @@ def test_pdvi_strategy_refuses_what_it_cannot_run():
                                         dual_granularity="datum"), lambda ctx: None)
 
 
-def test_strategies_that_cannot_resume_refuse_init_state_and_callbacks_by_name():
-    """PDVIStrategy takes the model's keyword arguments: ``init_state=`` / ``callbacks=`` would reach the model as
-    unexpected arguments; they are refused naming what cannot be resumed and the strategies that can.
-    FedLocalVIStrategy takes them, and refuses a state that is not one of its runs'."""
+def test_resumable_strategies_refuse_a_foreign_state_and_pdvi_local_rows_by_name():
+    """A state that is not one of the strategy's runs' is refused naming the entry; PDVIStrategy with a guide whose
+    local rows live on the clients refuses ``init_state=`` / ``callbacks=`` (a checkpoint of it could not resume),
+    naming the local params and the strategies that resume."""
     X, y, site = _sorted_sites()
     fedlocalvi = nfv.FedLocalVI(logistic, AutoNormal(logistic), Trace_ELBO(), clients=site, step_size=0.1)
     plain = nfv.FedLocalVI(logistic, AutoNormal(logistic), Trace_ELBO(), clients=site, step_size=0.1,
@@ -855,8 +857,65 @@ def test_strategies_that_cannot_resume_refuse_init_state_and_callbacks_by_name()
     with pytest.raises(ValueError, match="this state is not one of this FedLocalVIStrategy's"):
         flower.FedLocalVIStrategy(fedlocalvi, random.key(0), X[:1], y[:1], num_clients=3, init_state=other)
     pdvi = nfv.PDVI(random_effects, random_effects_guide, num_partitions=3, eta=0.1)
-    with pytest.raises(TypeError, match=r"PDVIStrategy takes no callbacks=: .*local rows and duals.*FedLocalVIStr"):
+    with pytest.raises(TypeError, match=r"PDVIStrategy takes no callbacks= for this guide: .*local params "
+                                        r"\['a'\] — the clients' local rows.*FedLocalVIStrategy"):
         flower.PDVIStrategy(pdvi, random.key(0), np.zeros(1, np.float32), num_clients=3, callbacks=[print])
+    state = flower.PDVIStrategy(_pdvi_global_engine(site), random.key(0), X[:1], y[:1], num_clients=3).state
+    with pytest.raises(ValueError, match="this state is not one of this PDVIStrategy's"):
+        flower.PDVIStrategy(_pdvi_global_engine(site), random.key(0), X[:1], y[:1], num_clients=4, init_state=state)
+
+
+def _pdvi_global_engine(site):
+    """Default PD-VI (``eta="auto"``, refreshes) on the logistic regression: a guide with global params only."""
+    return nfv.PDVI(logistic, AutoNormal(logistic), partitions=site, partitions_per_step=2)
+
+
+def _pdvi_global_flower(engine, app, X, y, rounds, *, faults=None, first=1, **strategy_options):
+    strategy = flower.PDVIStrategy(engine, random.key(2), X[:1], y[:1], num_clients=3, **strategy_options)
+    grid = _Grid(app, 3, faults)
+    strategy.handshake(grid)
+    strategy.expect_rounds(rounds)
+    for r in range(first, first + rounds):
+        strategy.aggregate_train(r, grid.send_and_receive(strategy.configure_train(r, None, None, grid)))
+    return strategy, grid
+
+
+def test_a_pdvi_flower_run_resumed_from_its_checkpoint_equals_the_uninterrupted_run(tmp_path):
+    """PD-VI with every default on a guide with global params only (logistic regression, 3 sorted sites, 2 per
+    iteration; η refreshed before iterations 2 and 4), checkpointed every 3 iterations, its server dead after
+    iteration 4, resumed from the checkpoint in a NEW federation: equals the uninterrupted 7-iteration run bitwise
+    (λ_0, h, η, every dual μ_i, the losses, what each client keeps).  The server's ``state.mu`` is every round the
+    duals the clients hold (their accepted steps; a reply dropped in iteration 1 commits none), and Remark 3.1's
+    h = η mean(μ) holds."""
+    X, y, site = _sorted_sites()
+    engine = _pdvi_global_engine(site)
+    app = flower.make_client_app(engine, lambda ctx: (X[site == ctx.node_config["partition-id"]],
+                                                      y[site == ctx.node_config["partition-id"]]))
+
+    def drop(node, msg, reply):   # client 1's reply to iteration 1 (it is selected): an error
+        if int(msg.content["config"].get("round", -1)) == 1 and node == 101 \
+                and msg.metadata.message_type == MessageType.TRAIN:
+            return _Reply(None, Error(code=0, reason="client raised"), node)
+        return reply
+
+    whole, whole_grid = _pdvi_global_flower(engine, app, X, y, 7, faults=drop)
+    assert [(t, i) for t, i, _ in whole.dropped] == [(1, 1)] and sorted(whole._refresh_steps)[:2] == [2, 4]
+    mus, _ = _pdvi_client_states(whole, whole_grid, {})
+    for k in whole.state.lam0:
+        _assert_bitwise(whole.state.mu[k], np.stack([m[k] for m in mus]), f"duals {k}")
+        np.testing.assert_allclose(whole.state.h[k], whole.state.eta[k] * np.mean(whole.state.mu[k], 0),
+                                   rtol=1e-4, atol=1e-6)
+    path = tmp_path / "server.ckpt"
+    _pdvi_global_flower(engine, app, X, y, 4, faults=drop, callbacks=[nfv.Checkpoint(path, every=3)])
+    ckpt = nfv.load(path)
+    assert int(ckpt.state.step) == 3   # iteration 3 runs on the duals the clients get back (no refresh before it)
+    rest, grid = _pdvi_global_flower(engine, app, X, y, 4, first=4, init_state=ckpt.state,
+                                     callbacks=[nfv.Checkpoint(path, every=4, resume_from=ckpt)])
+    _assert_bitwise(rest.state, whole.state, "server state")
+    for got, want in zip(_pdvi_client_states(rest, grid, {})[0], _pdvi_client_states(whole, whole_grid, {})[0]):
+        _assert_bitwise(got, want, "client duals")
+    np.testing.assert_array_equal(np.asarray(rest.losses), np.asarray(whole.losses)[3:])
+    np.testing.assert_array_equal(np.asarray(nfv.load(path).losses), np.asarray(whole.losses, np.float32))
 
 
 # --- end to end on Flower's simulation engine (Ray, loopback) --------------------------------------------------------
