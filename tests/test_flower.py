@@ -930,9 +930,11 @@ def _logistic_data():
 
 
 @pytest.mark.slow
-def test_simulation_of_fedlocalvi_defaults_equals_in_process_run():
+def test_simulation_of_fedlocalvi_defaults_equals_in_process_run(tmp_path):
     """FedLocalVI with every default (``step_size="auto"``: the preconditioner's QUERY rounds at the handshake and
-    after rounds 1, 2, 4) and drift correction, 3 Flower nodes on Ray: 5 rounds equal the in-process run."""
+    after rounds 1, 2, 4) and drift correction, 3 Flower nodes on Ray: 3 rounds checkpointed, then a NEW simulation
+    resumed from the checkpoint for 2 more (the clients get their h_m back over Flower's messages) equal the
+    in-process 5-round run: the losses, η, the params and every h_m."""
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
     X, y, ids = _logistic_data()
     order = np.argsort(X[:, 0])   # sorted: heterogeneous sites
@@ -941,17 +943,30 @@ def test_simulation_of_fedlocalvi_defaults_equals_in_process_run():
     def make():
         return nfv.FedLocalVI(logistic, AutoNormal(logistic), Trace_ELBO(), clients=ids, drift_correction="scaffnew")
 
+    def data_fn(ctx):
+        return X[ids == int(ctx.node_config["partition-id"])], y[ids == int(ctx.node_config["partition-id"])]
+
     expected = make().run(random.key(0), 5, X, y, progress_bar=False)
+    path = tmp_path / "server.ckpt"
     engine = make()
-    strategy = flower.FedLocalVIStrategy(engine, random.key(0), X[:1], y[:1], num_clients=_M)
-    got = flower.simulate(strategy, flower.make_client_app(
-        engine, lambda ctx: (X[ids == int(ctx.node_config["partition-id"])],
-                             y[ids == int(ctx.node_config["partition-id"])])), 5)
-    assert got.diagnostics["dropped"] == []
-    np.testing.assert_allclose(got.losses, expected.losses, rtol=1e-5)   # after each round, as run's (5 of them)
+    first = flower.simulate(flower.FedLocalVIStrategy(engine, random.key(0), X[:1], y[:1], num_clients=_M,
+                                                      callbacks=[nfv.Checkpoint(path, every=3)]),
+                            flower.make_client_app(engine, data_fn), 3)
+    ckpt = nfv.load(path)
+    engine = make()
+    got = flower.simulate(flower.FedLocalVIStrategy(engine, random.key(0), X[:1], y[:1], num_clients=_M,
+                                                    init_state=ckpt.state,
+                                                    callbacks=[nfv.Checkpoint(path, every=2, resume_from=ckpt)]),
+                          flower.make_client_app(engine, data_fn), 2)
+    assert first.diagnostics["dropped"] == got.diagnostics["dropped"] == [] and int(got.state.round) == 5
+    losses = np.concatenate([first.losses, got.losses])
+    np.testing.assert_allclose(losses, expected.losses, rtol=1e-5)   # after each round, as run's (5 of them)
+    np.testing.assert_allclose(nfv.load(path).losses, expected.losses, rtol=1e-5)
     np.testing.assert_allclose(got.state.precond["eta"], expected.state.precond["eta"], rtol=1e-5)
     for k in expected.params:
         np.testing.assert_allclose(got.params[k], expected.params[k], rtol=1e-5, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(got.state.control), jax.tree.leaves(expected.state.control)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
 def _faulty_app(engine, data_fn):
