@@ -1478,8 +1478,12 @@ class FedLocalVIStrategy(_EngineStrategy):
 
     def _check(self, result, snapshots):
         """``FedLocalVI.run``'s check: the output's move over the last quarter in units of ``step_size="auto"``'s
-        last curvature H (None with a float step size)."""
-        self.engine.check_convergence(result, snapshots)
+        last curvature H (None with a float step size), the rounds before a resumed run counted as ``run``'s.  The
+        engine's view with the federation's N (RobustFedVI's units are N times its per-datum curvature; the
+        server's engine never ran ``init``: ``result`` failed with a None N)."""
+        engine = copy.copy(self.engine)
+        engine.num_total = int(self.counts.sum())
+        engine.check_convergence(result, snapshots, self._start_round)
 
     def _evaluation_broadcast(self):
         """The engine's reported point (``_iterate``: ``engine.output`` of the state after the round) and key."""
