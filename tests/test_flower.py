@@ -566,9 +566,9 @@ def _client_0_late_in_round_1(node, msg, reply):
     return reply
 
 
-_RESUMED = {"defaults": dict(local_steps=3),
-            "lesgd": dict(method="lesgd", local_steps=2, step_size=0.02),   # two synchronisations per round
-            "robust": dict(tau=0.5, local_steps=3)}                          # RobustFedVI's defaults
+_RESUMED = {"defaults": {"local_steps": 3},
+            "lesgd": {"method": "lesgd", "local_steps": 2, "step_size": 0.02},   # two synchronisations per round
+            "robust": {"tau": 0.5, "local_steps": 3}}                            # RobustFedVI's defaults
 
 
 @pytest.mark.parametrize("kind", ["defaults", pytest.param("lesgd", marks=pytest.mark.slow),
