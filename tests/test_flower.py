@@ -938,6 +938,21 @@ def _logistic_data():
 
 
 @pytest.mark.slow
+def _simulated_and_resumed(strategy_type, make, data_fn, *shape_args, path, rounds, more):
+    """Two simulations on Flower's engine (Ray): ``rounds`` rounds checkpointed at their end to ``path``, then a NEW
+    one (empty client states) resumed from that checkpoint for ``more`` rounds: their ``RunResult``s."""
+    engine = make()
+    first = flower.simulate(strategy_type(engine, random.key(0), *shape_args, num_clients=_M,
+                                          callbacks=[nfv.Checkpoint(path, every=rounds)]),
+                            flower.make_client_app(engine, data_fn), rounds)
+    ckpt = nfv.load(path)
+    engine = make()
+    rest = flower.simulate(strategy_type(engine, random.key(0), *shape_args, num_clients=_M, init_state=ckpt.state,
+                                         callbacks=[nfv.Checkpoint(path, every=more, resume_from=ckpt)]),
+                           flower.make_client_app(engine, data_fn), more)
+    return first, rest
+
+
 def test_simulation_of_fedlocalvi_defaults_equals_in_process_run(tmp_path):
     """FedLocalVI with every default (``step_size="auto"``: the preconditioner's QUERY rounds at the handshake and
     after rounds 1, 2, 4) and drift correction, 3 Flower nodes on Ray: 3 rounds checkpointed, then a NEW simulation
@@ -956,16 +971,8 @@ def test_simulation_of_fedlocalvi_defaults_equals_in_process_run(tmp_path):
 
     expected = make().run(random.key(0), 5, X, y, progress_bar=False)
     path = tmp_path / "server.ckpt"
-    engine = make()
-    first = flower.simulate(flower.FedLocalVIStrategy(engine, random.key(0), X[:1], y[:1], num_clients=_M,
-                                                      callbacks=[nfv.Checkpoint(path, every=3)]),
-                            flower.make_client_app(engine, data_fn), 3)
-    ckpt = nfv.load(path)
-    engine = make()
-    got = flower.simulate(flower.FedLocalVIStrategy(engine, random.key(0), X[:1], y[:1], num_clients=_M,
-                                                    init_state=ckpt.state,
-                                                    callbacks=[nfv.Checkpoint(path, every=2, resume_from=ckpt)]),
-                          flower.make_client_app(engine, data_fn), 2)
+    first, got = _simulated_and_resumed(flower.FedLocalVIStrategy, make, data_fn, X[:1], y[:1], path=path,
+                                        rounds=3, more=2)
     assert first.diagnostics["dropped"] == got.diagnostics["dropped"] == [] and int(got.state.round) == 5
     losses = np.concatenate([first.losses, got.losses])
     np.testing.assert_allclose(losses, expected.losses, rtol=1e-5)   # after each round, as run's (5 of them)
@@ -1055,16 +1062,8 @@ def test_a_simulated_run_resumed_from_its_checkpoint_continues_the_in_process_ru
 
     expected = make().run(random.key(0), 3, X, y, progress_bar=False)
     path = tmp_path / "server.ckpt"
-    engine = make()
-    flower.simulate(flower.FedMMStrategy(engine, random.key(0), X[:1], y[:1], num_clients=_M,
-                                         callbacks=[nfv.Checkpoint(path, every=2)]),
-                    flower.make_client_app(engine, data_fn), 2)
-    ckpt = nfv.load(path)
-    engine = make()
-    rest = flower.simulate(flower.FedMMStrategy(engine, random.key(0), X[:1], y[:1], num_clients=_M,
-                                                init_state=ckpt.state,
-                                                callbacks=[nfv.Checkpoint(path, every=1, resume_from=ckpt)]),
-                           flower.make_client_app(engine, data_fn), 1)
+    _, rest = _simulated_and_resumed(flower.FedMMStrategy, make, data_fn, X[:1], y[:1], path=path, rounds=2,
+                                     more=1)
     assert int(rest.state.step) == 3 and rest.diagnostics["dropped"] == []
     for k in expected.params:
         np.testing.assert_allclose(rest.params[k], expected.params[k], rtol=1e-5, atol=1e-6)
