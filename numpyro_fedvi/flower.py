@@ -253,7 +253,7 @@ class _FedMMClient:
         self.message, self.objective = _shared_programs(
             (app_token, num_total, num_clients, _shapes(self.inputs), _shapes(template)), programs)
 
-    def restore(self, state, record, cfg) -> None:
+    def restore(self, state, record) -> None:
         """A resumed run: this client's control variate V_{t,i}, kept by the server, into ``Context.state`` (no
         pending step: the server counted every accepted one)."""
         V = from_record(record, self.x_template, check_finite=True)
@@ -443,7 +443,7 @@ class _FedLocalVIClient:
             h, rescaled = self.rescale((b, h, i), self.inputs), int(b["round"])
         return h, presync_round, rescaled
 
-    def restore(self, state, record, cfg) -> None:
+    def restore(self, state, record) -> None:
         """A resumed run: this client's h_m, kept by the server (``state.control``: its Scaffnew steps taken, in the
         units of the state's η D V, those of the next round), into ``Context.state``."""
         h = from_record(record, self.z_template, check_finite=True)
@@ -539,7 +539,7 @@ class _PDVIClient:
             return saved["pending_mu"], saved["pending_rows"]
         return saved["mu"], saved["rows"]
 
-    def restore(self, state, record, cfg) -> None:
+    def restore(self, state, record) -> None:
         """A resumed run (a guide with global params only): this client's dual μ_i, kept by the server
         (``state.mu``: its accepted steps taken), into ``Context.state``."""
         mu = from_record(record, self.lam_template, check_finite=True)
@@ -706,7 +706,7 @@ def make_client_app(engine, data_fn: Callable, *, stat_template=None):
             if "broadcast" in msg.content:
                 _received(msg, c.broadcast_template, i)
             if "control" in msg.content:   # a resumed run (init_state=): its control variate, kept by the server
-                c.restore(context.state, msg.content["control"], cfg)
+                c.restore(context.state, msg.content["control"])
             return Message(RecordDict({"meta": ConfigRecord({"partition-id": i, "num-rows": c.num_rows})}),
                            reply_to=msg)
         i, c = setup(context, int(cfg["num-total"]), int(cfg["num-clients"]))
@@ -786,6 +786,8 @@ class _EngineStrategy(_strategy_base()):
         self.phases, self.phase = 1, 0   # Flower rounds per engine round (2: LESGD, dual averaging); the next one
         self.callbacks = ()   # run-loop callbacks cb(rounds, state, losses) after each engine round
         self._start_round = 0   # the engine rounds before this run (a resumed run's state.step / state.round)
+        self._resumed = False   # a run from init_state= (:meth:`_resume`)
+        self.accepted = np.full(self.num_clients, -1, np.int64)   # per client: the last round its reply was taken
         self.expect_rounds(None)
 
     # -- hooks ----------------------------------------------------------------------------------------------------
@@ -892,7 +894,17 @@ class _EngineStrategy(_strategy_base()):
         self.counts = np.asarray([counts[i] for i in range(self.num_clients)], np.int32)
         self.weights = np.asarray(client_weights(self.counts))
 
-    def _client_record(self, i: int):   # a resumed run: client i's part of the state, (arrays, config) or None
+    def _resume(self, init_state, state_type, rounds=lambda state: state.step) -> None:
+        """``init_state`` (None: a new run) in place of the initial ``self.state`` (a state of other clients,
+        settings or shapes is refused, naming the entry), and the rounds done before this run (``rounds(state)``)."""
+        self._resumed = init_state is not None
+        if self._resumed:
+            check_state_like(init_state, self.state, type(self).__name__, state_type)
+            self.state = jax.tree.map(jnp.asarray, init_state)
+        self._start_round = int(rounds(self.state))
+        self.expect_rounds(None)
+
+    def _client_record(self, i: int):   # a resumed run: client i's part of the state (a pytree) or None
         return None
 
     def _restore_clients(self, grid, timeout: float) -> None:
@@ -904,9 +916,9 @@ class _EngineStrategy(_strategy_base()):
         records = {i: self._client_record(i) for i in range(self.num_clients)}
         if all(r is None for r in records.values()):
             return
-        messages = [Message(RecordDict({"config": ConfigRecord(cfg), "control": to_record(arrays)}),
+        messages = [Message(RecordDict({"config": ConfigRecord({}), "control": to_record(arrays)}),
                             message_type=MessageType.QUERY, dst_node_id=self.nodes[i])
-                    for i, (arrays, cfg) in records.items()]
+                    for i, arrays in records.items()]
         self._every_client_answers(grid.send_and_receive(messages, timeout=timeout), "the control-variate restore",
                                    "did not take back their control variates for the resumed run")
 
@@ -1132,15 +1144,10 @@ class FedMMStrategy(_EngineStrategy):
         self.state = FedMMState(s0, theta0, jax.tree.map(jnp.zeros_like, x0), V_clients, jnp.asarray(0, jnp.int32),
                                 rng_key, jnp.zeros((), jnp.result_type(float)),
                                 server_optimizer_init(engine.server_optimizer, x0), theta0)
-        self._resumed = init_state is not None
-        if self._resumed:   # (a state of other clients, settings or shapes is refused, naming the entry)
-            check_state_like(init_state, self.state, "FedMMStrategy", FedMMState)
-            self.state = jax.tree.map(jnp.asarray, init_state)
-            self._loss = float(self.state.objective)   # the last logged loss, reported until the next logged round
-        self._start_round = int(self.state.step)
-        self.expect_rounds(None)
+        self._resume(init_state, FedMMState)
+        if self._resumed:   # the last logged loss, reported until the next logged round
+            self._loss = float(self.state.objective)
         self.p = float(engine.participation.prob(self.num_clients))
-        self.accepted = np.full(self.num_clients, -1, np.int64)
         self._clients = jax.jit(partial(round_clients, engine.participation, self.num_clients))
         self._server = self._server_program()
 
@@ -1158,7 +1165,7 @@ class FedMMStrategy(_EngineStrategy):
 
     def _client_record(self, i):
         """V_{t,i} (the server counted every accepted step)."""
-        return jax.tree.map(lambda v: v[i], self.state.V_clients), {}
+        return jax.tree.map(lambda v: v[i], self.state.V_clients)
 
     def _server_program(self):
         """The server's half of a round, compiled with the engine's γ and α."""
@@ -1298,13 +1305,7 @@ class FedLocalVIStrategy(_EngineStrategy):
         self.state = engine.initial_state(z0, rng_key)
         if engine.auto_step:   # no estimate yet (η = NaN), in the estimate's types: FedLocalVI.init's placeholder
             self.state = self.state._replace(precond=engine._no_estimate(self.state))
-        self._resumed = init_state is not None
-        if self._resumed:   # (a state of other clients, settings or shapes is refused, naming the entry)
-            check_state_like(init_state, self.state, "FedLocalVIStrategy", vs.VIState)
-            self.state = jax.tree.map(jnp.asarray, init_state)
-        self._start_round = int(self.state.round)
-        self.expect_rounds(None)
-        self.accepted = np.full(self.num_clients, -1, np.int64)   # per client: the last round its reply was averaged
+        self._resume(init_state, vs.VIState, lambda state: state.round)
         base = engine.base_solver()
         self.phases = 1 if base.halves is None else 2
         self._template = _local_broadcast_template(z0, base, engine.auto_step, bool(engine.drift_correction))
@@ -1330,7 +1331,7 @@ class FedLocalVIStrategy(_EngineStrategy):
 
     def _client_record(self, i):
         """h_m, its Scaffnew steps taken, in the units of the state's η D V."""
-        return None if self.state.control is None else (jax.tree.map(lambda h: h[i], self.state.control), {})
+        return None if self.state.control is None else jax.tree.map(lambda h: h[i], self.state.control)
 
     def configure_train(self, server_round, arrays, config, grid):
         self._refresh_if_due(grid, self.timeout)
@@ -1567,20 +1568,15 @@ class PDVIStrategy(_EngineStrategy):
         lam0 = self.structure.init_global
         eta = _eta_template(engine, lam0)
         self.state = pdvi_init(lam0, self.num_clients, None, eta, rng_key)   # the duals μ_i of every client
-        self._resumed = init_state is not None
-        if (self._resumed or self.callbacks) and self.structure.local_names:
-            given = " / ".join(k for k, v in (("init_state=", self._resumed), ("callbacks=", self.callbacks)) if v)
+        if (init_state is not None or self.callbacks) and self.structure.local_names:
+            given = " / ".join(k for k, v in (("init_state=", init_state is not None), ("callbacks=", self.callbacks))
+                               if v)
             raise TypeError(f"PDVIStrategy takes no {given} for this guide: a Flower run of it cannot be resumed "
                             f"(its local params {list(self.structure.local_names)} — the clients' local rows — live "
                             "only in Flower's per-node Context.state, which a new run starts empty). A guide with "
                             "global params only resumes (the server keeps the clients' duals), as FedMMStrategy "
                             "(FedSVI, FedMM) and FedLocalVIStrategy (FedLocalVI, RobustFedVI) do.")
-        if self._resumed:   # (a state of other clients, settings or shapes is refused, naming the entry)
-            check_state_like(init_state, self.state, "PDVIStrategy", PDVIState)
-            self.state = jax.tree.map(jnp.asarray, init_state)
-        self._start_round = int(self.state.step)
-        self.expect_rounds(None)
-        self.accepted = np.full(self.num_clients, -1, np.int64)
+        self._resume(init_state, PDVIState)
         self._select = jax.jit(lambda key, step: engine._select_units(self.num_clients, key, step))
         self._refresh_steps, self._refreshed_step = set(engine.refresh_schedule(self.num_clients)), 0
         self._consensus = jax.jit(partial(consensus_update, num_units=self.num_clients, **engine._consensus_options))
@@ -1601,7 +1597,7 @@ class PDVIStrategy(_EngineStrategy):
 
     def _client_record(self, i):
         """μ_i (its accepted steps taken)."""
-        return jax.tree.map(lambda m: m[i], self.state.mu), {}
+        return jax.tree.map(lambda m: m[i], self.state.mu)
 
     def _auto_eta(self, grid, timeout):
         eta = self._curvature_eta(grid, self._eta_key, timeout)
