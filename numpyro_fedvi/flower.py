@@ -45,6 +45,8 @@ import copy
 import logging
 import math
 import os
+import re
+import shutil
 import time
 from collections.abc import Callable
 from functools import partial
@@ -89,6 +91,7 @@ from .structure import inspect_model, private_guide
 from .inputs import InputJit, check_state_like, is_inexact_dtype, prepare_inputs, split_inputs
 from .objectives import block_loss_fn
 from .particles import counts_couplings
+from .checkpoint import load, save
 from .curvature import diag_hessian
 from .runner import RunResult, quarter_snapshots
 
@@ -485,9 +488,12 @@ class _PDVIClient:
     its dual μ_i live in ``Context.state``; a round solves its augmented-Lagrangian subproblem against the server's
     λ_0 with the engine's own oracle (same keys as in process) and replies λ_i; the step ``(φ_i, μ_i + (λ_i −
     λ_0)/η)`` is committed when the server reports the reply accepted, as a unit whose reply was dropped is one
-    the round did not select."""
+    the round did not select.  With ``state_dir`` (local rows only it holds) it saves ``(μ_i, φ_i)`` at the
+    server's checkpoints (``state_dir/step-<t>``, the two latest kept) and a resumed run loads them back."""
 
-    def __init__(self, engine, data, num_total: int, num_clients: int, stat_template, *, app_token):
+    def __init__(self, engine, data, num_total: int, num_clients: int, stat_template, *, app_token,
+                 state_dir: str | None = None):
+        self.state_dir = state_dir
         args, kwargs = _model_inputs(data)
         local = copy.copy(engine)   # this client's view: its rows as block 0, the federation's N for the weights
         local.guide = private_guide(engine.guide)   # ... and its own guide, set up at its rows
@@ -540,11 +546,43 @@ class _PDVIClient:
         return saved["mu"], saved["rows"]
 
     def restore(self, state, record) -> None:
-        """A resumed run (a guide with global params only): this client's dual μ_i, kept by the server
-        (``state.mu``: its accepted steps taken), into ``Context.state``."""
-        mu = from_record(record, self.lam_template, check_finite=True)
-        _save(state, {"mu": mu, "rows": self.rows0, "pending_mu": mu, "pending_rows": self.rows0},
-              {"pending-round": _NO_ROUND})
+        """A resumed run: this client's dual μ_i, kept by the server (``state.mu``: its accepted steps taken), and
+        its local rows φ_i of the checkpoint's iteration (its own snapshot, :meth:`_snapshot`), into
+        ``Context.state``."""
+        got = from_record(record, {"mu": self.lam_template, "step": self.broadcast_template["step"]},
+                          check_finite=True)
+        mu, rows = got["mu"], self.rows0
+        if self.rows0:
+            rows = self._load_snapshot(int(got["step"]), mu)
+        _save(state, {"mu": mu, "rows": rows, "pending_mu": mu, "pending_rows": rows}, {"pending-round": _NO_ROUND})
+
+    def _snapshot_path(self, step: int) -> str:
+        if self.state_dir is None:
+            raise ValueError("this client keeps no snapshots of its local rows: build its app with "
+                             "make_client_app(engine, data_fn, state_dir=...) to checkpoint and resume the run.")
+        return os.path.join(self.state_dir, f"step-{step}")
+
+    def _snapshot(self, step: int, mu, rows) -> dict:
+        """Save ``(μ_i, φ_i)`` as of iteration ``step`` (the server checkpoints its state next) and drop the
+        snapshots before the previous one (the server's last complete checkpoint is one of the two kept)."""
+        save(self._snapshot_path(step), {"mu": mu, "rows": rows})
+        for old in sorted(_snapshot_steps(self.state_dir))[:-2]:
+            shutil.rmtree(self._snapshot_path(old))
+        return {}
+
+    def _load_snapshot(self, step: int, mu):
+        """φ_i of iteration ``step``, checked against the server's μ_i (bitwise: the same run's)."""
+        path = self._snapshot_path(step)
+        if not os.path.isdir(path):
+            raise ValueError(f"no snapshot of this client's local rows at iteration {step} in {self.state_dir} (it "
+                             f"has iterations {sorted(_snapshot_steps(self.state_dir))}): resume from a checkpoint "
+                             "of the run whose clients wrote there.")
+        snap = load(path)
+        saved_mu = from_record(to_record(snap["mu"]), self.lam_template)
+        if any(not np.array_equal(saved_mu[k], mu[k]) for k in mu):
+            raise ValueError(f"the snapshot {path} is not of the checkpoint's run: its dual differs from the "
+                             "server's.")
+        return from_record(to_record(snap["rows"]), self.rows0, check_finite=True)
 
     def train(self, i, b, cfg, state):
         mu, rows = self._saved(state, int(cfg["accepted-round"]))
@@ -558,8 +596,11 @@ class _PDVIClient:
         """``eta="auto"``, at its committed rows: ``cfg["query"]`` ``"curvature"`` (before round 1 and at a refresh):
         this unit's max |diagonal Hessian| per global site at λ_0 (``_curvatures``); ``"dual"`` (at a refresh): its
         dual ``μ_i = −∇_λ f_i(λ_0, φ_i)`` at the broadcast key, kept pending as the step of round
-        ``cfg["refresh-round"]`` (committed when the server accepts the refresh, as a train step)."""
+        ``cfg["refresh-round"]`` (committed when the server accepts the refresh, as a train step); ``"snapshot"``
+        (before a checkpoint of a guide with local params): :meth:`_snapshot` at the broadcast iteration."""
         mu, rows = self._saved(state, int(cfg.get("accepted-round", -2)))
+        if cfg.get("query") == "snapshot":
+            return self._snapshot(int(b["step"]), mu, rows)
         point = (b["lam0"], rows, b["rng_key"], i)
         if cfg.get("query", "curvature") == "curvature":
             return self.curvature(point, self.inputs)
@@ -567,6 +608,13 @@ class _PDVIClient:
         _save(state, {"mu": mu, "rows": rows, "pending_mu": new_mu, "pending_rows": rows},
               {"pending-round": int(cfg["refresh-round"])})
         return {"mu": new_mu}
+
+
+def _snapshot_steps(state_dir: str) -> list[int]:
+    """The iterations of the snapshots in a PD-VI client's ``state_dir``."""
+    if not os.path.isdir(state_dir):
+        return []
+    return [int(n[len("step-"):]) for n in os.listdir(state_dir) if re.fullmatch(r"step-\d+", n)]
 
 
 def _eta_template(engine, init_global):
@@ -674,7 +722,7 @@ def _received(msg, template, client: int):
                          "arguments the server's strategy was built with.") from err
 
 
-def make_client_app(engine, data_fn: Callable, *, stat_template=None):
+def make_client_app(engine, data_fn: Callable, *, stat_template=None, state_dir: str | os.PathLike | None = None):
     """A Flower ``ClientApp`` running ``engine``'s client step on the node's own data.
 
     :param engine: the ``FedSVI`` or ``FedLocalVI`` (model, guide, ELBO and settings: the same object the user runs
@@ -684,11 +732,21 @@ def make_client_app(engine, data_fn: Callable, *, stat_template=None):
         client's rows (a pytree with a leading row axis).  The client index is ``context.node_config
         ["partition-id"]``.
     :param stat_template: FedMM only: a statistic with the structure of Ŝ (e.g. the server's ``init_stat``).
+    :param state_dir: PD-VI only: a folder on the node where client i keeps its local rows φ_i (and dual) at the
+        server's checkpoints (``state_dir/client-<i>/step-<t>``, its two latest), so that a run of a guide with
+        local params can be checkpointed (``PDVIStrategy(..., callbacks=[nfv.Checkpoint(...)])``) and resumed
+        (``init_state=``); the rows never leave the node.  The other engines' client state is the server's.
     """
     from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
     from flwr.clientapp import ClientApp
 
     protocol = _client_type(engine)
+    options = {}
+    if state_dir is not None:
+        if protocol is not _PDVIClient:
+            raise ValueError(f"state_dir is for PD-VI clients (their local rows); a {type(engine).__name__} "
+                             "client's state is kept by the server.")
+        options = {"state_dir": os.path.abspath(os.fspath(state_dir))}
     token = os.urandom(8).hex()   # travels with the pickled app: one cache entry per app and client
     app = ClientApp()
 
@@ -696,7 +754,8 @@ def make_client_app(engine, data_fn: Callable, *, stat_template=None):
         i = int(context.node_config["partition-id"])
         return i, _cached_client((token, i, num_total, num_clients),
                                  lambda: protocol(engine, data_fn(context), num_total, num_clients, stat_template,
-                                                  app_token=token))
+                                                  app_token=token, **{k: os.path.join(v, f"client-{i}")
+                                                                      for k, v in options.items()}))
 
     @app.query()
     def query(msg, context):
@@ -707,7 +766,8 @@ def make_client_app(engine, data_fn: Callable, *, stat_template=None):
                 _received(msg, c.broadcast_template, i)
             if "control" in msg.content:   # a resumed run (init_state=): its control variate, kept by the server
                 c.restore(context.state, msg.content["control"])
-            return Message(RecordDict({"meta": ConfigRecord({"partition-id": i, "num-rows": c.num_rows})}),
+            return Message(RecordDict({"meta": ConfigRecord({"partition-id": i, "num-rows": c.num_rows,
+                                                             "keeps-rows": "state_dir" in options})}),
                            reply_to=msg)
         i, c = setup(context, int(cfg["num-total"]), int(cfg["num-clients"]))
         reply = c.query(i, _received(msg, c.broadcast_template, i), cfg, context.state)
@@ -890,6 +950,7 @@ class _EngineStrategy(_strategy_base()):
         counts = {}
         for i, reply in replies.items():
             self.nodes[i], counts[i] = reply.metadata.src_node_id, int(reply.content["meta"]["num-rows"])
+        self.keeping_rows = {i for i, reply in replies.items() if reply.content["meta"].get("keeps-rows", False)}
         self._client_of = {node: i for i, node in self.nodes.items()}
         self.counts = np.asarray([counts[i] for i in range(self.num_clients)], np.int32)
         self.weights = np.asarray(client_weights(self.counts))
@@ -908,9 +969,10 @@ class _EngineStrategy(_strategy_base()):
         return None
 
     def _restore_clients(self, grid, timeout: float) -> None:
-        """A resumed run: every client's own part of the state (its control variate, kept by the server:
-        :meth:`_client_record`) into its ``Context.state`` (a new Flower run starts with an empty one); a client that
-        does not confirm it fails the run (its control variate and the server's would differ)."""
+        """A resumed run: every client's own part of the state (its control variate or dual, kept by the server:
+        :meth:`_client_record`; a PD-VI client's rows from its own snapshot) into its ``Context.state`` (a new Flower
+        run starts with an empty one); a client that does not confirm it fails the run (its state and the server's
+        would differ)."""
         from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 
         records = {i: self._client_record(i) for i in range(self.num_clients)}
@@ -919,8 +981,8 @@ class _EngineStrategy(_strategy_base()):
         messages = [Message(RecordDict({"config": ConfigRecord({}), "control": to_record(arrays)}),
                             message_type=MessageType.QUERY, dst_node_id=self.nodes[i])
                     for i, arrays in records.items()]
-        self._every_client_answers(grid.send_and_receive(messages, timeout=timeout), "the control-variate restore",
-                                   "did not take back their control variates for the resumed run")
+        self._every_client_answers(grid.send_and_receive(messages, timeout=timeout), "the restore",
+                                   "did not take back their part of the state for the resumed run")
 
     def _every_client_answers(self, replies, exchange: str, why: str) -> dict:
         """``{client: reply}`` of an exchange every client must answer (``partition-id`` in the reply's meta); a
@@ -1541,13 +1603,18 @@ class PDVIStrategy(_EngineStrategy):
     :param args: model arguments used only to trace the model (shapes; e.g. one row).
     :param num_clients: n, the number of blocks.
     :param init_params: constrained global init values (as ``engine.run``).
-    :param init_state: resume (a guide with global params only): the ``PDVIState`` a run reached
-        (``strategy.state``, ``nfv.load(path).state`` of a ``Checkpoint``); the handshake gives every client its
-        dual μ_i back.  The server keeps the duals in ``state.mu`` (it takes each accepted unit's dual step
-        ``μ_i + (λ_i − λ_0)/η`` on the λ_i it received, as the client commits it; at a refresh, the clients' fresh
-        duals).  A guide with local params keeps its local rows φ_i on the clients only: refused.
+    :param init_state: resume: the ``PDVIState`` a run reached (``strategy.state``, ``nfv.load(path).state`` of a
+        ``Checkpoint``); the handshake gives every client its dual μ_i back.  The server keeps the duals in
+        ``state.mu`` (it takes each accepted unit's dual step ``μ_i + (λ_i − λ_0)/η`` on the λ_i it received, as
+        the client commits it; at a refresh, the clients' fresh duals).  A guide with local params keeps its local
+        rows φ_i on the clients only: every client app needs ``state_dir=`` (:func:`make_client_app`), where each
+        client saved its rows at the checkpoint's iteration and loads them back.
     :param callbacks: run-loop callbacks ``cb(rounds, state, losses)`` after every round (e.g.
-        ``nfv.Checkpoint(path, every=k)``); the same condition.
+        ``nfv.Checkpoint(path, every=k)``), run after the ``eta_refresh`` due there (at the next configure, or at
+        ``finish``: a checkpoint holds the refreshed state, as ``PDVI.run``'s).  A guide with local params: every
+        client app needs ``state_dir=``; before the callbacks of a round a checkpoint may save (``rounds %
+        cb.every == 0``; every round for a callback without ``every``) every client saves its rows there
+        (:meth:`_callbacks_with_snapshots`); a round not every client saved runs no callback (logged).
     """
 
     def __init__(self, engine, rng_key, *args, num_clients: int, init_params: dict | None = None,
@@ -1568,17 +1635,14 @@ class PDVIStrategy(_EngineStrategy):
         lam0 = self.structure.init_global
         eta = _eta_template(engine, lam0)
         self.state = pdvi_init(lam0, self.num_clients, None, eta, rng_key)   # the duals μ_i of every client
-        if (init_state is not None or self.callbacks) and self.structure.local_names:
-            given = " / ".join(k for k, v in (("init_state=", init_state is not None), ("callbacks=", self.callbacks))
-                               if v)
-            raise TypeError(f"PDVIStrategy takes no {given} for this guide: a Flower run of it cannot be resumed "
-                            f"(its local params {list(self.structure.local_names)} — the clients' local rows — live "
-                            "only in Flower's per-node Context.state, which a new run starts empty). A guide with "
-                            "global params only resumes (the server keeps the clients' duals), as FedMMStrategy "
-                            "(FedSVI, FedMM) and FedLocalVIStrategy (FedLocalVI, RobustFedVI) do.")
+        # a guide with local params checkpoints with every client's snapshot of its rows (state_dir)
+        self._snapshots_needed = bool(self.structure.local_names) and (init_state is not None or bool(self.callbacks))
+        self._callbacks_due = False
         self._resume(init_state, PDVIState)
         self._select = jax.jit(lambda key, step: engine._select_units(self.num_clients, key, step))
-        self._refresh_steps, self._refreshed_step = set(engine.refresh_schedule(self.num_clients)), 0
+        # the refresh due at a resumed state's iteration is in that state (made before its callbacks)
+        self._refresh_steps = set(engine.refresh_schedule(self.num_clients))
+        self._refreshed_step = self._start_round
         self._consensus = jax.jit(partial(consensus_update, num_units=self.num_clients, **engine._consensus_options))
         self._curvature_total = None   # H of the last η estimate (the convergence check's units)
 
@@ -1588,6 +1652,11 @@ class PDVIStrategy(_EngineStrategy):
         check's units only: η is the state's)."""
         super().handshake(grid, timeout)
         timeout = self.timeout if timeout is None else timeout
+        if self._snapshots_needed and len(self.keeping_rows) < self.num_clients:
+            raise RuntimeError(f"clients {sorted(set(range(self.num_clients)) - self.keeping_rows)} keep no snapshots "
+                               f"of their local rows (the guide's local params {list(self.structure.local_names)}), "
+                               "which a checkpoint (callbacks=) or a resumed run (init_state=) needs: build every "
+                               "client app with make_client_app(engine, data_fn, state_dir=...).")
         if self._resumed:
             self._restore_clients(grid, timeout)
             if self.engine.eta_spec == "auto":
@@ -1596,8 +1665,31 @@ class PDVIStrategy(_EngineStrategy):
             self.state = self.state._replace(eta=self._auto_eta(grid, timeout))
 
     def _client_record(self, i):
-        """μ_i (its accepted steps taken)."""
-        return jax.tree.map(lambda m: m[i], self.state.mu)
+        """μ_i (its accepted steps taken) and the iteration whose snapshot of its rows the client loads."""
+        return {"mu": jax.tree.map(lambda m: m[i], self.state.mu), "step": self.state.step}
+
+    def _loss_logged(self):
+        self._callbacks_due = True   # run by _refresh_if_due, after the refresh due (both need the grid)
+
+    def _callbacks_with_snapshots(self, grid, timeout):
+        """The callbacks of the round just logged, once every client saved its rows as of this iteration when a
+        callback may checkpoint now (a ``Checkpoint`` saves at multiples of its ``every``; a callback without
+        one, every round): the server's checkpoint then always has its clients' (a snapshot query at the
+        iteration, each client's pending step resolved by its accepted round).  Without every client's
+        snapshot, the round's callbacks are not run (logged)."""
+        if not self._callbacks_due:
+            return
+        self._callbacks_due = False
+        if self.structure.local_names and any(len(self.losses) % getattr(cb, "every", 1) == 0
+                                              for cb in self.callbacks):
+            everyone = list(range(self.num_clients))
+            saved = self._query(grid, everyone, self._broadcast(), {}, timeout,
+                                lambda i: {"query": "snapshot", "accepted-round": int(self.accepted[i])})
+            if sorted(saved) != everyone:
+                log.warning("iteration %d: clients %s did not save their local rows; no callback (checkpoint) at "
+                            "this iteration", int(self.state.step), sorted(set(everyone) - set(saved)))
+                return
+        super()._loss_logged()
 
     def _auto_eta(self, grid, timeout):
         eta = self._curvature_eta(grid, self._eta_key, timeout)
@@ -1625,10 +1717,17 @@ class PDVIStrategy(_EngineStrategy):
         self._refresh_if_due(grid, self.timeout)
         return super().configure_train(server_round, arrays, config, grid)
 
+    def configure_evaluate(self, server_round, arrays, config, grid):
+        self._refresh_if_due(grid, self.timeout)
+        return super().configure_evaluate(server_round, arrays, config, grid)
+
     def _refresh_if_due(self, grid, timeout):
+        """After an iteration (at the next configure, or at ``finish``): the ``eta_refresh`` due after it, then the
+        round's callbacks (:meth:`_callbacks_with_snapshots`)."""
         t = int(self.state.step)
         if t in self._refresh_steps and t != self._refreshed_step:
             self._refresh(grid, timeout)
+        self._callbacks_with_snapshots(grid, timeout)
 
     def _refresh(self, grid, timeout):
         """``PDVI._refreshed`` over the clients after iteration ``t``: η̂ from the curvature clients at

@@ -3,6 +3,7 @@ client app keeps V = Σ μ_i V_i through dropped replies, bad replies are droppe
 simulation equals the in-process run."""
 
 import collections
+import logging
 import os
 import warnings
 
@@ -242,7 +243,7 @@ def test_a_flower_run_resumes_an_in_process_state_and_refuses_another_federation
                                    init_state=two)
     grid = _Grid(flower.make_client_app(engine, lambda ctx: rows[ctx.node_config["partition-id"]],
                                         stat_template=s0), NUM_CLIENTS, refuse_control)
-    with pytest.raises(RuntimeError, match=r"clients \[1\] did not take back their control variates .*disk full"):
+    with pytest.raises(RuntimeError, match=r"clients \[1\] did not take back their part of the state .*disk full"):
         resumed.handshake(grid)
 
 
@@ -851,12 +852,15 @@ def test_pdvi_strategy_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="dual_granularity"):
         flower.make_client_app(nfv.PDVI(random_effects, random_effects_guide, num_partitions=3, eta=0.1,
                                         dual_granularity="datum"), lambda ctx: None)
+    fedsvi = nfv.FedSVI(logistic, AutoNormal(logistic), Trace_ELBO(), clients=np.arange(3))
+    with pytest.raises(ValueError, match="state_dir is for PD-VI clients .* a FedSVI client's state is kept by"):
+        flower.make_client_app(fedsvi, lambda ctx: None, state_dir="rows")
 
 
-def test_resumable_strategies_refuse_a_foreign_state_and_pdvi_local_rows_by_name():
+def test_resumable_strategies_refuse_a_foreign_state_and_pdvi_clients_without_state_dir():
     """A state that is not one of the strategy's runs' is refused naming the entry; PDVIStrategy with a guide whose
-    local rows live on the clients refuses ``init_state=`` / ``callbacks=`` (a checkpoint of it could not resume),
-    naming the local params and the strategies that resume."""
+    local rows live on the clients and ``callbacks=`` fails its handshake when client apps keep no snapshots of
+    them (no ``state_dir``), naming the clients, the local params and the remedy."""
     X, y, site = _sorted_sites()
     fedlocalvi = nfv.FedLocalVI(logistic, AutoNormal(logistic), Trace_ELBO(), clients=site, step_size=0.1)
     plain = nfv.FedLocalVI(logistic, AutoNormal(logistic), Trace_ELBO(), clients=site, step_size=0.1,
@@ -864,10 +868,13 @@ def test_resumable_strategies_refuse_a_foreign_state_and_pdvi_local_rows_by_name
     other = flower.FedLocalVIStrategy(plain, random.key(0), X[:1], y[:1], num_clients=3).state
     with pytest.raises(ValueError, match="this state is not one of this FedLocalVIStrategy's"):
         flower.FedLocalVIStrategy(fedlocalvi, random.key(0), X[:1], y[:1], num_clients=3, init_state=other)
-    pdvi = nfv.PDVI(random_effects, random_effects_guide, num_partitions=3, eta=0.1)
-    with pytest.raises(TypeError, match=r"PDVIStrategy takes no callbacks= for this guide: .*local params "
-                                        r"\['a'\] — the clients' local rows.*FedLocalVIStrategy"):
-        flower.PDVIStrategy(pdvi, random.key(0), np.zeros(1, np.float32), num_clients=3, callbacks=[print])
+    x, site, make = _pdvi_problem(0.1)
+    pdvi = make()
+    strategy = flower.PDVIStrategy(pdvi, random.key(0), x[:1], num_clients=3, callbacks=[print])
+    with pytest.raises(RuntimeError, match=r"clients \[0, 1, 2\] keep no snapshots of their local rows \(the "
+                                           r"guide's local params \['a'\]\).*state_dir=\.\.\."):
+        strategy.handshake(_Grid(flower.make_client_app(pdvi, lambda ctx: (x[site == ctx.node_config[
+            "partition-id"]],)), 3))
     state = flower.PDVIStrategy(_pdvi_global_engine(site), random.key(0), X[:1], y[:1], num_clients=3).state
     with pytest.raises(ValueError, match="this state is not one of this PDVIStrategy's"):
         flower.PDVIStrategy(_pdvi_global_engine(site), random.key(0), X[:1], y[:1], num_clients=4, init_state=state)
@@ -878,13 +885,17 @@ def _pdvi_global_engine(site):
     return nfv.PDVI(logistic, AutoNormal(logistic), partitions=site, partitions_per_step=2)
 
 
-def _pdvi_global_flower(engine, app, X, y, rounds, *, faults=None, first=1, **strategy_options):
-    strategy = flower.PDVIStrategy(engine, random.key(2), X[:1], y[:1], num_clients=3, **strategy_options)
+def _pdvi_flower(engine, app, args, rounds, *, faults=None, first=1, **strategy_options):
+    """A PDVIStrategy over a NEW in-memory federation of 3 clients (fresh client contexts, as a new Flower run gets;
+    the strategy set up on one row of ``args``), ``rounds`` iterations (Flower's numbers from ``first``), then
+    ``finish`` (the refresh due after the last one, then its callbacks)."""
+    strategy = flower.PDVIStrategy(engine, random.key(2), *(a[:1] for a in args), num_clients=3, **strategy_options)
     grid = _Grid(app, 3, faults)
     strategy.handshake(grid)
     strategy.expect_rounds(rounds)
     for r in range(first, first + rounds):
         strategy.aggregate_train(r, grid.send_and_receive(strategy.configure_train(r, None, None, grid)))
+    strategy.finish(grid)
     return strategy, grid
 
 
@@ -906,7 +917,7 @@ def test_a_pdvi_flower_run_resumed_from_its_checkpoint_equals_the_uninterrupted_
             return _Reply(None, Error(code=0, reason="client raised"), node)
         return reply
 
-    whole, whole_grid = _pdvi_global_flower(engine, app, X, y, 7, faults=drop)
+    whole, whole_grid = _pdvi_flower(engine, app, (X, y), 7, faults=drop)
     assert [(t, i) for t, i, _ in whole.dropped] == [(1, 1)] and sorted(whole._refresh_steps)[:2] == [2, 4]
     mus, _ = _pdvi_client_states(whole, whole_grid, {})
     for k in whole.state.lam0:
@@ -914,16 +925,94 @@ def test_a_pdvi_flower_run_resumed_from_its_checkpoint_equals_the_uninterrupted_
         np.testing.assert_allclose(whole.state.h[k], whole.state.eta[k] * np.mean(whole.state.mu[k], 0),
                                    rtol=1e-4, atol=1e-6)
     path = tmp_path / "server.ckpt"
-    _pdvi_global_flower(engine, app, X, y, 4, faults=drop, callbacks=[nfv.Checkpoint(path, every=3)])
+    _pdvi_flower(engine, app, (X, y), 4, faults=drop, callbacks=[nfv.Checkpoint(path, every=3)])
     ckpt = nfv.load(path)
     assert int(ckpt.state.step) == 3   # iteration 3 runs on the duals the clients get back (no refresh before it)
-    rest, grid = _pdvi_global_flower(engine, app, X, y, 4, first=4, init_state=ckpt.state,
+    rest, grid = _pdvi_flower(engine, app, (X, y), 4, first=4, init_state=ckpt.state,
                                      callbacks=[nfv.Checkpoint(path, every=4, resume_from=ckpt)])
     _assert_bitwise(rest.state, whole.state, "server state")
     for got, want in zip(_pdvi_client_states(rest, grid, {})[0], _pdvi_client_states(whole, whole_grid, {})[0]):
         _assert_bitwise(got, want, "client duals")
     np.testing.assert_array_equal(np.asarray(rest.losses), np.asarray(whole.losses)[3:])
     np.testing.assert_array_equal(np.asarray(nfv.load(path).losses), np.asarray(whole.losses, np.float32))
+
+
+def test_a_pdvi_flower_run_with_local_rows_resumed_from_its_checkpoint_equals_the_uninterrupted_run(tmp_path):
+    """PD-VI with every default on a guide with LOCAL rows (random effects, 3 clients, 2 per iteration; η refreshed
+    before iterations 2 and 4): the client apps keep snapshots of their rows in ``state_dir``; checkpointed every 2
+    iterations, the server dead after iteration 5, resumed from the iteration-4 checkpoint in a NEW federation
+    (empty client states): equals the uninterrupted 7 iterations bitwise (server state, every client's μ_i and
+    φ_i, losses), with a reply dropped in iteration 1 (its client's pending rows are not the ones saved).  Each
+    client keeps its two latest snapshots; the resumed run does not repeat the refresh its checkpoint holds."""
+    x, site, _ = _pdvi_problem(0.1)
+    engine = nfv.PDVI(random_effects, random_effects_guide, Trace_ELBO(), partitions=site, partitions_per_step=2)
+    rows_dir = tmp_path / "rows"
+    app = flower.make_client_app(engine, lambda ctx: (x[site == ctx.node_config["partition-id"]],),
+                                 state_dir=rows_dir)
+
+    def drop(node, msg, reply):   # client 1's reply to iteration 1 (it is selected): an error
+        if int(msg.content["config"].get("round", -1)) == 1 and node == 101 \
+                and msg.metadata.message_type == MessageType.TRAIN:
+            return _Reply(None, Error(code=0, reason="client raised"), node)
+        return reply
+
+    whole, whole_grid = _pdvi_flower(engine, app, (x,), 7, faults=drop)
+    assert [(t, i) for t, i, _ in whole.dropped] == [(1, 1)] and sorted(whole._refresh_steps)[:2] == [2, 4]
+    assert not rows_dir.exists()   # no callbacks: no snapshots
+    path = tmp_path / "server.ckpt"
+    _pdvi_flower(engine, app, (x,), 5, faults=drop, callbacks=[nfv.Checkpoint(path, every=2)])
+    ckpt = nfv.load(path)   # iteration 4, with the refresh due there (the resumed run does not repeat it)
+    assert int(ckpt.state.step) == 4 and sorted(flower._snapshot_steps(str(rows_dir / "client-1"))) == [2, 4]
+    queries = collections.Counter()
+
+    def count(node, msg, reply):
+        if msg.metadata.message_type == MessageType.QUERY:
+            queries[msg.content["config"].get("query", "set-up")] += 1
+        return reply
+
+    rest, grid = _pdvi_flower(engine, app, (x,), 3, first=5, faults=count, init_state=ckpt.state,
+                              callbacks=[nfv.Checkpoint(path, every=1, resume_from=ckpt)])
+    assert queries == {"set-up": 6, "curvature": 3, "snapshot": 9}   # no dual query: the refresh is not repeated
+    _assert_bitwise(rest.state, whole.state, "server state")
+    for got, want in zip(zip(*_pdvi_client_states(rest, grid)), zip(*_pdvi_client_states(whole, whole_grid))):
+        _assert_bitwise(got, want, "client dual and rows")
+    np.testing.assert_array_equal(np.asarray(rest.losses), np.asarray(whole.losses)[4:])
+    np.testing.assert_array_equal(np.asarray(nfv.load(path).losses), np.asarray(whole.losses, np.float32))
+    assert [sorted(flower._snapshot_steps(str(rows_dir / f"client-{i}"))) for i in range(3)] == [[6, 7]] * 3
+
+
+def test_a_pdvi_checkpoint_waits_for_every_clients_rows_and_a_resume_checks_them(tmp_path, caplog):
+    """A client that does not save its rows: that iteration gets no checkpoint (logged), the others do.  A resumed
+    run whose clients have no snapshot of the checkpoint's iteration, or one of another run (its dual differs from
+    the server's), fails the handshake naming the clients and the cause."""
+    x, site, make = _pdvi_problem(0.1)
+    engine = make()
+
+    def app(rows_dir):
+        return flower.make_client_app(engine, lambda ctx: (x[site == ctx.node_config["partition-id"]],),
+                                      state_dir=rows_dir)
+
+    def no_snapshot_at_2(node, msg, reply):   # client 2's answer to the snapshot query of iteration 2 is lost
+        if msg.content["config"].get("query") == "snapshot" and node == 102 \
+                and int(msg.content["broadcast"]["['step']"].numpy()) == 2:
+            return None
+        return reply
+
+    ckpt = nfv.Checkpoint(tmp_path / "server.ckpt", every=1)
+    with caplog.at_level(logging.WARNING, logger="numpyro_fedvi.flower"):
+        _pdvi_flower(engine, app(tmp_path / "rows"), (x,), 3, faults=no_snapshot_at_2, callbacks=[ckpt])
+    assert ckpt.saved_steps == [1, 3]
+    assert "iteration 2: clients [2] did not save their local rows; no callback" in caplog.text
+    saved = nfv.load(tmp_path / "server.ckpt").state
+    for rows_dir, state, why in [(tmp_path / "empty", saved, "no snapshot of this client's local rows at iteration 3"),
+                                 (tmp_path / "rows", saved._replace(mu=jax.tree.map(lambda m: m + 1, saved.mu)),
+                                  "is not of the checkpoint's run: its dual differs from the server's")]:
+        strategy = flower.PDVIStrategy(engine, random.key(2), x[:1], num_clients=3, init_state=state)
+        grid = _Grid(app(rows_dir), 3)
+        grid.errors_as_replies = True
+        with pytest.raises(RuntimeError, match=rf"clients \[0, 1, 2\] did not take back their part of the state .*"
+                                               rf"{why}"):
+            strategy.handshake(grid)
 
 
 # --- end to end on Flower's simulation engine (Ray, loopback) --------------------------------------------------------
@@ -937,22 +1026,48 @@ def _logistic_data():
     return X, y, np.repeat(np.arange(_M), _N // _M)
 
 
-@pytest.mark.slow
-def _simulated_and_resumed(strategy_type, make, data_fn, *shape_args, path, rounds, more):
+def _simulated_and_resumed(strategy_type, make, data_fn, *shape_args, path, rounds, more, **app_options):
     """Two simulations on Flower's engine (Ray): ``rounds`` rounds checkpointed at their end to ``path``, then a NEW
     one (empty client states) resumed from that checkpoint for ``more`` rounds: their ``RunResult``s."""
     engine = make()
     first = flower.simulate(strategy_type(engine, random.key(0), *shape_args, num_clients=_M,
                                           callbacks=[nfv.Checkpoint(path, every=rounds)]),
-                            flower.make_client_app(engine, data_fn), rounds)
+                            flower.make_client_app(engine, data_fn, **app_options), rounds)
     ckpt = nfv.load(path)
     engine = make()
     rest = flower.simulate(strategy_type(engine, random.key(0), *shape_args, num_clients=_M, init_state=ckpt.state,
                                          callbacks=[nfv.Checkpoint(path, every=more, resume_from=ckpt)]),
-                           flower.make_client_app(engine, data_fn), more)
+                           flower.make_client_app(engine, data_fn, **app_options), more)
     return first, rest
 
 
+@pytest.mark.slow   # two Flower simulations (Ray)
+def test_simulated_pdvi_with_local_rows_resumed_from_its_checkpoint_equals_the_in_process_run(tmp_path):
+    """Default PD-VI of the random-effects model (10 local rows per client) on Flower's simulation engine, each
+    client app with ``state_dir``: 3 iterations checkpointed, then a NEW simulation resumed for 2 more equals the
+    in-process 5-iteration run (losses, λ_0, η, h; the refreshes after iterations 2 and 4 included)."""
+    os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+    x, site, _ = _pdvi_problem(0.1)
+
+    def make():
+        return nfv.PDVI(random_effects, random_effects_guide, Trace_ELBO(), partitions=site, partitions_per_step=2)
+
+    def data_fn(ctx):
+        return (x[site == int(ctx.node_config["partition-id"])],)
+
+    expected = make().run(random.key(0), 5, x, progress_bar=False)
+    path = tmp_path / "server.ckpt"
+    first, rest = _simulated_and_resumed(flower.PDVIStrategy, make, data_fn, x[:1], path=path, rounds=3, more=2,
+                                         state_dir=tmp_path / "rows")
+    assert first.diagnostics["dropped"] == rest.diagnostics["dropped"] == [] and int(rest.state.step) == 5
+    np.testing.assert_allclose(np.concatenate([first.losses, rest.losses]), expected.losses, rtol=1e-5)
+    np.testing.assert_allclose(nfv.load(path).losses, expected.losses, rtol=1e-5)
+    for name in ("lam0", "eta", "h"):
+        for a, b in zip(jax.tree.leaves(getattr(rest.state, name)), jax.tree.leaves(getattr(expected.state, name))):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow   # two Flower simulations (Ray)
 def test_simulation_of_fedlocalvi_defaults_equals_in_process_run(tmp_path):
     """FedLocalVI with every default (``step_size="auto"``: the preconditioner's QUERY rounds at the handshake and
     after rounds 1, 2, 4) and drift correction, 3 Flower nodes on Ray: 3 rounds checkpointed, then a NEW simulation
