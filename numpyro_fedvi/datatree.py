@@ -59,25 +59,11 @@ from numpyro.primitives import Messenger
 from .enumeration import EnumInfo, enum_info_of_trace, log_density_fn, pointwise_log_likelihood, read_abstract_trace
 from .inputs import as_typed_key, concrete_data_fallback, prepare_inputs
 from .objectives import without_imputed_entries
-from .structure import drawn_jointly, imputation_sites, is_factor
+from .structure import drawn_jointly, full_data, imputation_sites, is_factor
 from .user_warnings import warn
 
 __all__ = ["compare_posteriors", "full_data", "importance_log_weights", "pareto_k_hat", "resample_observed",
            "to_datatree"]
-
-
-class full_data(Messenger):
-    """Effect handler: every subsampled plate takes ALL of its rows (indices ``arange(size)``).
-
-    A plate whose indices are already pinned (``handlers.substitute`` inside the model) is left alone.  Use it to
-    evaluate a model or draw from a guide on the whole data set after fitting on minibatches.
-    """
-
-    def process_message(self, msg):
-        if msg["type"] == "plate" and msg["value"] is None:
-            size = msg["args"][0]
-            msg["value"] = jnp.arange(size)
-            msg["args"] = (size, size)
 
 
 class resample_observed(Messenger):

@@ -53,7 +53,14 @@ from .objectives import block_loss_fn, check_elbo, full_loss_fn
 from .particles import ControlledDraws, counts_couplings, oracle_elbo
 from .preconditioning import evenly_spaced
 from .runner import EarlyStopping, RunResult, curvature_move, run_loop, spaced_snapshots, tree_all_finite
-from .structure import ModelStructure, Partitions, inspect_model, make_partitions, warn_if_unsubsampled
+from .structure import (
+    ModelStructure,
+    Partitions,
+    inspect_model,
+    make_partitions,
+    warn_if_rows_held_globally,
+    warn_if_unsubsampled,
+)
 from .user_warnings import against, warn
 
 __all__ = ["Block", "NEWTON_MAX_HVPS", "PDVI", "PDVIState", "consensus_update", "dual_step", "pdvi_init", "pdvi_step",
@@ -727,6 +734,7 @@ class PDVI:
                              f"got {self.partitions_per_step}.")
         if self._client_block is None:   # a Flower client's plate is its own rows, one block
             warn_if_unsubsampled(structure.data_plate, blocks.num_blocks, "PDVI")
+            warn_if_rows_held_globally(structure, "PDVI")
         self.structure, self.blocks = structure, blocks
         self._solver, self._solver_steps = self._resolve_solver(structure)
         self._block_loss = block_loss_fn(self._oracle_loss_for(structure, args, kwargs), self.model, self.guide,

@@ -30,6 +30,7 @@ from numpyro import handlers
 from numpyro.infer.util import log_density
 
 from .particles import _ControlledNoise
+from .structure import full_data
 
 __all__ = ["FISHER_DRAWS", "evenly_spaced", "federated_guide_arguments", "guide_fisher_diagonal",
            "max_preconditioned_eigenvalue", "max_preconditioned_singular_value", "preconditioner"]
@@ -68,8 +69,10 @@ def guide_fisher_diagonal(guide, constrain: Callable, theta: dict, args, kwargs,
     """``diag E_q[(∇_θ log q_θ(z))²]`` of the guide at its unconstrained global params ``theta`` (``constrain`` maps
     them to the guide's param values), from ``num_draws`` draws of ``q_θ`` whose base noise is moment-matched
     (:func:`~numpyro_fedvi.particles.controlled_normals`): for a Gaussian location the estimate is exactly
-    ``1/σ²``.  A deterministic function of ``(theta, key)``."""
+    ``1/σ²``.  Every subsampled plate of the guide takes all of its rows (:func:`~numpyro_fedvi.structure.full_data`).
+    A deterministic function of ``(theta, key)``."""
     params = jax.lax.stop_gradient(constrain(theta))
+    guide = full_data(guide)   # q of every datum: a subsampled plate's local params all have their Fisher
 
     def draw(p):
         seeded = handlers.seed(handlers.substitute(guide, data=params), random.fold_in(key, 1))

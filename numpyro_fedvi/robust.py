@@ -232,6 +232,13 @@ class RobustFedVI(FedLocalVI):
         return dro_objective(losses, dro_weights(losses, self.tau), self.tau)
 
     # -- results ----------------------------------------------------------------------------------------------------
+    def evaluate(self, state: vs.VIState, *args, rng_key=None, which: str | None = None, **kwargs) -> jax.Array:
+        """The robust objective ``ψ(θ) = max_{w∈Δ} Φ(θ, w)`` at ``get_params(state, which)``, from the group losses
+        ``L_g`` (group g's negative ELBO per datum, :meth:`group_losses`): on the scale of FedLocalVI's full-data
+        negative ELBO divided by N (equal at w = 1/G for groups of equal size), and comparable across runs of one
+        ``τ`` (key: ``rng_key`` or the run's fixed key)."""
+        return super().evaluate(state, *args, rng_key=rng_key, which=which, **kwargs)
+
     def group_weights(self, state: vs.VIState, which: str | None = None) -> jax.Array:
         """The group weights w ∈ Δ of the iterate ``which`` (as ``get_params``)."""
         self._require_init()

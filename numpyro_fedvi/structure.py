@@ -78,6 +78,22 @@ def warn_if_unsubsampled(plate: DataPlate, num_blocks: int, engine: str) -> None
          "indices) for O(block) evaluations.")
 
 
+def warn_if_rows_held_globally(structure: ModelStructure, engine: str) -> None:
+    """Warn when a global guide param has the data plate's N rows on its first axis — a per-datum param written the
+    SVI way (``numpyro.param("loc", jnp.zeros(N))`` outside the plate, read at its indices): correct, but the engine
+    moves all N rows as one global vector, where ``numpyro.param(..., event_dim=...)`` inside the plate makes them
+    local rows (PD-VI: touched a block at a time, solved in the block's own problem)."""
+    plate = structure.data_plate
+    if plate is None or plate.size < 2:
+        return
+    names = [i.name for i in structure.params.values() if not i.is_local and i.shape[:1] == (plate.size,)]
+    if names:
+        warn(f"{engine}: guide params {names} have the data plate {plate.name!r}'s N = {plate.size} rows but are "
+             "declared outside it, so they are GLOBAL params, moved whole. If they hold one row per datum, declare "
+             f"them inside numpyro.plate({plate.name!r}, ...) with numpyro.param(..., event_dim=<dims right of the "
+             "data axis>) (event_dim=0 for an (N,) param): then they are local rows.")
+
+
 @dataclass(frozen=True)
 class ParamInfo:
     """One ``numpyro.param`` site."""
@@ -298,6 +314,20 @@ def _plate_dims(*traces) -> dict[str, int]:
 # coupled_global_sites tests sites of at most this many coordinates: the particle rules count a global vector's own
 # coordinates while 2·(its coordinates + the earlier ones' + 1) fits in WHITENED_MAX_PARTICLES (64), i.e. up to 31
 COUPLING_MAX_COORDINATES = 31
+
+
+class full_data(Messenger):
+    """Effect handler: every subsampled plate takes ALL of its rows (indices ``arange(size)``).
+
+    A plate whose indices are already pinned (``handlers.substitute`` inside the model) is left alone.  Use it to
+    evaluate a model or draw from a guide on the whole data set after fitting on minibatches.
+    """
+
+    def process_message(self, msg):
+        if msg["type"] == "plate" and msg["value"] is None:
+            size = msg["args"][0]
+            msg["value"] = jnp.arange(size)
+            msg["args"] = (size, size)
 
 
 class _FirstIndices(Messenger):
@@ -815,9 +845,10 @@ def _other_data_plates(model, guide, rng_key, args, kwargs, chosen: str) -> str:
                       if not inspect_model(model, guide, rng_key, args, kwargs, data_plate=p).local_names]
     except Exception:  # noqa: BLE001 - a hint only
         return ""
-    return (f" If the data points are the rows of another plate around the observations, name it: "
+    return (f" If the rows of {chosen!r} are your data points, use PDVI. Only if the clients should split another "
+            f"plate around the observations instead (a nested model's observations within groups), name it: "
             f"data_plate={others[0]!r} (the clients then split that plate, and the latents in {chosen!r} count as "
-            "global: if its rows are your data points, keep it and use PDVI)." if others else "")
+            "global, held by the server)." if others else "")
 
 
 def inspect_global_model(engine: str, model, guide, rng_key, args, kwargs, *, data_plate=None,

@@ -673,6 +673,31 @@ def test_large_unsubsampled_plate_warns_once_per_setup(engine):
         warn_if_unsubsampled(DataPlate("data", n, -1), 3, engine)
 
 
+def test_pdvi_says_when_an_n_row_param_outside_the_data_plate_could_be_local_rows():
+    """The SVI way of per-datum params (``param("loc", zeros(N))`` outside the plate, read at its indices) is a global
+    param to PD-VI: it runs, with a warning naming ``event_dim=``; AutoNormal's in-plate params stay silent."""
+    import numpyro_fedvi as nfv
+
+    def model(y):
+        mu = numpyro.sample("mu", dist.Normal(0, 5))
+        with numpyro.plate("data", y.shape[0], subsample_size=4):
+            numpyro.sample("z", dist.Normal(mu, 1.0))
+
+    def svi_guide(y):
+        numpyro.sample("mu", dist.Normal(numpyro.param("m", 0.0), 0.1))
+        loc = numpyro.param("loc", jnp.zeros(y.shape[0]))
+        with numpyro.plate("data", y.shape[0], subsample_size=4) as idx:
+            numpyro.sample("z", dist.Normal(loc[idx], 0.5))
+
+    y = np.zeros(12, np.float32)
+    with pytest.warns(UserWarning, match=r"PDVI: guide params \['loc'\] have the data plate 'data''s N = 12 rows.*"
+                                         r"event_dim=0 for an \(N,\) param"):
+        nfv.PDVI(model, svi_guide, eta=0.1)._setup(random.key(0), (y,), {}, None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        nfv.PDVI(model, AutoNormal(model), eta=0.1)._setup(random.key(0), (y,), {}, None)
+
+
 def test_a_python_list_of_ids_is_an_id_array():
     """``partitions=ids.tolist()`` / ``clients=ids.tolist()`` are block / client ids, as the NumPy array is (it was
     read as a list of one-index blocks and refused as not covering the plate); ids other than 0..B-1 are refused

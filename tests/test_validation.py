@@ -450,7 +450,8 @@ def test_a_federated_engine_refusing_local_params_names_another_data_plate():
                 numpyro.sample("y", dist.Normal(theta, 1.0), obs=y)
 
     y = np.zeros((6, 10), np.float32)
-    with pytest.raises(ValueError, match=r"live inside the data plate 'groups'.*name it: data_plate='obs' "
+    with pytest.raises(ValueError, match=r"live inside the data plate 'groups'.*If the rows of 'groups' are your data "
+                       r"points, use PDVI\. Only if .*name it: data_plate='obs' "
                        r"\(the clients then split that plate, and the latents in 'groups' count as global"):
         nfv.FedSVI(nested, AutoNormal(nested), clients=np.arange(6) % 2).run(random.key(0), 2, y, progress_bar=False)
     with pytest.raises(ValueError, match=r"global params only") as err:

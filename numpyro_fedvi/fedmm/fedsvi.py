@@ -272,11 +272,11 @@ class FedSVI(FedMM):
             client_data, model_args = self.client_data, args
         else:
             if not args or not isinstance(args[0], ClientData):
-                got = type(args[0]).__name__ if args else "nothing"
+                got = f"its first argument here: a {type(args[0]).__name__}" if args else "here it got no arguments"
                 raise TypeError("FedSVI needs its clients: clients= (one client id per row of the model's data plate, "
                                 "as PDVI's partitions=) or num_clients=M at construction, then "
                                 f"{where}(..., *model_args); or a numpyro_fedvi.federated.ClientData as the first "
-                                f"argument of {where} (lower layer: model(rows, *args)). Got {got}.")
+                                f"argument of {where} (lower layer: model(rows, *args)); {got}.")
             client_data, model_args = self._place_data(args[0]), args[1:]
         if where in ("update", "evaluate"):
             check_inputs_like(self._input_arrays, model_args, kwargs, "FedSVI", self.model,
