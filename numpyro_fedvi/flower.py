@@ -489,7 +489,8 @@ class _PDVIClient:
     λ_0 with the engine's own oracle (same keys as in process) and replies λ_i; the step ``(φ_i, μ_i + (λ_i −
     λ_0)/η)`` is committed when the server reports the reply accepted, as a unit whose reply was dropped is one
     the round did not select.  With ``state_dir`` (local rows only it holds) it saves ``(μ_i, φ_i)`` at the
-    server's checkpoints (``state_dir/step-<t>``, the two latest kept) and a resumed run loads them back."""
+    server's checkpoints (``state_dir/step-<t>``; those of each callback's two latest saves kept) and a resumed run
+    loads them back."""
 
     def __init__(self, engine, data, num_total: int, num_clients: int, stat_template, *, app_token,
                  state_dir: str | None = None):
@@ -562,11 +563,11 @@ class _PDVIClient:
                              "make_client_app(engine, data_fn, state_dir=...) to checkpoint and resume the run.")
         return os.path.join(self.state_dir, f"step-{step}")
 
-    def _snapshot(self, step: int, mu, rows) -> dict:
+    def _snapshot(self, step: int, mu, rows, keep) -> dict:
         """Save ``(μ_i, φ_i)`` as of iteration ``step`` (the server checkpoints its state next) and drop the
-        snapshots before the previous one (the server's last complete checkpoint is one of the two kept)."""
+        snapshots of the iterations not in ``keep`` (the server's: those its checkpoints may hold)."""
         save(self._snapshot_path(step), {"mu": mu, "rows": rows})
-        for old in sorted(_snapshot_steps(self.state_dir))[:-2]:
+        for old in set(_snapshot_steps(self.state_dir)) - set(keep):
             shutil.rmtree(self._snapshot_path(old))
         return {}
 
@@ -600,7 +601,7 @@ class _PDVIClient:
         (before a checkpoint of a guide with local params): :meth:`_snapshot` at the broadcast iteration."""
         mu, rows = self._saved(state, int(cfg.get("accepted-round", -2)))
         if cfg.get("query") == "snapshot":
-            return self._snapshot(int(b["step"]), mu, rows)
+            return self._snapshot(int(b["step"]), mu, rows, [int(k) for k in cfg["keep"]])
         point = (b["lam0"], rows, b["rng_key"], i)
         if cfg.get("query", "curvature") == "curvature":
             return self.curvature(point, self.inputs)
@@ -733,9 +734,9 @@ def make_client_app(engine, data_fn: Callable, *, stat_template=None, state_dir:
         ["partition-id"]``.
     :param stat_template: FedMM only: a statistic with the structure of Ŝ (e.g. the server's ``init_stat``).
     :param state_dir: PD-VI only: a folder on the node where client i keeps its local rows φ_i (and dual) at the
-        server's checkpoints (``state_dir/client-<i>/step-<t>``, its two latest), so that a run of a guide with
-        local params can be checkpointed (``PDVIStrategy(..., callbacks=[nfv.Checkpoint(...)])``) and resumed
-        (``init_state=``); the rows never leave the node.  The other engines' client state is the server's.
+        server's checkpoints (``state_dir/client-<i>/step-<t>``; each callback's two latest kept), so that a run of
+        a guide with local params can be checkpointed (``PDVIStrategy(..., callbacks=[nfv.Checkpoint(...)])``) and
+        resumed (``init_state=``); the rows never leave the node.  The other engines' client state is the server's.
     """
     from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
     from flwr.clientapp import ClientApp
@@ -1638,6 +1639,7 @@ class PDVIStrategy(_EngineStrategy):
         # a guide with local params checkpoints with every client's snapshot of its rows (state_dir)
         self._snapshots_needed = bool(self.structure.local_names) and (init_state is not None or bool(self.callbacks))
         self._callbacks_due = False
+        self._saved_at = {}   # callback -> the iterations of its two latest saves (a resumed run's: the state's)
         self._resume(init_state, PDVIState)
         self._select = jax.jit(lambda key, step: engine._select_units(self.num_clients, key, step))
         # the refresh due at a resumed state's iteration is in that state (made before its callbacks)
@@ -1676,19 +1678,24 @@ class PDVIStrategy(_EngineStrategy):
         callback may checkpoint now (a ``Checkpoint`` saves at multiples of its ``every``; a callback without
         one, every round): the server's checkpoint then always has its clients' (a snapshot query at the
         iteration, each client's pending step resolved by its accepted round).  Without every client's
-        snapshot, the round's callbacks are not run (logged)."""
+        snapshot, the round's callbacks are not run (logged).  The clients keep the snapshots of every callback's
+        two latest saves (the last complete checkpoint while the next is written) and drop the others."""
         if not self._callbacks_due:
             return
         self._callbacks_due = False
-        if self.structure.local_names and any(len(self.losses) % getattr(cb, "every", 1) == 0
-                                              for cb in self.callbacks):
-            everyone = list(range(self.num_clients))
+        due = [k for k, cb in enumerate(self.callbacks) if len(self.losses) % getattr(cb, "every", 1) == 0]
+        if self.structure.local_names and due:
+            t, everyone = int(self.state.step), list(range(self.num_clients))
+            latest = {k: (self._saved_at.get(k, [self._start_round]) + ([t] if k in due else []))[-2:]
+                      for k in range(len(self.callbacks))}
+            keep = sorted(set().union(*latest.values()))
             saved = self._query(grid, everyone, self._broadcast(), {}, timeout,
-                                lambda i: {"query": "snapshot", "accepted-round": int(self.accepted[i])})
+                                lambda i: {"query": "snapshot", "accepted-round": int(self.accepted[i]), "keep": keep})
             if sorted(saved) != everyone:
                 log.warning("iteration %d: clients %s did not save their local rows; no callback (checkpoint) at "
-                            "this iteration", int(self.state.step), sorted(set(everyone) - set(saved)))
+                            "this iteration", t, sorted(set(everyone) - set(saved)))
                 return
+            self._saved_at = latest
         super()._loss_logged()
 
     def _auto_eta(self, grid, timeout):

@@ -960,9 +960,12 @@ def test_a_pdvi_flower_run_with_local_rows_resumed_from_its_checkpoint_equals_th
     assert [(t, i) for t, i, _ in whole.dropped] == [(1, 1)] and sorted(whole._refresh_steps)[:2] == [2, 4]
     assert not rows_dir.exists()   # no callbacks: no snapshots
     path = tmp_path / "server.ckpt"
-    _pdvi_flower(engine, app, (x,), 5, faults=drop, callbacks=[nfv.Checkpoint(path, every=2)])
+    logged = []   # a callback without `every` (every iteration) next to the checkpoint: its snapshots at 4 and 5
+    _pdvi_flower(engine, app, (x,), 5, faults=drop,
+                 callbacks=[nfv.Checkpoint(path, every=2), lambda rounds, *_: logged.append(rounds)])
     ckpt = nfv.load(path)   # iteration 4, with the refresh due there (the resumed run does not repeat it)
-    assert int(ckpt.state.step) == 4 and sorted(flower._snapshot_steps(str(rows_dir / "client-1"))) == [2, 4]
+    assert int(ckpt.state.step) == 4 and logged == [1, 2, 3, 4, 5]
+    assert sorted(flower._snapshot_steps(str(rows_dir / "client-1"))) == [2, 4, 5]   # the checkpoint's two latest
     queries = collections.Counter()
 
     def count(node, msg, reply):
