@@ -134,12 +134,7 @@ def _client_spec(loss, legacy, clients, num_clients, engine: str):
         if len(legacy) > 1:
             raise TypeError(f"{engine}(model, guide, client_data, loss, ...) takes no further positional arguments.")
         return (legacy[0] if legacy else None), loss, None
-    if legacy:
-        third = "" if hasattr(loss, "loss") else (f" (the third positional argument is the loss, e.g. Trace_ELBO(); "
-                                                  f"got a {type(loss).__name__}: client ids go in clients=)")
-        raise TypeError(f"{engine}(model, guide, loss, *, clients=..., ...): the options are keyword "
-                        f"arguments{third}.")
-    check_elbo(loss, engine, clients=True)
+    check_elbo(loss, engine, clients=True, extra=legacy)
     if clients is None and num_clients is None:
         raise TypeError(f"{engine} needs its clients: clients= (one client id 0..M-1 per row of the model's data "
                         "plate, or a list of index arrays, as PDVI's partitions=), num_clients=M (contiguous chunks), "

@@ -276,7 +276,7 @@ class MPSGD:
 
     _input_arrays: dict | None = None   # array_arguments of init's model inputs (check_inputs_like)
 
-    def __init__(self, model, guide, *, schedule: str = "adaptive", num_particles: int | Callable | None = None,
+    def __init__(self, model, guide, *extra, schedule: str = "adaptive", num_particles: int | Callable | None = None,
                  draws: str | None = None, stage_length: int = 25, init_scale: float | None = None,
                  averaging: str | None = None, step_size: float | Callable | None = None,
                  smoothness: float | str | None = None, projection_smoothness: float | None = None,
@@ -285,6 +285,9 @@ class MPSGD:
                  **static_kwargs):
         from .guides import AutoLocationScale
 
+        if extra:   # numpyro.infer.SVI's (model, guide, optim, loss)
+            raise TypeError("MPSGD(model, guide, *, ...) takes no optimizer and no loss (it sets its own steps and "
+                            "estimates the ELBO itself: num_particles=, draws=); the options are keyword arguments.")
         if not isinstance(guide, AutoLocationScale):
             raise TypeError("MPSGD needs a numpyro_fedvi.AutoLocationScale guide (raw location-scale params kept "
                             f"feasible by projection); got {type(guide).__name__}. Use nfv.AutoLocationScale(model) "

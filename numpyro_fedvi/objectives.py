@@ -31,18 +31,27 @@ __all__ = ["block_loss_fn", "check_elbo", "client_loss_fn", "client_loss_from_bl
            "without_imputed_entries"]
 
 
-def check_elbo(loss, engine: str, clients: bool = False):
+def check_elbo(loss, engine: str, clients: bool = False, extra: tuple = ()):
     """``loss`` must be None or a NumPyro ELBO whose full-data loss is a SUM over the data: every engine here splits
     it over blocks or clients of the data plate (and PD-VI's oracle averages it over particles).  Rényi's α-bound
     is a log-mean-exp over particles of the whole data's weight, no such sum: refused rather than silently replaced
-    by the sum of per-block bounds.  ``clients``: the error names the ``clients=`` argument (federated engines)."""
+    by the sum of per-block bounds.  ``clients``: the error names the ``clients=`` argument (federated engines).
+    ``extra``: positional arguments after the loss (SVI's ``(model, guide, optim, loss)``): refused, saying so."""
+    optimizer = callable(getattr(loss, "init", None)) and callable(getattr(loss, "update", None))
+    svi = (f" numpyro.infer.SVI's optimizer argument has no counterpart: {engine} sets its own steps (its step-size "
+           "options are keywords); pass the ELBO third." if optimizer else "")
+    if extra:
+        third = "" if hasattr(loss, "loss") else (f" (the third positional argument is the loss, e.g. Trace_ELBO(); "
+                                                  f"got a {type(loss).__name__}"
+                                                  + (": client ids go in clients=)" if clients else ")"))
+        raise TypeError(f"{engine}(model, guide, loss, *, ...): the options are keyword arguments{third}.{svi}")
     if loss is None:
         return
     if not callable(getattr(loss, "loss", None)):
         hint = (f"; the clients go in clients= (one client id per row of the data plate, a list of index arrays, or "
                 f"a ClientData) or num_clients=M — e.g. {engine}(model, guide, Trace_ELBO(), clients=site_ids, ...)"
                 if clients else "")
-        raise TypeError(f"loss must be a NumPyro ELBO (e.g. Trace_ELBO()), got {type(loss).__name__}{hint}.")
+        raise TypeError(f"loss must be a NumPyro ELBO (e.g. Trace_ELBO()), got {type(loss).__name__}{hint}.{svi}")
     if isinstance(getattr(loss, "elbo", loss), RenyiELBO):
         raise ValueError(f"{engine} splits the negative ELBO into a sum over blocks of the data plate (and over "
                          "particles); RenyiELBO's bound is a log-mean-exp over particles of the whole data's weight, "

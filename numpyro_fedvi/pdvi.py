@@ -56,10 +56,13 @@ from .runner import EarlyStopping, RunResult, curvature_move, run_loop, spaced_s
 from .structure import (
     ModelStructure,
     Partitions,
+    check_integer_ids,
     inspect_model,
+    is_index_list,
     make_partitions,
     warn_if_rows_held_globally,
     warn_if_unsubsampled,
+    whole_ids,
 )
 from .user_warnings import against, warn
 
@@ -619,7 +622,7 @@ class PDVI:
 
     _input_arrays: dict | None = None   # array_arguments of init's model inputs (check_inputs_like)
 
-    def __init__(self, model, guide, loss=None, *, num_partitions: int | None = None, partitions=None,
+    def __init__(self, model, guide, loss=None, *extra, num_partitions: int | None = None, partitions=None,
                  partitions_per_step: int = 1, eta: float | dict | str = "auto", eta_scale: float = 0.3,
                  eta_curvature: str = "informed",
                  local_optimizer: optax.GradientTransformation | str | None = None, local_steps: int | None = None,
@@ -645,7 +648,7 @@ class PDVI:
                              f"{eta_curvature!r}.")
         self.eta_curvature = eta_curvature
         self.model, self.guide = model, guide
-        check_elbo(loss, "PDVI")
+        check_elbo(loss, "PDVI", extra=extra)
         self.loss = Trace_ELBO() if loss is None else loss
         self.oracle_draws = oracle_draws
         self.oracle_particles = oracle_particles if isinstance(oracle_particles, str) else int(oracle_particles)
@@ -657,6 +660,8 @@ class PDVI:
             consensus_max_move, "consensus_max_move", expected="a finite real number > 0, or None")
         # the oracle's objective: the user's ELBO on controlled draws (specs/pdvi.md §3a), or the ELBO as given
         self.oracle_loss = oracle_elbo(self.loss, oracle_draws, self.oracle_particles)
+        if partitions is not None and not is_index_list(partitions):   # string labels: refused before any tracing
+            check_integer_ids(whole_ids(partitions), "partition")
         self.num_partitions, self.partitions = num_partitions, partitions
         self.partitions_per_step = int(partitions_per_step)
         self.eta_spec, self.eta_scale = eta, float(eta_scale)

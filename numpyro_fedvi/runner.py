@@ -75,7 +75,8 @@ class RunResult(SVIRunResult):
     @property
     def converged(self) -> bool | None:
         """``diagnostics["converged"]``: the engine's convergence verdict on the run's last quarter (None: not
-        checked — an engine without a check, or a run too short to tell)."""
+        checked — an engine without a check, or a run too short to tell; ``diagnostics["converged_note"]`` says why
+        where the check had no units to measure in)."""
         return self.diagnostics.get("converged")
 
 
@@ -227,6 +228,10 @@ def check_quarter_move(result: RunResult, snapshots: list, curvature_of: Callabl
     if curvature is not None and np.all(np.isfinite(flat)) and np.any(flat > 0):
         half = CONVERGENCE_SNAPSHOTS
         drift, site = curvature_move(snapshots[:half], snapshots[half:], curvature)
+    elif curvature is not None and np.all(flat == 0):   # no unit to measure moves in: say so, not a silent None
+        result.diagnostics["converged_note"] = (
+            f"no verdict: {units} is zero at the output (a point-mass guide, e.g. AutoDelta, has none), and the "
+            "check measures the output's moves in its units; judge by the losses.")
     steep, steep_site = (None, None) if drift is None or gradient is None else curvature_gradient(
         jax.device_get(gradient), curvature)
     steep = None if steep is None or not np.isfinite(steep) else steep

@@ -79,12 +79,22 @@ def warn_if_unsubsampled(plate: DataPlate, num_blocks: int, engine: str) -> None
 
 
 def warn_if_rows_held_globally(structure: ModelStructure, engine: str) -> None:
-    """Warn when a global guide param has the data plate's N rows on its first axis — a per-datum param written the
-    SVI way (``numpyro.param("loc", jnp.zeros(N))`` outside the plate, read at its indices): correct, but the engine
-    moves all N rows as one global vector, where ``numpyro.param(..., event_dim=...)`` inside the plate makes them
-    local rows (PD-VI: touched a block at a time, solved in the block's own problem)."""
+    """Warn when the guide holds per-datum q in global params: the model has latents in the data plate and the guide
+    no local param (an ``AutoContinuous`` guide packs them into one vector), or a global param has the plate's N
+    rows on its first axis (``numpyro.param("loc", jnp.zeros(N))`` outside the plate, read at its indices, the SVI
+    way).  Correct, but the engine moves every datum's q as one global vector, where AutoNormal or
+    ``numpyro.param(..., event_dim=...)`` inside the plate makes them local rows (PD-VI: touched a block at a time,
+    solved in the block's own problem)."""
     plate = structure.data_plate
     if plate is None or plate.size < 2:
+        return
+    if structure.plate_latents and not structure.local_names:
+        warn(f"{engine}: the model's per-datum latents {list(structure.plate_latents)} (in the data plate "
+             f"{plate.name!r}) get their q from global params only (an AutoContinuous guide — AutoDiagonalNormal, "
+             "AutoLowRankMultivariateNormal, AutoMultivariateNormal — packs them into one vector; an N-vector param "
+             "declared outside the plate and read at its indices is one too), so every datum's q moves as one global "
+             "param, where PD-VI's blocks could each fit their own rows: use AutoNormal, or declare their params "
+             f"inside numpyro.plate({plate.name!r}, ...) with numpyro.param(..., event_dim=...).")
         return
     names = [i.name for i in structure.params.values() if not i.is_local and i.shape[:1] == (plate.size,)]
     if names:
@@ -134,6 +144,8 @@ class ModelStructure:
     #: global latent sites in plates other than the data plate whose slices a datum couples
     #: (:func:`coupled_global_sites`): the controlled draws take each as one vector
     coupled_globals: frozenset = frozenset()
+    #: the model's latent sites inside the data plate (per-datum latents; the imputed ones aside)
+    plate_latents: tuple[str, ...] = ()
 
     @property
     def imputation(self) -> tuple[tuple[str, ...], bool]:
@@ -247,6 +259,13 @@ def whole_ids(ids) -> np.ndarray:
     return ids
 
 
+def check_integer_ids(ids: np.ndarray, what: str) -> None:
+    """Refuse an id array (``what``: "client" / "partition") that does not hold integers, e.g. string labels."""
+    if ids.dtype.kind not in "iu":
+        raise TypeError(f"{what} ids must be integers (0, 1, ...: one id per row of the data plate), got dtype "
+                        f"{ids.dtype}; convert labels with np.unique(labels, return_inverse=True)[1].")
+
+
 def make_partitions(size: int, num_partitions: int | None = None, partitions=None) -> Partitions:
     """Build fixed partitions of ``range(size)``.
 
@@ -278,8 +297,10 @@ def make_partitions(size: int, num_partitions: int | None = None, partitions=Non
                                 f"({size}, 1)) pass it 1-D: ids.ravel()." if column else ""))
     else:
         ids = whole_ids(partitions).reshape(-1)
-        if ids.size != size or not np.issubdtype(ids.dtype, np.integer):
-            raise ValueError(f"a partition-id array must hold {size} integers (one block id per datum).")
+        check_integer_ids(ids, "partition")
+        if ids.size != size:
+            raise ValueError(f"a partition-id array must hold {size} integers (one block id per datum), got "
+                             f"{ids.size}.")
         uniq = np.unique(ids)
         if uniq[0] < 0 or not np.array_equal(uniq, np.arange(uniq.size)):
             raise ValueError(f"partition ids must be 0..B-1 with every id used (got ids {uniq[:5].tolist()}"
@@ -795,8 +816,11 @@ def inspect_model(
     imputed = imputation_sites(model_trace)
     coupled = (coupled_global_sites(model, model_trace, args, kwargs, plate, model_key) if coupling and plate
                else frozenset())
+    plate_latents = tuple(n for n, site in model_trace.items()
+                          if plate is not None and site["type"] == "sample" and not site["is_observed"]
+                          and n not in imputed and any(f.name == plate.name for f in site["cond_indep_stack"]))
     return ModelStructure(infos, plate, init_global, init_local, trees, imputed,
-                          any(drawn_jointly(guide_trace, n) for n in imputed), coupled)
+                          any(drawn_jointly(guide_trace, n) for n in imputed), coupled, plate_latents)
 
 
 def drawn_jointly(guide_trace, name: str) -> bool:
@@ -872,9 +896,10 @@ def inspect_global_model(engine: str, model, guide, rng_key, args, kwargs, *, da
         raise ValueError(f"{engine} supports guides with global params only; local params "
                          f"{list(structure.local_names)} live inside the data plate {structure.data_plate.name!r} "
                          "(per-datum latents are what PDVI is for, federated too: numpyro_fedvi.flower.PDVIStrategy "
-                         "keeps each client's local params on the client. A guide whose params are all global, e.g. "
-                         "AutoDiagonalNormal, runs here but puts every datum's latents in the global vector: the "
-                         f"server holds and sends all of them every round.){hint}")
+                         "keeps each client's local params on the client. A guide whose params are all global — "
+                         "AutoDiagonalNormal, or SVI's way: an N-vector numpyro.param declared outside the plate and "
+                         "read at its indices, loc[idx] — runs here but puts every datum's q in the global vector: "
+                         f"the server holds and sends all of them every round.){hint}")
     if not structure.init_global:
         raise ValueError("the guide has no numpyro.param sites to optimise.")
     return structure

@@ -24,7 +24,13 @@ from numpyro.infer import SVI, Trace_ELBO
 from scipy.stats import multivariate_normal
 
 import numpyro_fedvi as nfv
-from numpyro_fedvi.datatree import full_data, importance_log_weights, pareto_k_hat
+from numpyro_fedvi.datatree import (
+    full_data,
+    importance_ess,
+    importance_log_weights,
+    nearly_equal_weights_note,
+    pareto_k_hat,
+)
 from shared_models import enumerated_mixture
 
 N, B = 40, 8
@@ -69,8 +75,12 @@ def test_too_narrow_guide_has_large_pareto_k():
     params = {**exact_posterior(X), "scale": exact_posterior(X)["scale"] / 4}
     dt = nfv.to_datatree(ENGINE, params, X, num_samples=2000)
     assert dt.sample_stats.attrs["pareto_k"] > 0.7
+    ess = dt.sample_stats.attrs["importance_ess"]
+    assert ess == importance_ess(dt.sample_stats["log_weight"]) and ess < 0.5   # unequal weights: no note
+    assert "pareto_k_note" not in dt.sample_stats.attrs
     good = nfv.to_datatree(ENGINE, exact_posterior(X), X, num_samples=2000)
     assert not good.sample_stats.attrs["pareto_k"] > 0.5  # constant weights: k̂ small or -inf (round-off only)
+    assert good.sample_stats.attrs["importance_ess"] > 0.9999
     assert not np.isnan(good.sample_stats.attrs["pareto_k"])
     few = nfv.to_datatree(ENGINE, params, X, num_samples=20)   # too few draws for a tail: NaN, and why
     assert np.isnan(few.sample_stats.attrs["pareto_k"])
@@ -206,6 +216,19 @@ def test_pareto_k_hat_of_known_tails():
     assert np.isnan(pareto_k_hat(quantized)) and np.isnan(pareto_k_hat(quantized, resolution=5e-5))
     assert pareto_k_hat(quantized, resolution=1e-3) == -np.inf
     assert pareto_k_hat(c * z**2, resolution=1e3) == pytest.approx(2 * c, abs=0.15)   # a fit that works stays
+
+
+def test_importance_ess_and_the_note_on_a_high_k_hat_of_nearly_equal_weights():
+    """Kish's relative ESS: 1 for equal weights, → 1/S for one dominant weight, exp(−σ²) for log-normal weights; a
+    k̂ ≥ 0.7 gets a note only where the weights are nearly equal (ESS ≥ 0.9)."""
+    z = np.random.default_rng(0).normal(size=4000)
+    assert importance_ess(np.zeros(10)) == pytest.approx(1.0)
+    assert importance_ess(np.array([0.0, -50.0, -50.0, -50.0])) == pytest.approx(0.25)
+    assert importance_ess(0.6 * z) == pytest.approx(np.exp(-0.36), abs=0.02)
+    assert np.isnan(importance_ess(np.array([0.0, np.inf])))
+    note = nearly_equal_weights_note(0.75, 0.1 * z)
+    assert note.startswith("k̂ 0.75 on nearly equal importance weights (relative ESS 0.99") and "sd 0.100" in note
+    assert nearly_equal_weights_note(0.69, 0.1 * z) is None and nearly_equal_weights_note(0.75, 0.6 * z) is None
 
 
 def test_numpy_and_pandas_inputs():

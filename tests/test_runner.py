@@ -393,4 +393,9 @@ def test_a_converged_verdict_needs_a_short_newton_step_when_the_engine_reads_a_g
     assert d["converged"] is False and d["gradient_site"] == "a" and d["drift"] == 0.0
     assert len(seen) == 1 and "steps shrank far from the optimum" in seen[0] and "1.01 posterior sd at 'a'" in seen[0]
     d, seen = verdict(None)
-    assert d["converged"] is True and "gradient" not in d and not seen
+    assert d["converged"] is True and "gradient" not in d and not seen and "converged_note" not in d
+    # a curvature that is zero everywhere (FedSVI's Fisher units of an AutoDelta guide): no verdict, and why
+    result = RunResult({}, None, np.zeros(64), {"stop_reason": "completed"})
+    check_quarter_move(result, still, lambda snapshot: jax.tree.map(np.zeros_like, H), "E", "the guide's Fisher", 64)
+    assert result.converged is None
+    assert result.diagnostics["converged_note"].startswith("no verdict: the guide's Fisher is zero at the output")

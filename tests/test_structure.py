@@ -534,8 +534,15 @@ def test_whole_number_float_ids_are_ids_and_a_column_of_ids_gets_a_hint():
     got = make_partitions(7, partitions=ids.astype(np.float64))
     for a, b in zip(got, want):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    with pytest.raises(ValueError, match="must hold 7 integers"):
+    with pytest.raises(TypeError, match=r"partition ids must be integers .*got dtype float64; convert labels"):
         make_partitions(7, partitions=ids + 0.5)
+    with pytest.raises(ValueError, match="must hold 7 integers .*got 6"):
+        make_partitions(7, partitions=ids[:6])
+    # string labels: refused when PDVI is built (before: at run, as "must hold 7 integers" of a 7-label array)
+    import numpyro_fedvi as nfv
+    with pytest.raises(TypeError, match=r"partition ids must be integers .*got dtype <U5; convert labels with "
+                                        r"np.unique\(labels, return_inverse=True\)\[1\]"):
+        nfv.PDVI(_mean_model, AutoNormal(_mean_model), partitions=np.where(ids > 0, "north", "south"))
     with pytest.raises(ValueError, match=r"one column of ids \(shape \(7, 1\)\) pass it 1-D: ids.ravel\(\)"):
         make_partitions(7, partitions=ids[:, None])
     from numpyro_fedvi.federated import ClientData
@@ -673,29 +680,50 @@ def test_large_unsubsampled_plate_warns_once_per_setup(engine):
         warn_if_unsubsampled(DataPlate("data", n, -1), 3, engine)
 
 
-def test_pdvi_says_when_an_n_row_param_outside_the_data_plate_could_be_local_rows():
-    """The SVI way of per-datum params (``param("loc", zeros(N))`` outside the plate, read at its indices) is a global
-    param to PD-VI: it runs, with a warning naming ``event_dim=``; AutoNormal's in-plate params stay silent."""
+def test_pdvi_says_when_per_datum_q_is_held_in_global_params():
+    """Per-datum latents whose q the guide holds in global params only — SVI's N-vector param outside the plate
+    read at its indices, an AutoContinuous guide — or a global N-row param beside local ones: PD-VI runs them as
+    global params, warning with the remedy (AutoNormal, ``event_dim=``); AutoNormal's in-plate params stay silent."""
+    from numpyro.infer.autoguide import AutoDiagonalNormal
+
     import numpyro_fedvi as nfv
 
-    def model(y):
+    def model(y, sub=4):   # AutoContinuous guides take no subsampled plate (NumPyro): sub=None for them
         mu = numpyro.sample("mu", dist.Normal(0, 5))
-        with numpyro.plate("data", y.shape[0], subsample_size=4):
-            numpyro.sample("z", dist.Normal(mu, 1.0))
+        with numpyro.plate("data", y.shape[0], subsample_size=sub) as idx:
+            z = numpyro.sample("z", dist.Normal(mu, 1.0))
+            w = numpyro.sample("w", dist.Normal(mu, 1.0))
+            numpyro.sample("y", dist.Normal(z + w, 1.0), obs=y[idx])
 
-    def svi_guide(y):
+    def svi_guide(y, sub=4):
         numpyro.sample("mu", dist.Normal(numpyro.param("m", 0.0), 0.1))
         loc = numpyro.param("loc", jnp.zeros(y.shape[0]))
         with numpyro.plate("data", y.shape[0], subsample_size=4) as idx:
             numpyro.sample("z", dist.Normal(loc[idx], 0.5))
+            numpyro.sample("w", dist.Normal(loc[idx], 0.5))
+
+    def setup(guide, **kwargs):
+        nfv.PDVI(model, guide, eta=0.1)._setup(random.key(0), (y,), kwargs, None)
 
     y = np.zeros(12, np.float32)
-    with pytest.warns(UserWarning, match=r"PDVI: guide params \['loc'\] have the data plate 'data''s N = 12 rows.*"
+    for guide, kwargs in ((svi_guide, {}), (AutoDiagonalNormal(model), {"sub": None})):
+        with pytest.warns(UserWarning, match=r"PDVI: the model's per-datum latents \['z', 'w'\] \(in the data plate "
+                                             r"'data'\) get their q from global params only.*use AutoNormal"):
+            setup(guide, **kwargs)
+
+    def n_vector_for_w(y, sub=4):   # z local (AutoNormal's way), w the SVI way
+        numpyro.sample("mu", dist.Normal(numpyro.param("m", 0.0), 0.1))
+        loc = numpyro.param("w_loc", jnp.zeros(y.shape[0]))
+        with numpyro.plate("data", y.shape[0], subsample_size=4) as idx:
+            numpyro.sample("z", dist.Normal(numpyro.param("z_loc", jnp.zeros(y.shape[0]), event_dim=0), 0.5))
+            numpyro.sample("w", dist.Normal(loc[idx], 0.5))
+
+    with pytest.warns(UserWarning, match=r"PDVI: guide params \['w_loc'\] have the data plate 'data''s N = 12 rows.*"
                                          r"event_dim=0 for an \(N,\) param"):
-        nfv.PDVI(model, svi_guide, eta=0.1)._setup(random.key(0), (y,), {}, None)
+        setup(n_vector_for_w)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        nfv.PDVI(model, AutoNormal(model), eta=0.1)._setup(random.key(0), (y,), {}, None)
+        setup(AutoNormal(model))
 
 
 def test_a_python_list_of_ids_is_an_id_array():

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import numpyro
 import numpyro.distributions as dist
+import optax
 import pytest
 from jax import random
 from numpyro.infer import Trace_ELBO
@@ -410,6 +411,16 @@ def test_client_ids_given_where_the_loss_goes_say_so():
                    **({"tau": 1.0} if engine is nfv.RobustFedVI else {}))
     with pytest.raises(TypeError, match=r"options are keyword arguments\.$"):  # a loss, then an option: no hint
         nfv.FedLocalVI(normal_mean, AutoNormal(normal_mean), Trace_ELBO(), ids)
+    # numpyro.infer.SVI's positional form (model, guide, optim, loss): every engine says what goes where
+    for engine, options in ((nfv.PDVI, {}), (nfv.FedSVI, {"clients": ids}), (nfv.FedLocalVI, {"clients": ids})):
+        with pytest.raises(TypeError, match=rf"{engine.__name__}\(model, guide, loss, \*, \.\.\.\): the options are "
+                                            r"keyword arguments \(the third positional argument is the loss.*got a "
+                                            r"GradientTransformation.*SVI's optimizer argument has no counterpart"):
+            engine(normal_mean, AutoNormal(normal_mean), optax.adam(0.01), Trace_ELBO(), **options)
+    with pytest.raises(TypeError, match=r"loss must be a NumPyro ELBO.*got GradientTransformation.*no counterpart"):
+        nfv.PDVI(normal_mean, AutoNormal(normal_mean), optax.adam(0.01))
+    with pytest.raises(TypeError, match=r"MPSGD\(model, guide, \*, \.\.\.\) takes no optimizer and no loss"):
+        nfv.MPSGD(normal_mean, nfv.AutoLocationScale(normal_mean), optax.adam(0.01), Trace_ELBO())
 
 
 def test_a_state_of_another_float_precision_is_refused_naming_x64():

@@ -313,7 +313,7 @@ def check_clients(clients, num_clients) -> int:
                         "(model(rows, *args)), see the engine's docstring.")
     if isinstance(clients, jax.core.Tracer):
         raise TypeError("clients is a traced value: give the client ids on the host, outside jit/vmap.")
-    from ..structure import is_index_list, whole_ids
+    from ..structure import check_integer_ids, is_index_list, whole_ids
 
     if is_index_list(clients):
         blocks = [np.asarray(b) for b in clients]
@@ -329,9 +329,7 @@ def check_clients(clients, num_clients) -> int:
     if ids.ndim != 1:
         raise ValueError(f"clients must be a 1-D array of client ids (one per row) or a list of index arrays, got "
                          f"an array of shape {ids.shape}.")
-    if ids.dtype.kind not in "iu":
-        raise TypeError(f"client ids must be integers 0..M-1, got dtype {ids.dtype}; convert labels with "
-                        "np.unique(labels, return_inverse=True)[1].")
+    check_integer_ids(ids, "client")
     uniq = np.unique(ids)
     if uniq.size == 0 or uniq[0] < 0 or uniq[-1] != uniq.size - 1:
         missing = sorted(set(range(int(uniq[-1]) + 1)) - set(uniq.tolist()))[:5] if uniq.size and uniq[0] >= 0 \

@@ -205,7 +205,7 @@ class FedSVI(FedMM):
     _input_arrays: dict | None = None   # array_arguments of init's model inputs (check_inputs_like)
     _adaptive_server = False
 
-    def __init__(self, model, guide, loss=None, *, rho: float | None = None, clients=None,
+    def __init__(self, model, guide, loss=None, *extra, rho: float | None = None, clients=None,
                  num_clients: int | None = None, data_plate: str | None = None, step_size="auto",
                  cv_step: float | str = "auto", participation=None, compressor=None, batch_size: int | None = None,
                  init_control_variates: str = "zero", prox=None, projection: Callable | None = None,
@@ -223,7 +223,7 @@ class FedSVI(FedMM):
             self._adaptive_server = True   # an adaptive server step: a far start's gradients stay in its memory
             server_optimizer = default_server_optimizer() if server_optimizer is None else server_optimizer
         rho = check_positive(rho, "rho", expected="a positive finite float (the SGD step of the quadratic surrogate)")
-        check_elbo(loss, "FedSVI", clients=True)
+        check_elbo(loss, "FedSVI", clients=True, extra=extra)
         placeholder = SurrogateFamily(oracle=lambda *a: None, T=lambda s: s)
         super().__init__(placeholder, step_size=step_size, cv_step=cv_step, participation=participation,
                          compressor=compressor, batch_size=batch_size, init_control_variates=init_control_variates,
