@@ -144,7 +144,8 @@ class ModelStructure:
     #: global latent sites in plates other than the data plate whose slices a datum couples
     #: (:func:`coupled_global_sites`): the controlled draws take each as one vector
     coupled_globals: frozenset = frozenset()
-    #: the model's latent sites inside the data plate (per-datum latents; the imputed ones aside)
+    #: the model's latent sites inside the data plate that the guide draws (per-datum latents with a q; imputed
+    #: and enumerated ones aside)
     plate_latents: tuple[str, ...] = ()
 
     @property
@@ -816,9 +817,10 @@ def inspect_model(
     imputed = imputation_sites(model_trace)
     coupled = (coupled_global_sites(model, model_trace, args, kwargs, plate, model_key) if coupling and plate
                else frozenset())
-    plate_latents = tuple(n for n, site in model_trace.items()
+    plate_latents = tuple(n for n, site in model_trace.items()   # the guide's draws: an enumerated site has no q
                           if plate is not None and site["type"] == "sample" and not site["is_observed"]
-                          and n not in imputed and any(f.name == plate.name for f in site["cond_indep_stack"]))
+                          and n not in imputed and guide_trace.get(n, {}).get("type") == "sample"
+                          and any(f.name == plate.name for f in site["cond_indep_stack"]))
     return ModelStructure(infos, plate, init_global, init_local, trees, imputed,
                           any(drawn_jointly(guide_trace, n) for n in imputed), coupled, plate_latents)
 

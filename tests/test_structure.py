@@ -12,7 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax import random
+from numpyro import handlers
+from numpyro.contrib.funsor import config_enumerate
 from numpyro.distributions import constraints
+from numpyro.infer import TraceEnum_ELBO
 from numpyro.infer.autoguide import AutoNormal
 
 from numpyro_fedvi.federated import ClientData
@@ -724,6 +727,18 @@ def test_pdvi_says_when_per_datum_q_is_held_in_global_params():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         setup(AutoNormal(model))
+
+    @config_enumerate
+    def mixture(y):   # an enumerated per-datum latent: summed out, no q to hold (a new user's trial, 2026-12-03)
+        locs = numpyro.sample("locs", dist.Normal(0.0, 5.0).expand([2]).to_event(1))
+        with numpyro.plate("data", y.shape[0]):
+            z = numpyro.sample("z", dist.Categorical(jnp.array([0.3, 0.7])))
+            numpyro.sample("y", dist.Normal(locs[z], 1.0), obs=y)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        nfv.PDVI(mixture, AutoNormal(handlers.block(mixture, hide=["z"])), TraceEnum_ELBO(), eta=0.1)._setup(
+            random.key(0), (y,), {}, None)
 
 
 def test_a_python_list_of_ids_is_an_id_array():
