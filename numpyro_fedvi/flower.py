@@ -95,8 +95,8 @@ from .checkpoint import load, save
 from .curvature import diag_hessian
 from .runner import RunResult, quarter_snapshots
 
-__all__ = ["LOCAL_SIMULATION", "FedLocalVIStrategy", "FedMMStrategy", "NonFiniteRecord", "PDVIStrategy", "from_record",
-           "make_client_app", "make_server_app", "simulate", "to_record"]
+__all__ = ["LOCAL_SIMULATION", "ClientSetupError", "FedLocalVIStrategy", "FedMMStrategy", "NonFiniteRecord",
+           "PDVIStrategy", "from_record", "make_client_app", "make_server_app", "simulate", "to_record"]
 
 log = logging.getLogger("numpyro_fedvi.flower")
 
@@ -723,6 +723,26 @@ def _received(msg, template, client: int):
                          "arguments the server's strategy was built with.") from err
 
 
+class ClientSetupError(RuntimeError):
+    """A client failed to set up: to build its step on its data (``data_fn``'s rows refused, the model failing on
+    them) or to take back its part of a resumed state; the message names the client and the cause, which the
+    server's error puts first."""
+
+
+def _named(i: int, fn: Callable):
+    """``fn()``, an exception raised as :class:`ClientSetupError` naming client ``i`` and the cause (Flower passes
+    the server a client's error as text only)."""
+    try:
+        return fn()
+    except Exception as err:
+        raise ClientSetupError(f"client {i}: {type(err).__name__}: {err}") from err
+
+
+#: a client's own message in an error reply (:class:`ClientSetupError`, a broadcast that does not fit the client),
+#: found in the text Flower's simulation engine wraps it in (Ray's traceback first)
+_CLIENT_CAUSE = re.compile(r"client \d+: [^\n]+")
+
+
 def make_client_app(engine, data_fn: Callable, *, stat_template=None, state_dir: str | os.PathLike | None = None):
     """A Flower ``ClientApp`` running ``engine``'s client step on the node's own data.
 
@@ -742,6 +762,9 @@ def make_client_app(engine, data_fn: Callable, *, stat_template=None, state_dir:
     from flwr.clientapp import ClientApp
 
     protocol = _client_type(engine)
+    if not callable(data_fn):   # checked here, not in every node's handshake a minute later
+        raise TypeError(f"data_fn must be a function data_fn(context) -> this client's data (read the client index "
+                        f"from context.node_config['partition-id']), got a {type(data_fn).__name__}.")
     options = {}
     if state_dir is not None:
         if protocol is not _PDVIClient:
@@ -753,10 +776,10 @@ def make_client_app(engine, data_fn: Callable, *, stat_template=None, state_dir:
 
     def setup(context, num_total=1, num_clients=1):
         i = int(context.node_config["partition-id"])
-        return i, _cached_client((token, i, num_total, num_clients),
-                                 lambda: protocol(engine, data_fn(context), num_total, num_clients, stat_template,
-                                                  app_token=token, **{k: os.path.join(v, f"client-{i}")
-                                                                      for k, v in options.items()}))
+
+        return i, _cached_client((token, i, num_total, num_clients), lambda: _named(i, lambda: protocol(
+            engine, data_fn(context), num_total, num_clients, stat_template, app_token=token,
+            **{k: os.path.join(v, f"client-{i}") for k, v in options.items()})))
 
     @app.query()
     def query(msg, context):
@@ -766,7 +789,7 @@ def make_client_app(engine, data_fn: Callable, *, stat_template=None, state_dir:
             if "broadcast" in msg.content:
                 _received(msg, c.broadcast_template, i)
             if "control" in msg.content:   # a resumed run (init_state=): its control variate, kept by the server
-                c.restore(context.state, msg.content["control"])
+                _named(i, lambda: c.restore(context.state, msg.content["control"]))
             return Message(RecordDict({"meta": ConfigRecord({"partition-id": i, "num-rows": c.num_rows,
                                                              "keeps-rows": "state_dir" in options})}),
                            reply_to=msg)
@@ -835,6 +858,10 @@ class _EngineStrategy(_strategy_base()):
         _client_type(engine)
         if isinstance(num_clients, bool) or not isinstance(num_clients, (int, np.integer)) or num_clients < 1:
             raise ValueError(f"num_clients must be an int >= 1, got {num_clients!r}.")
+        declared = getattr(engine, "num_clients", None)   # FedSVI / FedLocalVI built with clients= or num_clients=
+        if declared is not None and declared != num_clients:
+            raise ValueError(f"the engine has {declared} clients (its clients= / num_clients=), the strategy "
+                             f"num_clients={num_clients}: one Flower node per client of the engine.")
         self.engine, self.num_clients, self.timeout = engine, int(num_clients), float(timeout)
         self.nodes: dict[int, int] = {}
         self.counts = None
@@ -998,7 +1025,9 @@ class _EngineStrategy(_strategy_base()):
             answered[int(reply.content["meta"]["partition-id"])] = reply
         missing = sorted(set(range(self.num_clients)) - set(answered))
         if missing:
-            raise RuntimeError(f"clients {missing} {why}{'; ' + ' | '.join(failed) if failed else '.'}")
+            causes = dict.fromkeys(m.group(0) for f in failed if (m := _CLIENT_CAUSE.search(f)))
+            raise RuntimeError(f"clients {missing} {why}{': ' + '; '.join(causes) if causes else ''}"
+                               f"{'. Error replies: ' + ' | '.join(failed) if failed else '.'}")
         return answered
 
     def _query(self, grid, clients, broadcast, template, timeout: float, config=lambda i: {}) -> dict:
@@ -1359,8 +1388,6 @@ class FedLocalVIStrategy(_EngineStrategy):
             raise TypeError(f"FedLocalVIStrategy runs a FedLocalVI engine, got {type(engine).__name__}.")
         super().__init__(engine, num_clients, timeout)
         self.callbacks = tuple(callbacks)
-        if engine.num_clients != self.num_clients:
-            raise ValueError(f"the engine has {engine.num_clients} clients, num_clients={num_clients}.")
         setup_key, rng_key = random.split(rng_key)
         args, kwargs = prepare_inputs(args, kwargs)
         self.structure = engine.inspect(setup_key, args, kwargs)

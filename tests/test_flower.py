@@ -5,6 +5,7 @@ simulation equals the in-process run."""
 import collections
 import logging
 import os
+import traceback
 import warnings
 
 import jax
@@ -93,7 +94,9 @@ class _Grid:
             except Exception as err:
                 if not self.errors_as_replies:
                     raise
-                out.append(_Reply(None, type("Error", (), {"reason": f"{type(err).__name__}: {err}"})(), node))
+                reason = ("<class 'ray.exceptions.RayTaskError(ClientAppException)'>:<'ray::ClientAppActor.run()'>\n"
+                          + "".join(traceback.format_exception(err)))   # as Flower's simulation engine: Ray's text
+                out.append(_Reply(None, type("Error", (), {"reason": reason})(), node))
                 continue
             reply = self.faults(node, msg, _Reply(reply.content, None, node))
             if reply is not None:
@@ -1232,8 +1235,39 @@ def test_a_client_whose_data_have_other_columns_is_told_so():
         strategy.handshake(grid)
     # over Flower a client's exception is an error reply: the server's handshake names it
     grid.errors_as_replies = True
-    with pytest.raises(RuntimeError, match=r"clients \[1\] did not answer the handshake .*node 101: .*" + told):
+    with pytest.raises(RuntimeError, match=r"^clients \[1\] did not answer the handshake \(.*\): " + told):
         strategy.handshake(grid)
+
+
+def test_a_clients_failure_leads_the_servers_error_and_slips_are_refused_when_built():
+    """A client whose rows hold a NaN fails to build its step: the server's handshake error leads with that
+    client's own cause (it came after Ray's traceback, without the client's index).  A data tuple given for
+    ``data_fn``, or a strategy with another client count than its engine, is refused when built (both failed
+    only in the handshake, a minute into a simulation)."""
+    X, y, site = _sorted_sites()
+    engine = nfv.FedSVI(logistic, AutoNormal(logistic), Trace_ELBO(), clients=site)
+
+    def data_fn(ctx):
+        i = ctx.node_config["partition-id"]
+        rows = X[site == i].copy()
+        rows[0, 0] = np.nan if i == 2 else rows[0, 0]
+        return rows, y[site == i]
+
+    grid = _Grid(flower.make_client_app(engine, data_fn), 3)
+    grid.errors_as_replies = True
+    strategy = flower.FedMMStrategy(engine, random.key(0), X[:1], y[:1], num_clients=3)
+    with pytest.raises(RuntimeError, match=r"^clients \[2\] did not answer the handshake \(.*\): client 2: "
+                                           r"ValueError: positional argument 0 holds NaN or inf values.*\. Error "
+                                           r"replies: node 102: "):
+        strategy.handshake(grid)
+    with pytest.raises(TypeError, match=r"data_fn must be a function data_fn\(context\) .* got a tuple"):
+        flower.make_client_app(engine, (X, y))
+    for strategy_type, eng in ((flower.FedMMStrategy, engine),
+                               (flower.FedLocalVIStrategy, nfv.FedLocalVI(logistic, AutoNormal(logistic),
+                                                                          Trace_ELBO(), clients=site))):
+        with pytest.raises(ValueError, match=r"the engine has 3 clients \(its clients= / num_clients=\), the "
+                                             r"strategy num_clients=4"):
+            strategy_type(eng, random.key(0), X[:1], y[:1], num_clients=4)
 
 
 def test_simulate_drops_only_flowers_run_simulation_notice(caplog):
