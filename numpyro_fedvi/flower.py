@@ -1025,7 +1025,7 @@ class _EngineStrategy(_strategy_base()):
             answered[int(reply.content["meta"]["partition-id"])] = reply
         missing = sorted(set(range(self.num_clients)) - set(answered))
         if missing:
-            causes = dict.fromkeys(m.group(0) for f in failed if (m := _CLIENT_CAUSE.search(f)))
+            causes = dict.fromkeys(m.group(0).rstrip(". ") for f in failed if (m := _CLIENT_CAUSE.search(f)))
             raise RuntimeError(f"clients {missing} {why}{': ' + '; '.join(causes) if causes else ''}"
                                f"{'. Error replies: ' + ' | '.join(failed) if failed else '.'}")
         return answered
