@@ -777,9 +777,11 @@ def make_client_app(engine, data_fn: Callable, *, stat_template=None, state_dir:
     def setup(context, num_total=1, num_clients=1):
         i = int(context.node_config["partition-id"])
 
-        return i, _cached_client((token, i, num_total, num_clients), lambda: _named(i, lambda: protocol(
-            engine, data_fn(context), num_total, num_clients, stat_template, app_token=token,
-            **{k: os.path.join(v, f"client-{i}") for k, v in options.items()})))
+        def build():
+            return protocol(engine, data_fn(context), num_total, num_clients, stat_template, app_token=token,
+                            **{k: os.path.join(v, f"client-{i}") for k, v in options.items()})
+
+        return i, _cached_client((token, i, num_total, num_clients), lambda: _named(i, build))
 
     @app.query()
     def query(msg, context):
