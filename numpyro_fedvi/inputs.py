@@ -324,6 +324,9 @@ def check_state_like(state, template, engine: str, state_type: type | None = Non
                          "on an engine built as the one that wrote the state: the same model, guide and options, and "
                          "data of the same shapes split into the same clients / blocks.")
 
+    if state is None:
+        raise ValueError(f"no {engine} state (None): build one with {engine}.init(rng_key, ...) first, or call "
+                         f"{engine}.run, and pass the state it returns.")
     if state_type is not None and not isinstance(state, state_type):
         hint = (" (pass its .state: init_state=result.state)" if isinstance(getattr(state, "state", None), state_type)
                 else "")

@@ -40,7 +40,9 @@ class EarlyStopping(NamedTuple):
 
     The loss is smoothed as ``ema_t = decay * ema_{t-1} + (1 - decay) * loss_t``; the run stops once
     ``|ema_t - ema_{t-1}| <= rtol * |ema_{t-1}|`` holds for ``patience`` consecutive steps, but never
-    before ``min_steps`` steps.
+    before ``min_steps`` steps.  An engine that computes its loss only on some steps (FedMM / FedSVI every
+    ``log_every`` rounds, the last value repeated in between) smooths and counts only those: ``patience`` is then
+    in loss evaluations (a repeated value is no evidence that the run has stopped moving).
     """
 
     rtol: float = 1e-4
@@ -266,10 +268,11 @@ def warn_if_diverging(losses: np.ndarray, remedy: str) -> None:
              f"{finite.size // 10} steps: the run is diverging; {remedy}.", RuntimeWarning)
 
 
-def _make_chunk(step_fn, chunk_size, early_stopping, stable_update):
+def _make_chunk(step_fn, chunk_size, early_stopping, stable_update, loss_measured=None):
     """``chunk(carry, stop_at, arrays, static) -> (carry, losses, steps)``: at most ``chunk_size`` steps in a
     ``lax.while_loop`` (in-place carry, no per-step copy of the state), stopping when the run has taken ``stop_at``
-    steps (traced: any chunk length up to ``chunk_size`` reuses one compilation) or at a stop."""
+    steps (traced: any chunk length up to ``chunk_size`` reuses one compilation) or at a stop.  Early stopping
+    reads the steps where ``loss_measured(state before the step)`` holds (None: every step)."""
     es = early_stopping
     ftype = jnp.result_type(float)
 
@@ -291,10 +294,12 @@ def _make_chunk(step_fn, chunk_size, early_stopping, stable_update):
         reason = c.reason if stable_update else jnp.where(ok, c.reason, _REASONS.index(NON_FINITE))
         ema, calm = c.ema, c.calm
         if es is not None:
+            # (the run's first loss starts the average even when repeated: it is the last one measured)
+            fresh = (c.t == 0) | (True if loss_measured is None else loss_measured(c.state))
             new_ema = jnp.where(c.t == 0, loss, es.decay * c.ema + (1 - es.decay) * loss)
-            new_ema = jnp.where(ok, new_ema, c.ema)
+            new_ema = jnp.where(ok & fresh, new_ema, c.ema)
             quiet = jnp.abs(new_ema - c.ema) <= es.rtol * jnp.abs(c.ema)
-            calm = jnp.where(ok & (c.t > 0) & quiet, c.calm + 1, 0)
+            calm = jnp.where(ok & ~fresh, c.calm, jnp.where(ok & (c.t > 0) & quiet, c.calm + 1, 0))
             ema = new_ema
             stop = (calm >= es.patience) & (c.t + 1 >= es.min_steps)
             reason = jnp.where(stop & (reason == 0), _REASONS.index(EARLY_STOPPED), reason)
@@ -379,6 +384,7 @@ def run_loop(
     hooks: Sequence[tuple[int, Callable[[Any], Any]]] = (),
     remedy: str = "lower the step size(s)",
     objective_losses: bool = False,
+    loss_measured: Callable[[Any], Any] | None = None,
 ) -> RunResult:
     """Run ``step_fn`` for ``num_steps`` steps from ``init_state``.
 
@@ -405,6 +411,9 @@ def run_loop(
     :param remedy: what the warnings about non-finite steps advise (the engine's own knob, e.g. PD-VI's η).
     :param objective_losses: the losses are one full-data objective at a fixed key (comparable across steps): a run
         whose loss grew by an order of magnitude is warned about (:func:`warn_if_diverging`).
+    :param loss_measured: ``loss_measured(state) -> bool`` (traced): the step from ``state`` computes a new loss
+        (an engine that logs every k steps repeats the last value in between); early stopping reads only those
+        steps.  ``None``: every step.  Pass a bound method (it is part of the compiled loop's cache key).
     :param cache: a dict owned by the engine that keeps the compiled chunks across runs (key: ``step_fn`` and the
         loop's static settings; pass a bound method as ``step_fn`` so the key is stable).
 
@@ -427,11 +436,11 @@ def run_loop(
         raise ValueError(f"chunk_size must be a positive integer or None, got {chunk_size!r}.")
     else:  # (each chunk_size compiles its own loop)
         buffer = per_chunk = int(chunk_size)
-    key = (step_fn, buffer, early_stopping, bool(stable_update))
+    key = (step_fn, buffer, early_stopping, bool(stable_update), loss_measured if early_stopping else None)
     cache = {} if cache is None else cache
     compiling = key not in cache  # the bar says so while the first chunk compiles (seconds to a minute)
     if compiling:
-        cache[key] = _make_chunk(step_fn, buffer, early_stopping, stable_update)
+        cache[key] = _make_chunk(step_fn, buffer, early_stopping, stable_update, loss_measured)
     chunk = cache[key]
     arrays, static = split_inputs(inputs)
 

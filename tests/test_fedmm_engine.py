@@ -86,8 +86,29 @@ def test_resume_equals_uninterrupted(gmm):
             np.testing.assert_allclose(a, b, rtol=1e-6)
 
 
+def test_early_stopping_counts_the_logged_rounds_only(gmm):
+    """FedMM's loss is evaluated every ``log_every`` rounds and repeated in between: early stopping counts the
+    evaluations (a rule that holds at every evaluation stops after ``patience`` of them past round 0), not the
+    repeats (it stopped at ``min_steps``, 2.3x the optimum's objective, in a new user's trial)."""
+    fam, cd, _, s0 = gmm
+    from numpyro_fedvi import EarlyStopping
+
+    always = EarlyStopping(rtol=1e9, patience=3, min_steps=1)
+    for log_every, stops_after in ((10, 31), (1, 4)):
+        res = FedMM(fam, log_every=log_every).run(random.key(0), 100, cd, s0, progress_bar=False,
+                                                  early_stopping=always)
+        assert res.stop_reason == "early_stopping" and res.diagnostics["num_steps"] == stops_after
+
+
 def test_errors_and_warnings(gmm):
     fam, cd, _, s0 = gmm
+    with pytest.raises(ValueError, match="no FedMM state \\(None\\): build one with FedMM.init"):
+        FedMM(fam).update(None, cd)
+    with pytest.raises(ValueError, match="got both init_stat .* and init_state="):
+        engine = FedMM(fam)
+        engine.run(random.key(0), 2, cd, s0, init_state=engine.init(random.key(0), cd, s0))
+    with pytest.raises(ValueError, match="got an array of shape \\(3, 2\\) \\(θ, the component means"):
+        FedMM(fam).init(random.key(0), cd, jnp.zeros((K, D)))
     with pytest.raises(ValueError, match="cv_step=0"):  # (FixedSize(m): whether m < M is known at init)
         FedMM(fam, cv_step=0.0, participation=FixedSize(2)).init(random.key(0), cd, s0)
     with pytest.raises(ValueError, match="step_size"):

@@ -128,6 +128,52 @@ def test_early_stopping_triggers_with_rule_as_documented():
     assert last.diagnostics["num_steps"] == n + 30 and last.diagnostics["stop_reason"] == "completed"
 
 
+LOG_EVERY = 7
+
+
+def logged_gd_step(state, inputs=None):
+    """:func:`gd_step` whose loss is computed every ``LOG_EVERY`` steps and repeated in between (FedMM's
+    ``log_every``), carried in the state."""
+    new, loss = gd_step({"x": state["x"], "t": state["t"]})
+    loss = jnp.where(state["t"] % LOG_EVERY == 0, loss, state["last"])
+    return {**new, "last": loss}, loss
+
+
+def logged_state_measured(state):
+    return state["t"] % LOG_EVERY == 0
+
+
+def test_early_stopping_reads_only_the_steps_that_measure_a_loss():
+    """With a loss computed every k steps and repeated in between, the rule smooths and counts only the measured
+    steps (patience in evaluations): the repeated values made it stop at min_steps (FedMM, log_every=10,
+    patience=5: 10 rounds, the objective 2.3x the optimum's; a new user's trial, 2026-12-03)."""
+    es = EarlyStopping(rtol=1e-3, patience=5, decay=0.9, min_steps=10)
+    start = {**init_state(), "last": jnp.asarray(jnp.nan)}
+    res = run_loop(logged_gd_step, start, 3000, get_params=ident, progress_bar=False, early_stopping=es,
+                   loss_measured=logged_state_measured)
+    n = res.diagnostics["num_steps"]
+    assert res.diagnostics["stop_reason"] == "early_stopping"
+    losses = np.asarray(res.losses, np.float32)
+    ema, calm, first = None, 0, None
+    d = np.float32(es.decay)
+    for t, loss in enumerate(losses):
+        if t % LOG_EVERY == 0:
+            new = loss if t == 0 else d * ema + (np.float32(1) - d) * loss
+            calm = calm + 1 if t > 0 and abs(new - ema) <= es.rtol * abs(ema) else 0
+            ema = new
+        if calm >= es.patience and t + 1 >= es.min_steps:
+            first = t
+            break
+    assert first == n - 1 and n % LOG_EVERY == 1 and n > es.patience * LOG_EVERY
+    # a run resumed between two measured steps starts its average from the repeated (last measured) loss
+    resumed = run_loop(logged_gd_step, {**start, "t": jnp.asarray(3, jnp.int32), "last": jnp.asarray(2.0)}, 3000,
+                       get_params=ident, progress_bar=False, early_stopping=es, loss_measured=logged_state_measured)
+    assert resumed.diagnostics["stop_reason"] == "early_stopping"
+    # without it the repeated values count as quiet steps: the run stops far earlier
+    blind = run_loop(logged_gd_step, start, 3000, get_params=ident, progress_bar=False, early_stopping=es)
+    assert blind.diagnostics["num_steps"] < n / 2, (blind.diagnostics["num_steps"], n)
+
+
 @pytest.mark.parametrize("nan_in_state", [False, True])
 @pytest.mark.parametrize("k,chunk_size", [(6, 4), (8, 4), (0, 3)])
 def test_nan_guard_stops_and_keeps_last_finite_state(k, chunk_size, nan_in_state):

@@ -48,8 +48,11 @@ def _host_leaves(tree, where: str):
             raise TypeError(f"{where}, {_leaf_name(path)} has non-numeric dtype {arr.dtype}; convert it to a "
                             "numeric array.")
         if arr.ndim == 0:
+            # a nested Python list is a pytree whose leaves are its numbers, not an array of rows
+            listed = (" A Python list is read as a container of separate values: pass its rows as one array, "
+                      "np.asarray(rows)." if isinstance(leaf, (int, float)) and len(path) > 1 else "")
             raise ValueError(f"{where}, {_leaf_name(path)} is a scalar; every leaf needs a leading row axis "
-                             "(reshape it to (1,) or (rows, ...)).")
+                             f"(reshape it to (1,) or (rows, ...)).{listed}")
         paths.append(path)
         leaves.append(arr)
     return paths, leaves, treedef

@@ -214,14 +214,14 @@ class _Engine:
         return self._compiled("evaluate", self._evaluate)(self._place_state(state), self._prepare(data))
 
     def _run(self, init_state, num_steps, inputs, *, progress_bar, stable_update, callbacks, early_stopping,
-             chunk_size, hooks=()) -> RunResult:
+             chunk_size, hooks=(), loss_measured=None) -> RunResult:
         check_schedule(self.step_size, int(init_state.step), num_steps)
         self._settle(init_state, inputs)
         return run_loop(self._step, init_state, num_steps, inputs=inputs, get_params=self.get_params,
                         progress_bar=progress_bar, callbacks=callbacks, early_stopping=early_stopping,
                         stable_update=stable_update, chunk_size=chunk_size, desc=type(self).__name__,
                         cache=self.__dict__.setdefault("_run_cache", {}), objective_losses=True,
-                        remedy=self._remedy(), hooks=hooks)
+                        remedy=self._remedy(), hooks=hooks, loss_measured=loss_measured)
 
     def _remedy(self) -> str:
         """What the run's warnings (non-finite or diverging) advise."""
@@ -237,6 +237,9 @@ class _Engine:
         run on same-shaped data does not recompile).  Returns a ``RunResult`` (params = ``get_params`` of the last
         state)."""
         data = self._prepare(data)
+        if init_state is not None and init_stat is not None:
+            raise ValueError("run got both init_stat (a new run from Ŝ_0) and init_state= (a resumed run, from the "
+                             "state's own Ŝ): give one of them.")
         if init_state is None:
             if init_stat is None:
                 raise ValueError("run needs init_stat (the initial statistic Ŝ_0) or init_state=.")
@@ -334,7 +337,8 @@ class FedMM(_Engine):
         :mod:`numpyro_fedvi.projections` on a family built without one).  It is applied to Ŝ_0 too.
     :param log_every: rounds between two evaluations of the full objective (the reported loss; an O(all rows)
         pass, while a round with ``FixedSize(m)`` participation costs O(m)); the losses in between repeat the last
-        value.  Default 10; use 1 for a fresh loss every round (e.g. with ``early_stopping``); ``evaluate`` gives it
+        value.  Default 10; use 1 for a fresh loss every round; ``early_stopping`` reads only the evaluated rounds
+        (its ``patience`` counts evaluations, ``min_steps`` rounds); ``evaluate`` gives it
         on request.
     :param mesh: optional 1-D ``jax.sharding.Mesh`` (:func:`numpyro_fedvi.sharding.make_mesh`): the clients' data
         and control variates ``V_clients`` are placed along the client axis over its devices
@@ -469,7 +473,13 @@ class FedMM(_Engine):
 
     def _run(self, init_state, num_steps, inputs, **options) -> RunResult:
         self._check_state(init_state, inputs)  # (before the mesh places its client axis)
-        return super()._run(self._place_state(init_state), num_steps, inputs, **options)
+        return super()._run(self._place_state(init_state), num_steps, inputs, loss_measured=self._loss_measured,
+                            **options)
+
+    def _loss_measured(self, state: FedMMState):
+        """The round from ``state`` evaluates the objective (``t ≡ 0 mod log_every``; every round without one):
+        early stopping reads only those rounds (:class:`~numpyro_fedvi.runner.EarlyStopping`)."""
+        return state.step % self.log_every == 0 if self._has_objective() else True
 
     def _settle(self, state: FedMMState, inputs) -> None:
         """A state given back checked (:meth:`_check_state`) and the "auto" steps resolved (:meth:`check_settings`)

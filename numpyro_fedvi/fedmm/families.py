@@ -110,9 +110,11 @@ def gmm_map_em(K: int, d: int, lam: float, Gamma=None) -> SurrogateFamily:
         """Shapes are static: a statistic (e.g. init_stat) not of this family fails at init, before compilation."""
         expected = {"s1": (K, d), "s2": (K,)}
         if not isinstance(s, dict) or set(s) != set(expected):
-            keys = sorted(s) if isinstance(s, dict) else type(s).__name__
+            got = (f"a dict with keys {sorted(s)}" if isinstance(s, dict) else
+                   f"an array of shape {tuple(jnp.shape(s))} (θ, the component means? init_stat is the statistic Ŝ_0, "
+                   "e.g. {'s1': means / K, 's2': jnp.full(K, 1 / K)})" if hasattr(s, "shape") else type(s).__name__)
             raise ValueError(f"gmm_map_em(K={K}, d={d}): the statistic s (init_stat) is a dict with keys ['s1', 's2'] "
-                             f"(shapes {(K, d)} and {(K,)}), got {keys}.")
+                             f"(shapes {(K, d)} and {(K,)}), got {got}.")
         got = {k: tuple(jnp.shape(v)) for k, v in s.items()}
         if got != expected:
             raise ValueError(f"gmm_map_em(K={K}, d={d}): the statistic s (init_stat) has shapes {got}, expected "
