@@ -42,6 +42,7 @@ from .inputs import (
     InputJit,
     array_arguments,
     as_typed_key,
+    check_guide_built,
     check_inputs_like,
     check_state_like,
     check_static_kwargs,
@@ -328,6 +329,7 @@ class FedLocalVI:
         self.prox = (self._default_prox() if prox is None else as_prox(prox)) if method == "local_dual_averaging" \
             else None
         self.batch_size, self.crn, self.output = batch_size, crn, output
+        check_guide_built(guide, type(self).__name__)
         check_static_kwargs(static_kwargs, model, type(self).__name__)
         self.data_plate, self.static_kwargs = data_plate, static_kwargs
         self.solver = self._make_solver()

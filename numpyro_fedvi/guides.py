@@ -34,10 +34,12 @@ from jax import random
 from jax.scipy.linalg import solve_triangular
 from jax.scipy.special import digamma, ndtri
 from numpyro.distributions import Distribution, constraints
-from numpyro.distributions.transforms import Transform
+from numpyro.distributions.transforms import IndependentTransform, Transform, biject_to
 from numpyro.distributions.util import validate_sample
 from numpyro.infer.autoguide import AutoContinuous
 from numpyro.infer.initialization import init_to_median
+
+from .inputs import arguments_left_out
 
 __all__ = [
     "AutoLocationScale",
@@ -479,8 +481,9 @@ class EllipticLocationScale(Distribution):
 # ----------------------------------------------------------------------------------------------------------
 # the guide
 # ----------------------------------------------------------------------------------------------------------
-def _setup_hint(message: str) -> str | None:
-    """What to do about NumPyro's AutoContinuous set-up errors, for :class:`AutoLocationScale` (``None``: none)."""
+def _setup_hint(message: str, model=None, args=(), kwargs=None) -> str | None:
+    """What to do about NumPyro's AutoContinuous set-up errors, for :class:`AutoLocationScale` (``None``: none);
+    ``model, args, kwargs``: the call set up, to tell a discrete observation left out from a discrete latent."""
     if "does not support local latent variables" in message:
         return ("AutoLocationScale is one joint q over every latent: a latent inside a subsampled plate (one per "
                 "datum, seen a minibatch at a time) cannot be one of its coordinates. Drop the plate's subsample_size "
@@ -489,6 +492,10 @@ def _setup_hint(message: str) -> str | None:
     if "cannot handle discrete sample site" in message:
         found = re.search(r"discrete sample site '([^']+)'", message)
         name = repr(found.group(1)) if found else "name"
+        if found and arguments_left_out(model, args, kwargs or {}, [found.group(1)]):
+            return (f"The model's argument {name} got no value (None), so the model samples the site {name} it "
+                    f"observes: pass the observations, as for SVI, e.g. run(key, num_steps, ..., "
+                    f"{found.group(1)}={found.group(1)}).")
         return (f"A discrete latent is summed out, not fitted: build the guide on the model without it, "
                 f"AutoLocationScale(handlers.block(model, hide=[{name}])), and keep it marked "
                 "infer={'enumerate': 'parallel'} in the model (config_enumerate does it): MPSGD sums enumerated "
@@ -556,7 +563,7 @@ class AutoLocationScale(AutoContinuous):
         try:
             super()._setup_prototype(*args, **kwargs)
         except ValueError as err:  # NumPyro's AutoContinuous messages, with what to do here
-            hint = _setup_hint(str(err))
+            hint = _setup_hint(str(err), self.model, args, kwargs)
             if hint is None:
                 raise
             raise ValueError(f"{err} {hint}") from err
@@ -599,22 +606,51 @@ class AutoLocationScale(AutoContinuous):
         return self._unpack_and_constrain(latent, params)
 
     def median(self, params):
-        """The constrained location ``μ`` (the median of every coordinate: the bases are symmetric)."""
-        return self._unpack_and_constrain(params[self.loc_name], params)
+        """The constrained location ``μ`` (the median of every coordinate: the bases are symmetric); a site whose
+        constraining transform couples its coordinates (simplex, ordered, correlation Cholesky) gets its
+        coordinates' medians from draws (:meth:`quantiles`)."""
+        medians = self._unpack_and_constrain(params[self.loc_name], params)
+        coupled = self._coupled_sites()
+        return {**medians, **self.quantiles(params, 0.5, sites=coupled)} if coupled else medians
 
-    def quantiles(self, params, quantiles, *, rng_key=None, num_samples: int = 2**17):
+    def quantiles(self, params, quantiles, *, rng_key=None, num_samples: int = 2**17, sites=None):
         """Per-coordinate quantiles ``μ_i + ‖Σ_i·‖ z_q`` (``x_i = μ_i + Σ_i·z`` has the law of ``‖Σ_i·‖ z_1``),
-        pushed through each site's (monotone, elementwise) constraining transform, like NumPyro's autoguides.
+        pushed through each site's constraining transform where it is monotone and elementwise (as NumPyro's
+        autoguides do for every site).  A transform that couples a site's coordinates (stick-breaking onto a
+        simplex, ordered vectors, correlation Cholesky factors) does not map quantiles to quantiles — NumPyro's
+        ``AutoMultivariateNormal.quantiles`` gives a simplex coordinate a 5% "quantile" above its 95% one — so
+        those sites' quantiles are the empirical ones of ``min(num_samples, 2**14)`` constrained draws.
 
         ``z_q`` is exact for the Gaussian base (normal quantile) and a Monte-Carlo estimate otherwise (see
-        :meth:`StandardizedElliptic.marginal_icdf`; ``rng_key``, ``num_samples`` control it).
+        :meth:`StandardizedElliptic.marginal_icdf`; ``rng_key``, default ``random.key(0)``, and ``num_samples``
+        control both estimates).  ``sites``: only these sites (default: all).
         """
         self._check_setup()
         loc, scale = self.get_loc_scale(params)
         sd = _marginal_sd(scale, self.scale_type)
         zq = self.base.marginal_icdf(jnp.asarray(quantiles), rng_key=rng_key, num_samples=num_samples)
         latent = loc + sd * zq[..., None]
-        return self._unpack_and_constrain(latent, params)
+        out = self._unpack_and_constrain(latent, params)
+        coupled = self._coupled_sites()
+        if coupled:
+            key = random.key(0) if rng_key is None else rng_key
+            draws = self.sample_posterior(random.fold_in(key, 1), params, sample_shape=(min(int(num_samples), 2**14),))
+            out.update({k: jnp.quantile(draws[k], jnp.asarray(quantiles), axis=0) for k in coupled})
+        return out if sites is None else {k: out[k] for k in sites}
+
+    def _coupled_sites(self) -> list[str]:
+        """The latent sites whose constraining transform is not elementwise (its domain has event dims beyond an
+        ``IndependentTransform``'s reinterpretation)."""
+        coupled = []
+        for name, site in self.prototype_trace.items():
+            if site["type"] != "sample" or site["is_observed"] or site["name"] not in self._init_locs:
+                continue
+            transform = biject_to(site["fn"].support)
+            while isinstance(transform, IndependentTransform):
+                transform = transform.base_transform
+            if transform.domain.event_dim > 0 or transform.codomain.event_dim > 0:
+                coupled.append(name)
+        return coupled
 
     def _check_setup(self):
         if self.prototype_trace is None:

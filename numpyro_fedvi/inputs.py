@@ -88,7 +88,9 @@ def _convert(value, where: str):
         if not is_numeric_dtype(value.dtype):
             raise TypeError(f"{where} has dtype {value.dtype}; NumPyro models need numeric arrays: convert it "
                             "(e.g. categories -> integer codes with np.unique(x, return_inverse=True)[1]).")
-        return jnp.asarray(value)
+        # an engine that fell back to constant data keeps NumPy data NumPy, as SVI.run's closure does (`counts.sum()`
+        # in the model is then a number; on a JAX constant it is staged and traced)
+        return np.asarray(value) if _constant_data() else jnp.asarray(value)
     if isinstance(value, (dict, tuple, list)):
         flat, treedef = jax.tree_util.tree_flatten_with_path(value)
         return jax.tree_util.tree_unflatten(
@@ -151,6 +153,14 @@ def arguments_left_out(model, args, kwargs, names) -> list[str]:
     except TypeError:
         return []
     return [n for n in names if n in signature.parameters and bound.get(n) is None]
+
+
+def check_guide_built(guide, engine: str) -> None:
+    """Refuse a guide CLASS given where a guide built on the model goes (``PDVI(model, AutoNormal)``: it failed
+    later with ``AutoNormal.__init__() takes 2 positional arguments but 3 were given``)."""
+    if isinstance(guide, type):
+        raise TypeError(f"{engine}: the guide is the class {guide.__name__} itself; build it on the model, as for "
+                        f"SVI: {engine}(model, {guide.__name__}(model), ...).")
 
 
 def check_static_kwargs(static_kwargs: dict, model=None, engine: str = "the engine") -> None:
@@ -476,6 +486,8 @@ def concrete_data_fallback(method):
     def call(self, *args, **kwargs):
         if not hasattr(self, "__dict__"):  # no place for the flag (a model object with __slots__): no fallback
             return method(self, *args, **kwargs)
+        if _RUNNING_ENGINE.get() is self:  # (init inside run): the outermost call falls back, with the user's own
+            return method(self, *args, **kwargs)  # arguments (NumPy data stay NumPy, see _convert)
         token = _RUNNING_ENGINE.set(self)
         try:
             try:

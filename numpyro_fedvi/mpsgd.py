@@ -289,8 +289,10 @@ class MPSGD:
             raise TypeError("MPSGD(model, guide, *, ...) takes no optimizer and no loss (it sets its own steps and "
                             "estimates the ELBO itself: num_particles=, draws=); the options are keyword arguments.")
         if not isinstance(guide, AutoLocationScale):
+            got = (f"the class {guide.__name__} itself, not a guide built on the model" if isinstance(guide, type)
+                   else type(guide).__name__)
             raise TypeError("MPSGD needs a numpyro_fedvi.AutoLocationScale guide (raw location-scale params kept "
-                            f"feasible by projection); got {type(guide).__name__}. Use nfv.AutoLocationScale(model) "
+                            f"feasible by projection); got {got}. Use nfv.AutoLocationScale(model) "
                             "(a full-rank Gaussian, as AutoMultivariateNormal) or nfv.AutoLocationScale(model, "
                             "scale='diag') (mean-field, as AutoNormal).")
         if schedule not in ("adaptive", "theory"):
@@ -768,5 +770,6 @@ def far_start_advice(mean_move: float) -> str:
         return ""
     return (f" q's mean is still travelling ({mean_move:.3g} posterior sd in the last stage): the run started far from "
             "the optimum, where a step moves it at most one posterior sd of the curvature there; start the guide "
-            "nearer, e.g. AutoLocationScale(model, init_loc_fn=init_to_median), or pass init_params= from a short SVI "
-            "run.")
+            "nearer: AutoLocationScale(model, init_loc_fn=init_to_value(values={...})) at values you expect near the "
+            "posterior (the default init_to_median starts at the prior's median), or pass init_params= from a short "
+            "SVI run.")

@@ -39,6 +39,7 @@ from .inputs import (
     InputJit,
     array_arguments,
     as_typed_key,
+    check_guide_built,
     check_inputs_like,
     check_positive,
     check_state_like,
@@ -690,6 +691,7 @@ class PDVI:
             raise ValueError("local_table='host' needs dual_granularity='partition': with 'datum' the duals (one per "
                              "datum, on the device) are as large as the table.")
         self.local_table = local_table
+        check_guide_built(guide, "PDVI")
         check_static_kwargs(static_kwargs, model, "PDVI")
         self.static_kwargs = static_kwargs
         self.structure: ModelStructure | None = None

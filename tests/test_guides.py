@@ -365,6 +365,33 @@ def test_guide_posterior_sampling_predictive_median_quantiles(fitted):
     np.testing.assert_allclose(qs["tau"][2], np.quantile(s["tau"], 0.9), rtol=0.05)
 
 
+def test_quantiles_and_median_of_a_site_whose_transform_couples_its_coordinates_are_its_draws():
+    """Stick-breaking onto a simplex is no elementwise map: the unconstrained quantiles pushed through it gave a
+    simplex coordinate a 5% "quantile" above its 95% one (as NumPyro's AutoMultivariateNormal does; a new user's
+    trial, 2026-12-03).  Those sites take their draws' empirical quantiles; elementwise sites keep the exact path."""
+    def simplex_model():
+        numpyro.sample("p", dist.Dirichlet(jnp.ones(4)))
+        numpyro.sample("s", dist.HalfNormal(1.0).expand([2]).to_event(1))
+
+    guide = AutoLocationScale(simplex_model)
+    with handlers.seed(rng_seed=0):
+        guide()
+    assert guide._coupled_sites() == ["p"]
+    d = guide.latent_dim
+    params = {"auto_loc": jnp.linspace(-1.0, 1.0, d), "auto_scale": 0.8 * jnp.eye(d) + 0.1}
+    q = np.asarray([0.05, 0.5, 0.95])
+    qs = guide.quantiles(params, q)
+    draws = guide.sample_posterior(random.key(3), params, sample_shape=(N_MC,))
+    np.testing.assert_allclose(qs["p"], np.quantile(np.asarray(draws["p"]), q, axis=0), atol=0.01)
+    assert np.all(np.diff(np.asarray(qs["p"]), axis=0) > 0)
+    np.testing.assert_allclose(guide.median(params)["p"], qs["p"][1], rtol=1e-6)
+    # the elementwise site: exp of the unconstrained normal quantiles, exactly
+    loc, scale = guide.get_loc_scale(params)
+    sd = np.sqrt(np.diag(np.asarray(scale) @ np.asarray(scale).T))
+    unc_loc, unc_sd = (guide._unpack_latent(jnp.asarray(v))["s"] for v in (loc, sd))
+    np.testing.assert_allclose(qs["s"], np.exp(unc_loc + stats.norm.ppf(q)[:, None] * unc_sd), rtol=1e-5)
+
+
 def _particle_losses_fn(guide):
     @jax.jit
     def particle_losses(params, key):  # one single-particle Trace_ELBO loss per key

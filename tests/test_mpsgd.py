@@ -244,6 +244,15 @@ def test_observations_left_out_of_a_run_are_refused_naming_the_argument():
         with pytest.raises(TypeError, match=r"argument\(s\) \['y'\] got no value \(None\).*run\(key, num_steps, "
                                             r"\.\.\., y=y\)"):
             engine.run(random.key(0), 2, A, progress_bar=False)
+    # a discrete observation left out is a discrete latent to a fresh guide: the same advice, not enumeration's
+
+    def bernoulli(a, y=None):
+        w = numpyro.sample("w", dist.Normal(0.0, 1.0))
+        with numpyro.plate("data", a.shape[0]):
+            numpyro.sample("y", dist.Bernoulli(logits=w * a[:, 0]), obs=y)
+
+    with pytest.raises(ValueError, match=r"discrete sample site 'y'\. The model's argument 'y' got no value \(None\)"):
+        MPSGD(bernoulli, AutoLocationScale(bernoulli)).run(random.key(0), 2, A, progress_bar=False)
 
 
 def test_a_model_param_is_refused_naming_it():

@@ -119,7 +119,7 @@ def test_mpsgd_step_size_list_is_refused_and_a_huge_one_warns():
 
 def test_fedmm_init_stat_is_validated_against_the_family():
     engine = FedMM(GMM)
-    with pytest.raises(ValueError, match=r"keys \['s1', 's2'\].*got \['a', 's2'\]"):
+    with pytest.raises(ValueError, match=r"keys \['s1', 's2'\].*got a dict with keys \['a', 's2'\]"):
         engine.init(random.key(0), GMM_CLIENTS, {"a": S0["s1"], "s2": S0["s2"]})
     with pytest.raises(ValueError, match=r"gmm_map_em\(K=3, d=2\).*shapes \{'s1': \(2, 2\), 's2': \(2,\)\}"):
         engine.init(random.key(0), GMM_CLIENTS, {"s1": np.zeros((2, D)), "s2": np.full(2, 0.5)})  # a K = 2 Ŝ_0
@@ -212,7 +212,7 @@ def test_a_run_result_given_as_init_state_is_refused_with_the_fix():
     result = FedMM(GMM).run(random.key(0), 2, GMM_CLIENTS, S0, progress_bar=False)
     with pytest.raises(ValueError, match=r"a RunResult \(pass its .state: init_state=result.state\), where it runs on "
                                          r"a FedMMState"):
-        FedMM(GMM).run(random.key(0), 2, GMM_CLIENTS, S0, init_state=result, progress_bar=False)
+        FedMM(GMM).run(random.key(0), 2, GMM_CLIENTS, init_state=result, progress_bar=False)
 
 
 def test_cv_step_above_its_bound_is_refused():
@@ -362,6 +362,20 @@ def test_misspelt_engine_option_is_refused_naming_it_and_the_model():
         nfv.MPSGD(normal_mean, nfv.AutoLocationScale(normal_mean), num_particle=4)
     assert nfv.PDVI(scaled, AutoNormal(scaled), num_partitions=3, scale=2.0).static_kwargs == {"scale": 2.0}
     nfv.PDVI(flexible, AutoNormal(flexible), num_partitions=3, anything=1)
+
+
+@pytest.mark.parametrize("make, guide", [(lambda g: nfv.PDVI(normal_mean, g, num_partitions=3), AutoNormal),
+                                         (lambda g: FedSVI(normal_mean, g, num_clients=3), AutoNormal),
+                                         (lambda g: nfv.FedLocalVI(normal_mean, g, num_clients=3), AutoNormal),
+                                         (lambda g: nfv.RobustFedVI(normal_mean, g, num_clients=3, tau=1.0),
+                                          AutoNormal),
+                                         (lambda g: nfv.MPSGD(normal_mean, g), nfv.AutoLocationScale)],
+                         ids=["pdvi", "fedsvi", "fedlocalvi", "robustfedvi", "mpsgd"])
+def test_a_guide_class_given_for_a_guide_is_refused_saying_build_it_on_the_model(make, guide):
+    """``PDVI(model, AutoNormal)`` (the class, not ``AutoNormal(model)``) failed at run with "AutoNormal.__init__()
+    takes 2 positional arguments but 3 were given" (MPSGD: "got ABCMeta"; a new user's trial, 2026-12-03)."""
+    with pytest.raises(TypeError, match=rf"class {guide.__name__} itself"):
+        make(guide)
 
 
 def test_client_ids_that_are_not_0_to_m_minus_1_are_shown():

@@ -39,6 +39,7 @@ from ..federated import ClientData, check_clients, client_minibatch
 from ..inputs import (
     array_arguments,
     as_typed_key,
+    check_guide_built,
     check_inputs_like,
     check_positive,
     check_static_kwargs,
@@ -234,6 +235,7 @@ class FedSVI(FedMM):
         # what the clients' oracles and the reported loss evaluate (Flower's clients too): FedLocalVI's controlled draws
         self.oracle_draws, self.oracle_particles = oracle_draws, oracle_particles
         self.elbo = oracle_elbo(self.loss, oracle_draws, oracle_particles)
+        check_guide_built(guide, "FedSVI")
         check_static_kwargs(static_kwargs, model, "FedSVI")
         self.rho, self.data_plate, self.static_kwargs = float(rho), data_plate, static_kwargs
         self._fixed_rows = None      # a ClientData given at construction (lower layer)
