@@ -97,6 +97,20 @@ def test_chunk_size_must_be_positive_integer(chunk_size):
         run_loop(gd_step, init_state(), 10, get_params=ident, progress_bar=False, chunk_size=chunk_size)
 
 
+def first_stop(es, losses, measured=lambda t: True):
+    """The first step at which :class:`EarlyStopping`'s documented rule holds on ``losses`` (None: never), reading
+    the steps where ``measured(t)``."""
+    ema, calm, d = None, 0, np.float32(es.decay)
+    for t, loss in enumerate(np.asarray(losses, np.float32)):
+        if measured(t):
+            new = loss if t == 0 else d * ema + (np.float32(1) - d) * loss
+            calm = calm + 1 if t > 0 and abs(new - ema) <= es.rtol * abs(ema) else 0
+            ema = new
+        if calm >= es.patience and t + 1 >= es.min_steps:
+            return t
+    return None
+
+
 def test_early_stopping_triggers_with_rule_as_documented():
     es = EarlyStopping(rtol=1e-3, patience=5, decay=0.9, min_steps=20)
     res = run_loop(gd_step, init_state(), 2000, get_params=ident, progress_bar=True, early_stopping=es)
@@ -104,17 +118,7 @@ def test_early_stopping_triggers_with_rule_as_documented():
     assert res.diagnostics["stop_reason"] == "early_stopping"
     assert 20 <= n < 2000 and res.losses.shape == (n,) and int(res.state["t"]) == n
     # recompute the rule from the losses: the run stops at the FIRST step where it holds
-    losses = np.asarray(res.losses, np.float32)
-    ema, calm, first = None, 0, None
-    d = np.float32(es.decay)
-    for t, loss in enumerate(losses):
-        new = loss if t == 0 else d * ema + (np.float32(1) - d) * loss
-        calm = calm + 1 if t > 0 and abs(new - ema) <= es.rtol * abs(ema) else 0
-        ema = new
-        if calm >= es.patience and t + 1 >= es.min_steps:
-            first = t
-            break
-    assert first == n - 1
+    assert first_stop(es, res.losses) == n - 1
     # the state is the one after n steps of the plain loop
     ref_losses, ref_x = reference(n)
     np.testing.assert_allclose(np.asarray(res.state["x"]), ref_x, rtol=1e-4, atol=1e-7)
@@ -153,17 +157,7 @@ def test_early_stopping_reads_only_the_steps_that_measure_a_loss():
                    loss_measured=logged_state_measured)
     n = res.diagnostics["num_steps"]
     assert res.diagnostics["stop_reason"] == "early_stopping"
-    losses = np.asarray(res.losses, np.float32)
-    ema, calm, first = None, 0, None
-    d = np.float32(es.decay)
-    for t, loss in enumerate(losses):
-        if t % LOG_EVERY == 0:
-            new = loss if t == 0 else d * ema + (np.float32(1) - d) * loss
-            calm = calm + 1 if t > 0 and abs(new - ema) <= es.rtol * abs(ema) else 0
-            ema = new
-        if calm >= es.patience and t + 1 >= es.min_steps:
-            first = t
-            break
+    first = first_stop(es, res.losses, measured=lambda t: t % LOG_EVERY == 0)
     assert first == n - 1 and n % LOG_EVERY == 1 and n > es.patience * LOG_EVERY
     # a run resumed between two measured steps starts its average from the repeated (last measured) loss
     resumed = run_loop(logged_gd_step, {**start, "t": jnp.asarray(3, jnp.int32), "last": jnp.asarray(2.0)}, 3000,
