@@ -39,6 +39,7 @@ from .inputs import (
     arguments_left_out,
     array_arguments,
     as_typed_key,
+    check_guide_built,
     check_inputs_like,
     check_positive,
     check_state_precision,
@@ -288,11 +289,10 @@ class MPSGD:
         if extra:   # numpyro.infer.SVI's (model, guide, optim, loss)
             raise TypeError("MPSGD(model, guide, *, ...) takes no optimizer and no loss (it sets its own steps and "
                             "estimates the ELBO itself: num_particles=, draws=); the options are keyword arguments.")
+        check_guide_built(guide, "MPSGD")
         if not isinstance(guide, AutoLocationScale):
-            got = (f"the class {guide.__name__} itself, not a guide built on the model" if isinstance(guide, type)
-                   else type(guide).__name__)
             raise TypeError("MPSGD needs a numpyro_fedvi.AutoLocationScale guide (raw location-scale params kept "
-                            f"feasible by projection); got {got}. Use nfv.AutoLocationScale(model) "
+                            f"feasible by projection); got {type(guide).__name__}. Use nfv.AutoLocationScale(model) "
                             "(a full-rank Gaussian, as AutoMultivariateNormal) or nfv.AutoLocationScale(model, "
                             "scale='diag') (mean-field, as AutoNormal).")
         if schedule not in ("adaptive", "theory"):
