@@ -77,6 +77,7 @@ def test_from_ids_groups_sorted_ids_and_keeps_row_order():
         ([{"x": np.ones(2)}, {"x": np.array([1.0, np.nan])}], ValueError, r"client 1, leaf \['x'\].*NaN or inf"),
         ([{"x": np.array([np.inf])}], ValueError, "NaN or inf"),
         ([{"x": np.float32(1.0)}], ValueError, "scalar"),
+        ([[[1.0, 2.0], [3.0, 4.0]]], ValueError, r"leaf \[0\]\[0\] is a scalar.*Python list .* np\.asarray\(rows\)"),
         ([{"x": np.array(["a", "b"])}], TypeError, "non-numeric"),
         ([{}], ValueError, "no arrays"),
     ],
