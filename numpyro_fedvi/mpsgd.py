@@ -51,7 +51,15 @@ from .inputs import (
     split_inputs,
 )
 from .objectives import without_imputed_entries
-from .runner import EarlyStopping, RunResult, revert_non_finite, run_loop, tree_all_finite
+from .runner import (
+    EarlyStopping,
+    RunResult,
+    check_quarter_move,
+    quarter_snapshots,
+    revert_non_finite,
+    run_loop,
+    tree_all_finite,
+)
 from .schedules import batch_growth, constant, dynamic_batching, theorem4
 from .structure import imputation_sites, observation_plates, warn_dependent_supports
 from .user_warnings import against, warn
@@ -709,7 +717,8 @@ class MPSGD:
         run of the total length (the averaged iterate included).  The compiled loop is kept by the engine, so a
         second run on inputs of the same shapes does not recompile.  ``result.params`` is the averaged iterate;
         ``result.diagnostics["last_params"]`` the last one, plus ``num_particles`` (N_0), ``gradient_evaluations``
-        (of this call) and, theory: ``L``, ``L_proj``, ``lambda``; adaptive: ``L`` and ``step_size`` (whitened, of the
+        (of this call) and, theory: ``L``, ``L_proj``, ``lambda``, ``drift``, ``drift_site``, ``converged``
+        (:meth:`check_convergence`); adaptive: ``L`` and ``step_size`` (whitened, of the
         current stage), ``iterate_spread`` (the last tail's largest detrended whitened iterate variance, behind that
         step), ``stage_moves``, ``stages_completed``, ``converged``.
         """
@@ -729,12 +738,16 @@ class MPSGD:
                 self._setup(random.split(rng_key)[0], args, kwargs)  # cheap after the first run: L is cached
             state = self._checked(init_state)
         num_steps = num_steps or self.default_num_steps
-        batches = self._check_batches(int(state.step), num_steps)
+        done = int(state.step)
+        batches = self._check_batches(done, num_steps)
+        # theory: the output's snapshots over the run's last quarter (the adaptive schedule judges its stages)
+        hooks, snapshots = ([], None) if self.adaptive else quarter_snapshots(num_steps, self._output_snapshot, done)
         with shapes_noted(before, args, kwargs, "MPSGD", self.model):
             result = run_loop(self._step, state, num_steps, inputs=(args, kwargs), get_params=self.get_params,
                               progress_bar=progress_bar, callbacks=callbacks, early_stopping=early_stopping,
                               stable_update=stable_update, chunk_size=chunk_size, desc=type(self).__name__,
-                              cache=self.__dict__.setdefault("_run_cache", {}).setdefault(self._config(), {}))
+                              cache=self.__dict__.setdefault("_run_cache", {}).setdefault(self._config(), {}),
+                              hooks=hooks)
         steps_run = result.diagnostics["num_steps"]
         grads = int(np.sum(batches[:steps_run]))
         result.diagnostics.update(last_params=self.get_params(result.state, "last"),
@@ -759,7 +772,27 @@ class MPSGD:
                     f"{far_start_advice(moves[0]) if stages else ''}", RuntimeWarning)
         else:
             result.diagnostics.update(L=self.L, L_proj=self.L_proj, **{"lambda": (self.lambda_loc, self.lambda_scale)})
+            self.check_convergence(result, snapshots(result.state), done)
         return result
+
+    def _output_snapshot(self, state) -> dict:
+        """The output q (``get_params``'s iterate) as the theory schedule's convergence check reads it: its location
+        and the log of its scale per coordinate (the norm of Σ's row: q's scale along that coordinate)."""
+        loc, scale = self._pick(state, None)
+        row = jnp.abs(scale) if self.scale_type == "diag" else jnp.linalg.norm(scale, axis=-1)
+        return {self.guide.loc_name: loc, self.guide.scale_name: jnp.log(row)}
+
+    def check_convergence(self, result: RunResult, snapshots: list, done: int = 0) -> None:
+        """``schedule="theory"``: :func:`~numpyro_fedvi.runner.check_quarter_move` of the output's snapshots
+        (:meth:`_output_snapshot`) over the run's last quarter — the location in units of q's own scale, the log-scale
+        as it is (0.1: a 10% change) — so a run whose τ-average is still travelling, most often q's scale growing from
+        its small start Σ0 = I/√L, says so (``diagnostics["drift"]``, ``["converged"]``, a warning)."""
+        def units(newest):
+            scale = np.exp(np.asarray(newest[self.guide.scale_name], np.float64))
+            return {self.guide.loc_name: 1.0 / scale ** 2, self.guide.scale_name: np.ones_like(scale)}
+
+        check_quarter_move(result, snapshots, units, "MPSGD", "q's own scale; its log-scale as it is",
+                           int(result.state.step), done=done, steps="steps")
 
 
 def far_start_advice(mean_move: float) -> str:

@@ -206,7 +206,8 @@ def quarter_snapshots(num_steps: int, read: Callable, done: int = 0):
 
 
 def check_quarter_move(result: RunResult, snapshots: list, curvature_of: Callable, engine: str, units: str,
-                       rounds: int, advice: str = "", done: int = 0, gradient: dict | None = None) -> None:
+                       rounds: int, advice: str = "", done: int = 0, gradient: dict | None = None,
+                       steps: str = "rounds") -> None:
     """``result.diagnostics``: ``drift``, how far the output moved over the last quarter of the run
     (:func:`curvature_move` of the means of the newest ``CONVERGENCE_SNAPSHOTS`` snapshots of
     :func:`quarter_snapshots` and of the ones before, in units of ``curvature_of(newest snapshot)``, a dict like the
@@ -220,7 +221,8 @@ def check_quarter_move(result: RunResult, snapshots: list, curvature_of: Callabl
     same state: 0.068, "converged", 2026-12-01).  ``gradient``: the objective's gradient near the end (a dict like
     the snapshots, or None): a run whose moves shrank far from the optimum (a far start's huge gradients in an
     adaptive step's memory) is not converged when its Newton step :func:`curvature_gradient` exceeds
-    ``CONVERGED_GRADIENT`` (``diagnostics["gradient"]``, ``["gradient_site"]``)."""
+    ``CONVERGED_GRADIENT`` (``diagnostics["gradient"]``, ``["gradient_site"]``).  ``steps``: what the warning calls
+    them ("rounds", "steps")."""
     whole_run = covers_whole_run(rounds - done, done)
     known = (len(snapshots) == 2 * CONVERGENCE_SNAPSHOTS and all(x is not None for x in snapshots)
              and result.diagnostics["stop_reason"] == "completed")
@@ -251,8 +253,8 @@ def check_quarter_move(result: RunResult, snapshots: list, curvature_of: Callabl
                f"but a Newton step from there is still {against(steep, CONVERGED_GRADIENT)} posterior sd at "
                f"{steep_site!r} (the objective's gradient in units of {units}); converged means moves <= "
                f"{CONVERGED_MOVE} and a Newton step <= {CONVERGED_GRADIENT}")
-        warn(f"{engine} has not converged after {rounds} rounds: {why}. "
-             f"Continue with run(key, num_rounds, ..., init_state=result.state).{' ' + advice if advice else ''}",
+        warn(f"{engine} has not converged after {rounds} {steps}: {why}. "
+             f"Continue with run(key, num_{steps}, ..., init_state=result.state).{' ' + advice if advice else ''}",
              RuntimeWarning)
 
 

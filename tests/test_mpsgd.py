@@ -108,8 +108,37 @@ def test_tril_converges_to_cholesky_factor():
 
 def test_diag_converges_to_mean_field_optimum():
     _, res = _fit("diag")
+    assert res.converged is True and res.diagnostics["drift"] <= 0.1   # the theory schedule's convergence check
     np.testing.assert_allclose(res.params["auto_scale"], 1 / np.sqrt(np.diag(PREC)), rtol=0.05)
     np.testing.assert_allclose(res.params["auto_loc"], MEAN, atol=0.05 * np.sqrt(np.diag(COV)).min())
+
+
+def test_theory_run_that_is_still_moving_says_so_in_units_of_q():
+    """schedule="theory": the output's move over the run's last quarter (means of the 4 newest and the 4 older
+    snapshots, a sixteenth of the run apart), the location in units of q's scale, the log-scale as it is — recomputed
+    here from the states of a resumed run at those steps (bitwise the uninterrupted run's)."""
+    engine = MPSGD(model, AutoLocationScale(model, scale="diag"), schedule="theory", smoothness=2 * L_TRUE,
+                   num_particles=64, preconditioner="identity")
+    steps = 64
+    with pytest.warns(RuntimeWarning, match=r"MPSGD has not converged after 64 steps: .* converged means <= 0.1"):
+        res = engine.run(random.key(0), steps, A, Y, progress_bar=False)
+    assert res.converged is False
+    state, snaps = engine.run(random.key(0), 36, A, Y, progress_bar=False).state, []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(8):
+            p = engine.get_params(state)
+            snaps.append((np.asarray(p["auto_loc"], np.float64), np.log(np.abs(np.asarray(p["auto_scale"], np.float64)))))
+            if len(snaps) < 8:
+                state = engine.run(random.key(0), 4, A, Y, progress_bar=False, init_state=state).state
+    np.testing.assert_array_equal(np.asarray(state.avg_loc), np.asarray(res.state.avg_loc))
+    older, newer = snaps[:4], snaps[4:]
+    scale = np.exp(snaps[-1][1])
+    loc_move = np.abs(np.mean([s[0] for s in newer], 0) - np.mean([s[0] for s in older], 0)) / scale
+    scale_move = np.abs(np.mean([s[1] for s in newer], 0) - np.mean([s[1] for s in older], 0))
+    expected = max(loc_move.max(), scale_move.max())
+    np.testing.assert_allclose(res.diagnostics["drift"], expected, rtol=1e-6)
+    assert res.diagnostics["drift_site"] == ("auto_loc" if loc_move.max() >= scale_move.max() else "auto_scale")
 
 
 def _manual_run(step_size, batch, steps, a):
