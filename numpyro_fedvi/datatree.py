@@ -337,13 +337,21 @@ def _observed_sites(model, latent_draw, key, args, kwargs):
 def _plate_dims(model_trace) -> dict:
     """``{site: dim names}`` of the sample and deterministic sites inside plates: a value's batch dim is named after
     the plate at its position (``plate.dim`` from the right of the batch shape, sized as the plate), as ArviZ's
-    ``from_numpyro`` names them; a dim left of a named one without a plate keeps ArviZ's default ``<site>_dim_<i>``."""
+    ``from_numpyro`` names them; a dim left of a named one without a plate keeps ArviZ's default ``<site>_dim_<i>``.
+    A deterministic site has no declared event shape: its leading dims are its plates' (ArviZ's rule: the plates
+    outermost first, e.g. ``deterministic("zz", jnp.stack([z, z**2], -1))`` in ``plate("data", N)`` has dims
+    ``("data", "zz_dim_0")``) when their sizes fit, else the batch rule on its whole shape."""
     out = {}
     for name, site in model_trace.items():
         frames = site.get("cond_indep_stack") or []
         if site["type"] not in ("sample", "deterministic") or not frames or is_factor(site):
             continue
         shape = jnp.shape(site["value"])
+        if site["type"] == "deterministic":
+            leading = sorted(frames, key=lambda f: f.dim)
+            if len(leading) <= len(shape) and all(shape[i] == f.size for i, f in enumerate(leading)):
+                out[name] = [f.name for f in leading] + [f"{name}_dim_{i}" for i in range(len(shape) - len(leading))]
+                continue
         batch = len(shape) - (site["fn"].event_dim if site["type"] == "sample" else 0)
         names = {batch + f.dim: f.name for f in frames if 0 <= batch + f.dim and shape[batch + f.dim] == f.size}
         if names:
@@ -408,6 +416,8 @@ def to_datatree(engine, result, *args, num_samples: int = 1000, rng_key=None, lo
         ``attrs["pareto_k_note"]`` (k̂ needs the observed data).  A guide with per-datum (local) parameters raises
         ``ValueError`` at inputs with another number of rows than it was fitted on.
     :param num_samples: iid draws S (``draw`` dimension; ``chain`` has length 1).
+    :param rng_key: the key of the draws; ``None`` = ``random.key(0)`` (the same draws at every call: pass a key
+        per call for independent ones).
     :param coords, dims: passed to ``arviz_base.from_dict`` (name the dimensions of your sites).  Without ``dims``
         for a site, its dims inside plates are named after the plates, as ``arviz_base.from_numpyro`` does
         (:func:`_plate_dims`: a per-datum latent and the observations of the data plate share its dim).

@@ -17,11 +17,13 @@ import numpyro
 import numpyro.distributions as dist
 import optax
 import pytest
+from arviz_base.io_numpyro import infer_dims
 from arviz_stats import loo, summary
 from jax import random
 from numpyro.distributions import constraints
 from numpyro.infer import SVI, Trace_ELBO
 from scipy.stats import multivariate_normal
+from shared_models import enumerated_mixture
 
 import numpyro_fedvi as nfv
 from numpyro_fedvi.datatree import (
@@ -31,7 +33,6 @@ from numpyro_fedvi.datatree import (
     nearly_equal_weights_note,
     pareto_k_hat,
 )
-from shared_models import enumerated_mixture
 
 N, B = 40, 8
 X = jnp.asarray(np.random.default_rng(0).normal(1.0, 1.0, size=N), jnp.float32)
@@ -156,18 +157,21 @@ def test_pdvi_local_latents_cover_every_datum():
 
 
 def _grouped(g, num_groups, y=None):
-    """Group effects in one plate, per-datum latents and a deterministic in the data plate, a site in a plate at
-    dim −2 only (batch shape (2, 1)) and one in nested plates."""
+    """Group effects in one plate, per-datum latents and deterministics in the data plate (one with a trailing dim,
+    one with a leading one), a site in a plate at dim −2 only (batch shape (2, 1)) and two in nested plates."""
     mu = numpyro.sample("mu", dist.Normal(0.0, 3.0))
     with numpyro.plate("groups", num_groups):
         z = numpyro.sample("z", dist.Normal(mu, 1.0))
     with numpyro.plate("rows", 2, dim=-2):
         numpyro.sample("r", dist.Normal(0.0, 1.0))
         with numpyro.plate("cols", 3):
-            numpyro.sample("rc", dist.Normal(0.0, 1.0))
+            rc = numpyro.sample("rc", dist.Normal(0.0, 1.0))
+            numpyro.deterministic("rc_powers", rc[..., None] ** jnp.arange(4))    # (2, 3, 4): a trailing dim
     with numpyro.plate("data", g.shape[0]):
         u = numpyro.sample("u", dist.Normal(z[g], 1.0))
         numpyro.deterministic("twice", 2.0 * u)
+        numpyro.deterministic("pair", jnp.stack([u, u ** 2], -1))   # (N, 2): the plate's dim leads
+        numpyro.deterministic("signs", jnp.stack([u, -u]))            # (2, N): the plate's dim is the batch dim
         numpyro.sample("y", dist.Normal(u, 0.5), obs=y)
 
 
@@ -180,8 +184,13 @@ def test_dims_are_named_after_the_plates_as_arviz_from_numpyro_does():
     result = svi.run(random.key(0), 20, g, 4, y, progress_bar=False)
     dt = nfv.to_datatree(svi, result, g, 4, y, num_samples=50, dims={"z": ["school"]})
     want = {"mu": (), "z": ("school",), "u": ("data",), "twice": ("data",), "r": ("rows", "r_dim_0"),
-            "rc": ("rows", "cols")}
+            "rc": ("rows", "cols"), "rc_powers": ("rows", "cols", "rc_powers_dim_0"), "pair": ("data", "pair_dim_0"),
+            "signs": ("signs_dim_0", "data")}
     assert {k: v.dims[2:] for k, v in dt.posterior.data_vars.items()} == want
+    # ArviZ's own rule (the plates lead) on the sites where it holds ("signs" has a dim before its plate's)
+    arviz_dims = infer_dims(_grouped, (g, 4, y))
+    for site in ("u", "twice", "pair", "rc", "rc_powers"):
+        assert want[site][:len(arviz_dims[site])] == tuple(arviz_dims[site]), site
     assert dt.observed_data["y"].dims == ("data",)
     assert dt.log_likelihood["y"].dims[2:] == dt.posterior_predictive["y"].dims[2:] == ("data",)
 
