@@ -17,6 +17,7 @@ import functools
 import hashlib
 import inspect
 import math
+import weakref
 from collections.abc import Callable
 
 import jax
@@ -100,10 +101,31 @@ def _convert(value, where: str):
     return value  # an opaque object (e.g. a callable): passed through as a static input
 
 
+#: ``id(array) -> weakref`` of the JAX arrays :func:`_check_finite` found finite: a JAX array is immutable, so an
+#: eager ``update(state, X, y)`` loop checks its data once, not at every step (an O(N) scan and, on an accelerator, a
+#: copy to the host); an entry leaves with its array
+_FINITE_ARRAYS: dict = {}
+
+
+def _known_finite(leaf) -> bool:
+    ref = _FINITE_ARRAYS.get(id(leaf))
+    return ref is not None and ref() is leaf
+
+
+def _remember_finite(leaf) -> None:
+    key = id(leaf)
+    _FINITE_ARRAYS[key] = weakref.ref(leaf, lambda _, key=key: _FINITE_ARRAYS.pop(key, None))
+
+
 def _check_finite(tree, where: str) -> None:
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        if isinstance(leaf, (jax.Array, np.ndarray, np.generic)) and not isinstance(leaf, jax.core.Tracer) \
-                and is_inexact_dtype(leaf.dtype) and not np.all(np.isfinite(np.asarray(leaf))):
+        if not isinstance(leaf, (jax.Array, np.ndarray, np.generic)) or isinstance(leaf, jax.core.Tracer) \
+                or not is_inexact_dtype(leaf.dtype) or _known_finite(leaf):
+            continue
+        if np.all(np.isfinite(np.asarray(leaf))):
+            if isinstance(leaf, jax.Array):   # (a NumPy array can change in place: checked at every call)
+                _remember_finite(leaf)
+        else:
             raise ValueError(f"{where}{jax.tree_util.keystr(path)} holds NaN or inf values; remove or impute them "
                              "before inference. Missing observations under numpyro's obs_mask= or handlers.mask need no "
                              "NaN: fill the masked-out entries with any finite value (e.g. np.where(mask, y, 0.0)) "
@@ -135,11 +157,22 @@ def _convert_nested(value, where: str):
 
 
 def _signature(model) -> inspect.Signature | None:
-    """``model``'s signature, or None when there is no model or it cannot be read (e.g. wrapped in a handler)."""
+    """``model``'s signature, or None when there is no model or it cannot be read (e.g. wrapped in a handler);
+    read once per model (an eager ``update`` loop asks at every step)."""
+    try:
+        return _cached_signature(model)
+    except TypeError:   # an unhashable callable
+        return _read_signature(model)
+
+
+def _read_signature(model) -> inspect.Signature | None:
     try:
         return None if model is None else inspect.signature(model)
     except (TypeError, ValueError):
         return None
+
+
+_cached_signature = functools.lru_cache(maxsize=256)(_read_signature)
 
 
 def arguments_left_out(model, args, kwargs, names) -> list[str]:

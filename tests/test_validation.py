@@ -6,6 +6,7 @@ the engines are only set up (``init``), except where a run is what is checked.
 
 import dataclasses
 import math
+import types
 import warnings
 
 import jax
@@ -303,6 +304,34 @@ def test_non_finite_data_is_refused_by_every_engine():
             else:
                 failures.append(f"{name}: no error")
     assert not failures, failures
+
+
+def test_a_jax_array_is_checked_finite_once_a_numpy_array_at_every_call(monkeypatch):
+    """An eager update loop does not scan its (immutable) JAX data for NaN at every step; NumPy data can change in
+    place between calls, so they are checked every time; an array that dies takes its entry along."""
+    from numpyro_fedvi import inputs
+
+    scans = []
+    isfinite = np.isfinite
+    monkeypatch.setattr(inputs.np, "isfinite", lambda a: scans.append(np.shape(a)) or isfinite(a))
+    x, y = jnp.linspace(0.0, 1.0, 7), np.linspace(0.0, 1.0, 5)
+    engine = types.SimpleNamespace(_constant_data=True)   # an engine in constant-data mode keeps NumPy data NumPy
+    token = inputs._RUNNING_ENGINE.set(engine)
+    try:
+        for _ in range(3):
+            assert isinstance(inputs.prepare_inputs((x,), {"y": y})[1]["y"], np.ndarray)
+        assert scans.count((7,)) == 1 and scans.count((5,)) == 3
+        y[2] = np.nan
+        with pytest.raises(ValueError, match="argument 'y' holds NaN"):
+            inputs.prepare_inputs((x,), {"y": y})
+    finally:
+        inputs._RUNNING_ENGINE.reset(token)
+    with pytest.raises(ValueError, match="positional argument 0 holds NaN"):
+        inputs.prepare_inputs((x.at[3].set(jnp.nan),), {})
+    key = id(x)
+    assert key in inputs._FINITE_ARRAYS
+    del x
+    assert key not in inputs._FINITE_ARRAYS
 
 
 def test_fedsvi_rho_must_be_positive_and_finite():
