@@ -17,6 +17,7 @@ from jax import random
 
 from numpyro_fedvi.federated import ClientData, FixedSize, Full, Identity, RandK, StochasticQuantizer
 from numpyro_fedvi.fedmm import SASSMM, FedMM, fedmm_init, fedmm_step, gmm_map_em, remark1_toy
+from numpyro_fedvi.fedmm.core import full_objective
 
 K, D = 3, 2
 MEANS = np.array([[-4.0, 0.0], [4.0, 0.0], [0.0, 4.0]])
@@ -149,6 +150,32 @@ def test_defaults_with_partial_participation_and_compression_reach_the_em_fixed_
     np.testing.assert_allclose(em_step(got), got, atol=1e-4)
     order = lambda t: t[np.lexsort(t.T)]  # the components sorted: the labelling left out
     np.testing.assert_allclose(order(got), order(theta), atol=1e-4)
+    assert res.converged is True and res.diagnostics["drift"] <= 0.1   # the convergence check agrees
+
+
+def test_a_run_still_moving_says_so_in_standard_errors(gmm):
+    """FedMM's convergence check: the output θ's move over the run's last quarter (means of the 4 newest and the 4
+    older snapshots, a sixteenth of the run apart) in units of n·|diag ∇²W(θ)| at the newest (W the per-row objective,
+    n the rows) — recomputed here from a resumed run's states and the objective's exact Hessian."""
+    fam, cd, _, s0 = gmm
+    engine = FedMM(fam, participation=FixedSize(2), compressor=RandK(1))
+    with pytest.warns(RuntimeWarning, match=r"FedMM has not converged after 64 rounds: .*standard errors"):
+        res = engine.run(random.key(0), 64, cd, s0, progress_bar=False)
+    assert res.converged is False
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        state = engine.run(random.key(0), 36, cd, s0, progress_bar=False).state
+        snaps = [np.asarray(state.theta, np.float64)]
+        for _ in range(7):
+            state = engine.run(random.key(0), 4, cd, progress_bar=False, init_state=state).state
+            snaps.append(np.asarray(state.theta, np.float64))
+    np.testing.assert_array_equal(snaps[-1], np.asarray(res.state.theta, np.float64))
+    flat = jnp.asarray(snaps[-1].ravel(), jnp.float32)
+    hess = jax.hessian(lambda v: full_objective(fam, v.reshape(K, D), cd))(flat)
+    units = np.sqrt(float(cd.total) * np.abs(np.diag(np.asarray(hess, np.float64)))).reshape(K, D)
+    expected = np.max(units * np.abs(np.mean(snaps[4:], 0) - np.mean(snaps[:4], 0)))
+    np.testing.assert_allclose(res.diagnostics["drift"], expected, rtol=1e-4)
+    assert res.diagnostics["drift"] > 0.1 and res.diagnostics["drift_site"] == "theta"
 
 
 def test_auto_step_is_one_for_exact_rounds_and_alphas_bound_with_coarse_messages(gmm):

@@ -21,7 +21,9 @@ from .. import sharding as _sharding
 from ..federated import Bernoulli, ClientData, Compressor, check_client_data, FixedSize, Full, Identity, Participation
 from ..inputs import (InputJit, as_typed_key, check_positive, check_state_like, is_real_number, prepare_inputs,
                       prepare_value, state_template)
-from ..runner import EarlyStopping, RunResult, revert_non_finite, run_loop, tree_all_finite
+from ..curvature import diag_hessian
+from ..runner import (EarlyStopping, RunResult, check_quarter_move, quarter_snapshots, revert_non_finite, run_loop,
+                      tree_all_finite)
 from .core import (
     FedMMState,
     full_objective,
@@ -235,7 +237,8 @@ class _Engine:
         """``num_steps`` rounds in the shared compiled loop, from ``init(rng_key, data, init_stat)`` or
         ``init_state`` (resume: bitwise the uninterrupted run).  The compiled loop is kept by the engine (a second
         run on same-shaped data does not recompile).  Returns a ``RunResult`` (params = ``get_params`` of the last
-        state)."""
+        state); with a family objective its ``diagnostics`` say whether the run converged (``drift``,
+        ``drift_site``, ``converged``: :meth:`check_convergence`, a warning when not)."""
         data = self._prepare(data)
         if init_state is not None and init_stat is not None:
             raise ValueError("run got both init_stat (a new run from Ŝ_0) and init_state= (a resumed run, from the "
@@ -244,8 +247,45 @@ class _Engine:
             if init_stat is None:
                 raise ValueError("run needs init_stat (the initial statistic Ŝ_0) or init_state=.")
             init_state = self.init(rng_key, data, init_stat)
-        return self._run(init_state, num_steps, data, progress_bar=progress_bar, stable_update=stable_update,
-                         callbacks=callbacks, early_stopping=early_stopping, chunk_size=chunk_size)
+        done = int(getattr(init_state, "step", 0))   # (a foreign state is refused by _run, naming what it is)
+        hooks, snapshots = (quarter_snapshots(num_steps, self.output_iterate, done) if self._has_objective()
+                            else ([], None))
+        result = self._run(init_state, num_steps, data, progress_bar=progress_bar, stable_update=stable_update,
+                           callbacks=callbacks, early_stopping=early_stopping, chunk_size=chunk_size, hooks=hooks)
+        if snapshots is not None:
+            self.check_convergence(result, snapshots(result.state), data, done)
+        return result
+
+    def output_iterate(self, state, which: str | None = None):
+        """The θ that ``get_params`` reports (SASSMM: θ_t)."""
+        return state.theta
+
+    def check_convergence(self, result: RunResult, snapshots: list, data, done: int = 0) -> None:
+        """:func:`~numpyro_fedvi.runner.check_quarter_move` of the output θ over the run's last quarter in units of
+        the objective's curvature: ``n·|diag ∇²W(θ)|`` at the newest snapshot, ``W`` the per-row objective that
+        ``evaluate`` reports and ``n`` the number of rows, so a move is counted in the estimate's standard errors
+        (about; the curvature of the total negative log-likelihood).  A run on an EM plateau (compressed rounds
+        that move θ slowly, far from the optimum) then reads "not converged" instead of finishing silently."""
+        curvature = self._compiled("curvature", self._objective_curvature)
+
+        def units(theta):
+            state = result.state._replace(theta=jax.tree.map(jnp.asarray, _from_sites(theta, result.state.theta)))
+            return _as_sites(curvature(self._place_state(state), data))
+
+        check_quarter_move(result, [_as_sites(s) for s in snapshots], units, type(self).__name__,
+                           "the objective's curvature n·|diag ∇²W|: about the estimate's standard errors", int(result.state.step), done=done)
+
+    def _objective_curvature(self, state, inputs):
+        """``n·|diag ∇²W(θ)|`` at ``state``'s θ (exact on small leaves, Hutchinson's estimate on large ones)."""
+        def objective(theta):
+            return self._evaluate(state._replace(theta=theta), inputs)
+
+        num_rows = jnp.asarray(self._rows_count(inputs), jnp.result_type(float))
+        return jax.tree.map(lambda h: num_rows * jnp.abs(h), diag_hessian(objective, state.theta, key=random.key(0)))
+
+    def _rows_count(self, inputs):
+        """The rows of the objective's mean (SASSMM: the data's)."""
+        return _num_rows(self._data_of(inputs))
 
 
 class SASSMM(_Engine):
@@ -476,6 +516,10 @@ class FedMM(_Engine):
         return super()._run(self._place_state(init_state), num_steps, inputs, loss_measured=self._loss_measured,
                             **options)
 
+    def _rows_count(self, inputs):
+        """The rows of the objective's mean: every client's."""
+        return self._data_of(inputs).total
+
     def _loss_measured(self, state: FedMMState):
         """The round from ``state`` evaluates the objective (``t ≡ 0 mod log_every``; every round without one):
         early stopping reads only those rounds (:class:`~numpyro_fedvi.runner.EarlyStopping`)."""
@@ -621,6 +665,16 @@ def _check_output(value, name="output"):
     if value not in _OUTPUTS:
         raise ValueError(f"{name} must be one of {_OUTPUTS} (the last server iterate θ_t, or its polynomial-decay "
                          f"average), got {value!r}.")
+
+
+def _as_sites(theta) -> dict:
+    """θ as the convergence check's ``{site: array}`` (a dict θ as it is, else ``{"theta": θ}``)."""
+    return dict(theta) if isinstance(theta, dict) else {"theta": theta}
+
+
+def _from_sites(sites: dict, like):
+    """The inverse of :func:`_as_sites` for a θ shaped like ``like``."""
+    return type(like)(sites) if isinstance(like, dict) else sites["theta"]
 
 
 def _num_rows(data) -> int:
