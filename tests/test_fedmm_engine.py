@@ -178,6 +178,21 @@ def test_a_run_still_moving_says_so_in_standard_errors(gmm):
     assert res.diagnostics["drift"] > 0.1 and res.diagnostics["drift_site"] == "theta"
 
 
+def test_the_convergence_checks_curvature_reads_eight_evenly_spaced_clients(gmm):
+    """Over 20 clients the check's units are n·|diag ∇²W| of the per-row objective on clients 0, 2, 5, 8, 10, 13,
+    16, 19 (one pass over their rows, not the federation's), scaled to all n rows."""
+    fam, _, pooled, s0 = gmm
+    rows = np.asarray(pooled)
+    cd = ClientData.from_list(np.array_split(rows, 20))
+    engine = FedMM(fam)
+    state = engine.init(random.key(0), cd, s0)
+    got = engine._compiled("curvature", engine._objective_curvature)(state, cd)
+    sample = ClientData.from_list([np.array_split(rows, 20)[i] for i in (0, 2, 5, 8, 10, 13, 16, 19)])
+    flat = jnp.asarray(state.theta).ravel()
+    hess = jax.hessian(lambda v: full_objective(fam, v.reshape(K, D), sample))(flat)
+    np.testing.assert_allclose(got, len(rows) * np.abs(np.diag(np.asarray(hess))).reshape(K, D), rtol=1e-4)
+
+
 def test_auto_step_is_one_for_exact_rounds_and_alphas_bound_with_coarse_messages(gmm):
     """``step_size="auto"`` (default): γ = 1 with every client and exact messages (EM-style rounds, bitwise the
     explicit 1), else α = 1/(1+ω_p) and γ = α·min(1, √(n_eff/ω)) at init; with RandK(1) messages the default reaches
