@@ -128,7 +128,8 @@ def test_theory_run_that_is_still_moving_says_so_in_units_of_q():
         warnings.simplefilter("ignore")
         for _ in range(8):
             p = engine.get_params(state)
-            snaps.append((np.asarray(p["auto_loc"], np.float64), np.log(np.abs(np.asarray(p["auto_scale"], np.float64)))))
+            scale = np.abs(np.asarray(p["auto_scale"], np.float64))
+            snaps.append((np.asarray(p["auto_loc"], np.float64), np.log(scale)))
             if len(snaps) < 8:
                 state = engine.run(random.key(0), 4, A, Y, progress_bar=False, init_state=state).state
     np.testing.assert_array_equal(np.asarray(state.avg_loc), np.asarray(res.state.avg_loc))

@@ -274,7 +274,8 @@ class _Engine:
             return _as_sites(curvature(self._place_state(state), data))
 
         check_quarter_move(result, [_as_sites(s) for s in snapshots], units, type(self).__name__,
-                           "the objective's curvature n·|diag ∇²W|: about the estimate's standard errors", int(result.state.step), done=done)
+                           "the objective's curvature n·|diag ∇²W|: about the estimate's standard errors",
+                           int(result.state.step), done=done)
 
     def _objective_curvature(self, state, inputs):
         """``n·|diag ∇²W(θ)|`` at ``state``'s θ (exact on small leaves, Hutchinson's estimate on large ones), ``W``
