@@ -159,9 +159,10 @@ def test_a_run_still_moving_says_so_in_standard_errors(gmm):
     n the rows) — recomputed here from a resumed run's states and the objective's exact Hessian."""
     fam, cd, _, s0 = gmm
     engine = FedMM(fam, participation=FixedSize(2), compressor=RandK(1))
-    with pytest.warns(RuntimeWarning, match=r"FedMM has not converged after 64 rounds: .*standard errors"):
+    with pytest.warns(RuntimeWarning, match=r"FedMM has not converged after 64 rounds: .*standard errors") as got:
         res = engine.run(random.key(0), 64, cd, s0, progress_bar=False)
     assert res.converged is False
+    assert not any("output='tail'" in str(w.message) for w in got)   # that advice is for minibatch runs only
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         state = engine.run(random.key(0), 36, cd, s0, progress_bar=False).state
@@ -283,6 +284,8 @@ def test_auto_step_with_minibatches_is_a_robbins_monro_schedule():
               / post_sd for k in range(5)]
     assert engine.step_size == MinibatchStep(1.0, 0.1)
     assert max(map(abs, errors)) < 0.5, errors
+    with pytest.warns(RuntimeWarning, match=r"not converged after 1000 rounds.* output='tail'"):   # key 4 moved 0.47
+        engine.run(random.key(4), 1000, cd, init, progress_bar=False)
     step = MinibatchStep(0.5, 0.25)
     np.testing.assert_allclose([float(step(t)) for t in (0, 1, 4, 36)], [0.5, 0.5, 0.5, 0.1], rtol=1e-6)
     uneven = FedMM(vi.family, to_params=vi.to_params, batch_size=10, participation=FixedSize(1))

@@ -275,7 +275,11 @@ class _Engine:
 
         check_quarter_move(result, [_as_sites(s) for s in snapshots], units, type(self).__name__,
                            "the objective's curvature n·|diag ∇²W|: about the estimate's standard errors",
-                           int(result.state.step), done=done)
+                           int(result.state.step), self._convergence_advice(), done)
+
+    def _convergence_advice(self) -> str:
+        """What a run that has not converged is advised besides continuing (none here)."""
+        return ""
 
     def _objective_curvature(self, state, inputs):
         """``n·|diag ∇²W(θ)|`` at ``state``'s θ (exact on small leaves, Hutchinson's estimate on large ones), ``W``
@@ -524,6 +528,15 @@ class FedMM(_Engine):
         self._check_state(init_state, inputs)  # (before the mesh places its client axis)
         return super()._run(self._place_state(init_state), num_steps, inputs, loss_measured=self._loss_measured,
                             **options)
+
+    def _convergence_advice(self) -> str:
+        """With minibatches the last iterate carries their noise (on a conjugate Normal mean, b = 10 of 300 rows,
+        1,000 rounds: moves of 0.01–0.47 posterior sd over the last quarter; 4,000 rounds of ``output="tail"``:
+        0.012–0.038, every key converged)."""
+        if self.batch_size is None or self.output != "last":
+            return ""
+        return ("With batch_size, the last iterate carries the minibatches' noise: output='tail' (the polynomial-decay "
+                "average of the iterates) reports a steadier estimate.")
 
     def _rows_count(self, inputs):
         """The rows of the objective's mean: every client's."""
